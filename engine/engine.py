@@ -1,0 +1,279 @@
+"""The engine: one model, one paged KV pool, one scheduler; the API the workers call.
+
+Lifecycle: `LLMEngine(config)` resolves the model (converting the default one on first
+use), loads weights, sizes the KV pool from the memory budget and logs it. Callers then
+`add_request` / `abort` from any thread (they only queue), and one thread calls `step()`
+in a loop while `has_unfinished()`; each step first applies queued aborts (freeing those
+requests' blocks at once) and adds, then schedules, runs the model, samples and returns
+per-request outputs. `close()` is not needed: the engine owns only memory.
+
+KV hand-off (`engine.handoff`, see `kv_handoff.py`): a prefill engine finishes a request added with
+`hold_kv=True` and keeps its blocks pinned until `handoff.release_held`; a decode engine
+reserves blocks with `handoff.reserve_import`, has them filled from outside, then
+`handoff.commit_import` makes the request join the batch as if it had prefilled here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Sequence
+
+import torch
+
+from engine.attention import select_backend
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.kv_cache import KvLayout, allocate_kv_cache, blocks_for_budget
+from engine.kv_handoff import KvHandoff
+from engine.llama import LlamaModel
+from engine.model_runner import ModelRunner
+from engine.model_spec import ModelSpec
+from engine.model_store import resolve_model_dir
+from engine.prefix_hash import hash_seed
+from engine.request import Request, RequestOutput, RequestStatus
+from engine.sampler import new_generator, sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.stats import EngineStats
+from engine.stop_checker import StopChecker
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Continuous-batching generation over a paged KV cache with prefix caching."""
+
+    def __init__(self, config: EngineConfig, *, progress: bool = False) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = resolve_model_dir(
+            config.model, config.model_cache_dir.expanduser(), progress=progress
+        )
+        self.spec = ModelSpec.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer(self.model_dir)
+        device, dtype = config.torch_device, config.torch_dtype
+        self.model = LlamaModel(self.spec, dtype, device)
+        self.model.load_weights(self.model_dir)
+        self.layout = KvLayout.from_spec(self.spec, dtype, config.block_size, device)
+        num_blocks = config.num_kv_blocks or blocks_for_budget(self.layout, config.kv_cache_bytes)
+        self.kv_cache = allocate_kv_cache(self.layout, num_blocks, device)
+        self.pool = BlockPool(num_blocks)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.block_size, config.max_num_seqs, config.max_num_batched_tokens),
+            self.pool,
+        )
+        backend = select_backend(config.attention_backend, device, dtype)
+        self.runner = ModelRunner(self.model, self.kv_cache, backend, config.block_size)
+        self.max_model_len = min(
+            config.max_model_len or self.spec.max_position_embeddings,
+            self.spec.max_position_embeddings,
+        )
+        eos = set(self.spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.stop_checker = StopChecker(self.tokenizer, eos, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.handoff = KvHandoff(self)
+        # `lock` serialises steps with the hand-off calls; `_inbox_lock` only guards the
+        # queues, so add/abort never wait for a step to finish.
+        self.lock = threading.RLock()
+        self._inbox_lock = threading.Lock()
+        self._inbox_add: list[Request] = []
+        self._inbox_abort: list[str] = []
+        log.info(
+            "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token), model %s",
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+            num_blocks * self.layout.bytes_per_block / 2**20,
+            self.layout.bytes_per_token,
+            self.model_dir,
+        )
+
+    # -- request intake ----------------------------------------------------------
+    def hash_seed_for(self, cache_salt: str = "") -> int:
+        return hash_seed(self.spec.fingerprint, cache_salt)
+
+    def validate(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
+        """Raise InvalidRequestError naming the field and limit; changes nothing."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.spec.vocab_size
+        if any(not (0 <= t < vocab) for t in prompt_token_ids):
+            raise InvalidRequestError("prompt_token_ids", f"each id must be in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"has {n} tokens; must be < the context length {self.max_model_len}"
+            )
+        if n + sampling.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({n}) + max_tokens must be <= the context length {self.max_model_len}",
+                sampling.max_tokens,
+            )
+        capacity = self.pool.num_blocks * self.config.block_size
+        if n + sampling.max_tokens > capacity:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt ({n}) + max_tokens must fit the KV pool ({capacity} tokens)"
+            )
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str = "",
+        hold_kv: bool = False,
+    ) -> str:
+        """Validate and queue a request; returns its id. Thread-safe, never blocks on a step."""
+        self.validate(prompt_token_ids, sampling)
+        req = self.new_request(request_id, prompt_token_ids, sampling, cache_salt, hold_kv)
+        self.claim_id(req.request_id)
+        with self._inbox_lock:
+            self._inbox_add.append(req)
+        return req.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request in any state; its blocks are freed at the start of the next step."""
+        with self._inbox_lock:
+            self._inbox_abort.append(request_id)
+
+    def new_request(
+        self,
+        request_id: str | None,
+        prompt: Sequence[int],
+        sampling: SamplingParams,
+        cache_salt: str,
+        hold_kv: bool,
+    ) -> Request:
+        return Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=list(prompt),
+            sampling=sampling,
+            hash_seed=self.hash_seed_for(cache_salt),
+            hold_kv=hold_kv,
+            generator=None if sampling.greedy else new_generator(sampling.seed),
+        )
+
+    def claim_id(self, request_id: str) -> None:
+        """Refuse an id that a live request already has (queued, running, held, importing)."""
+        with self._inbox_lock:
+            queued = any(r.request_id == request_id for r in self._inbox_add)
+        if queued or request_id in self.requests or self.handoff.owns(request_id):
+            raise InvalidRequestError(
+                "request_id", "must be unique among live requests", request_id
+            )
+
+    # -- stepping ----------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        with self._inbox_lock:
+            if self._inbox_add or self._inbox_abort:
+                return True
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling + model step. Call from a single thread."""
+        with self.lock:
+            outputs = self._drain_inbox()
+            batch = self.scheduler.schedule()
+            if batch.empty:
+                return outputs
+            result = self.runner.execute(batch)
+            for req, n in batch.items:
+                self.scheduler.advance(req, n)
+            if result.sampling_requests:
+                tokens = sample(
+                    result.logits,
+                    [r.sampling for r in result.sampling_requests],
+                    [r.generator for r in result.sampling_requests],
+                )
+                for req, token in zip(result.sampling_requests, tokens, strict=True):
+                    outputs.append(self._append_token(req, token))
+            return outputs
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._inbox_lock:
+            adds, self._inbox_add = self._inbox_add, []
+            aborts, self._inbox_abort = self._inbox_abort, []
+        for req in adds:
+            self.requests[req.request_id] = req
+            self.scheduler.add(req)
+        return [out for rid in aborts if (out := self._abort_now(rid)) is not None]
+
+    def _abort_now(self, request_id: str) -> RequestOutput | None:
+        if self.handoff.release_held(request_id) or self.handoff.cancel_import(request_id):
+            return None
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._output(req, [])
+
+    def _append_token(self, req: Request, token: int) -> RequestOutput:
+        req.output_token_ids.append(token)
+        status = self.stop_checker.check(req)
+        if status is not None:
+            self.scheduler.finish(req, status)
+            del self.requests[req.request_id]
+            if req.hold_kv:
+                self.handoff.hold(req)
+        return self._output(req, [token])
+
+    @staticmethod
+    def _output(req: Request, new_tokens: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_tokens,
+            finished=req.finished,
+            finish_reason=req.status.value if req.finished else None,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            num_output_tokens=len(req.output_token_ids),
+        )
+
+    # -- observability -----------------------------------------------------------
+    def stats(self) -> EngineStats:
+        with self.lock:
+            p = self.pool.stats()
+            sched = self.scheduler
+            held_blocks, importing_blocks = self.handoff.blocks()
+            return EngineStats(
+                total_blocks=p.total,
+                free_blocks=p.free,
+                used_blocks=p.used,
+                cached_blocks=p.cached,
+                held_blocks=held_blocks,
+                importing_blocks=importing_blocks,
+                running=len(sched.running),
+                waiting=len(sched.waiting),
+                held_requests=len(self.handoff.held),
+                importing_requests=len(self.handoff.importing),
+                prefix_hit_tokens=sched.prefix_hit_tokens,
+                prefix_query_tokens=sched.prefix_query_tokens,
+                num_preemptions=sched.num_preemptions,
+                kv_bytes_per_token=self.layout.bytes_per_token,
+                kv_pool_bytes=p.total * self.layout.bytes_per_block,
+                block_size=self.config.block_size,
+            )
+
+    # -- convenience for tests, benchmarks and the CLI ----------------------------
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion together; returns each one's output token ids."""
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else sampling
+        ids = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.request_id in out:
+                    out[o.request_id].extend(o.new_token_ids)
+        return [out[rid] for rid in ids]

@@ -1,0 +1,159 @@
+"""The Llama-family transformer (Llama, SmolLM2, Qwen2) over a paged KV cache.
+
+Lifecycle: `LlamaModel(spec, dtype, device)` builds empty weights; `load_weights(model_dir)`
+fills them from HF safetensors (fusing q/k/v and gate/up into single matmuls); then each
+engine step calls `forward` on a flat batch of tokens, which writes the new K/V into the
+cache and returns hidden states, and `logits` on the rows that sample.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.errors import ModelNotFoundError
+from engine.model_spec import ModelSpec, RopeScaling
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Rotary inverse frequencies, with Llama-3 scaling when the config asks for it."""
+    dim = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if spec.rope_scaling is not None:
+        inv = _llama3_scale(inv, spec.rope_scaling)
+    return inv
+
+
+def _llama3_scale(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    mid = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as HF's LlamaRMSNorm, so fp32 results match bit for bit.
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    """Weights plus the forward pass; holds no per-request state."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+        self.spec = spec
+        self.dtype = dtype
+        self.device = device
+        self.weights: dict[str, torch.Tensor] = {}
+        inv = rope_inv_freq(spec)
+        pos = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos = emb.cos().to(device=device, dtype=dtype)
+        self._sin = emb.sin().to(device=device, dtype=dtype)
+
+    # -- weights -----------------------------------------------------------------
+    def load_weights(self, model_dir: Path) -> None:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ModelNotFoundError(f"no *.safetensors in {model_dir}")
+        raw: dict[str, torch.Tensor] = {}
+        for path in files:
+            raw.update(load_file(str(path)))
+        self.weights = self._arrange(raw)
+
+    def _arrange(self, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        def take(name: str) -> torch.Tensor:
+            if name not in raw:
+                raise ModelNotFoundError(f"weight {name} missing from the safetensors files")
+            return raw[name].to(device=self.device, dtype=self.dtype)
+
+        w: dict[str, torch.Tensor] = {"embed": take("model.embed_tokens.weight")}
+        for i in range(self.spec.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            w[f"{i}.qkv"] = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"])
+            if self.spec.qkv_bias:
+                w[f"{i}.qkv_b"] = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
+            w[f"{i}.o"] = take(a + "o_proj.weight")
+            w[f"{i}.gate_up"] = torch.cat(
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+            )
+            w[f"{i}.down"] = take(p + "mlp.down_proj.weight")
+            w[f"{i}.in_norm"] = take(p + "input_layernorm.weight")
+            w[f"{i}.post_norm"] = take(p + "post_attention_layernorm.weight")
+        w["norm"] = take("model.norm.weight")
+        tied = self.spec.tie_word_embeddings or "lm_head.weight" not in raw
+        w["lm_head"] = w["embed"] if tied else take("lm_head.weight")
+        return w
+
+    # -- forward -----------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Run the flat batch; writes K/V at `meta.slot_mapping`; returns [T, hidden]."""
+        w = self.weights
+        x = F.embedding(input_ids, w["embed"])
+        cos = self._cos[positions].unsqueeze(1)
+        sin = self._sin[positions].unsqueeze(1)
+        for i in range(self.spec.num_layers):
+            h = _rms_norm(x, w[f"{i}.in_norm"], self.spec.rms_norm_eps)
+            x = x + self._attention(i, h, cos, sin, kv_cache[i], meta, backend)
+            h = _rms_norm(x, w[f"{i}.post_norm"], self.spec.rms_norm_eps)
+            x = x + self._mlp(i, h)
+        return _rms_norm(x, w["norm"], self.spec.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weights["lm_head"]).float()
+
+    def _attention(
+        self,
+        i: int,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        s = self.spec
+        t = h.shape[0]
+        qkv = F.linear(h, self.weights[f"{i}.qkv"], self.weights.get(f"{i}.qkv_b"))
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, s.num_heads, s.head_dim)
+        k = k.view(t, s.num_kv_heads, s.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k_cache, v_cache = layer_cache[0], layer_cache[1]
+        flat = (-1, s.num_kv_heads, s.head_dim)
+        k_cache.view(flat).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(flat).index_copy_(0, meta.slot_mapping, v.view(t, *flat[1:]))
+        out = backend.attend(q, k_cache, v_cache, meta)
+        return F.linear(out.reshape(t, q_size), self.weights[f"{i}.o"])
+
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(h, self.weights[f"{i}.gate_up"]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.weights[f"{i}.down"])

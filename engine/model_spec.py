@@ -1,0 +1,139 @@
+"""The shape of a Llama-family model, read once from an HF `config.json`.
+
+Lifecycle: `ModelSpec.from_dir(path)` at engine start; the spec then sizes the model's
+tensors, the KV pool and the layout fingerprint that peers compare before moving KV.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from engine.errors import InvalidRequestError, ModelNotFoundError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling; absent for SmolLM2 and Llama 2."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    rope_scaling: RopeScaling | None
+    fingerprint: str
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ModelSpec:
+        path = model_dir / "config.json"
+        if not path.is_file():
+            raise ModelNotFoundError(f"{path} not found: --model must be an HF-layout directory")
+        raw = path.read_text()
+        return cls.from_config(json.loads(raw), _fingerprint(model_dir, raw))
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, object], fingerprint: str) -> ModelSpec:
+        model_type = str(cfg.get("model_type", ""))
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise InvalidRequestError(
+                "model", f"model_type must be one of {SUPPORTED_MODEL_TYPES}", model_type
+            )
+        heads = _int(cfg, "num_attention_heads")
+        hidden = _int(cfg, "hidden_size")
+        eos = cfg.get("eos_token_id")
+        eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        bos = cfg.get("bos_token_id")
+        return cls(
+            model_type=model_type,
+            vocab_size=_int(cfg, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_int(cfg, "intermediate_size"),
+            num_layers=_int(cfg, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),  # type: ignore[call-overload]
+            head_dim=int(cfg.get("head_dim") or hidden // heads),  # type: ignore[call-overload]
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),  # type: ignore[arg-type]
+            rope_theta=_rope_theta(cfg),
+            max_position_embeddings=_int(cfg, "max_position_embeddings"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            bos_token_id=None if bos is None else int(bos),  # type: ignore[call-overload]
+            eos_token_ids=tuple(int(e) for e in eos_ids),  # type: ignore[arg-type]
+            rope_scaling=_rope_scaling(cfg),
+            fingerprint=fingerprint,
+        )
+
+
+def _int(cfg: dict[str, object], key: str) -> int:
+    value = cfg.get(key)
+    if not isinstance(value, int):
+        raise ModelNotFoundError(f"config.json: {key} missing or not an integer")
+    return value
+
+
+def _rope_params(cfg: dict[str, object]) -> dict[str, object]:
+    # transformers >= 5 writes `rope_parameters`; older configs use `rope_scaling`.
+    for key in ("rope_parameters", "rope_scaling"):
+        value = cfg.get(key)
+        if isinstance(value, dict):
+            return value
+    return {}
+
+
+def _rope_theta(cfg: dict[str, object]) -> float:
+    theta = cfg.get("rope_theta", _rope_params(cfg).get("rope_theta", 10000.0))
+    return float(theta)  # type: ignore[arg-type]
+
+
+def _rope_scaling(cfg: dict[str, object]) -> RopeScaling | None:
+    params = _rope_params(cfg)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise InvalidRequestError("model", "rope scaling must be none or llama3", kind)
+    return RopeScaling(
+        factor=float(params["factor"]),  # type: ignore[arg-type]
+        low_freq_factor=float(params["low_freq_factor"]),  # type: ignore[arg-type]
+        high_freq_factor=float(params["high_freq_factor"]),  # type: ignore[arg-type]
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),  # type: ignore[call-overload]
+    )
+
+
+def _fingerprint(model_dir: Path, config_text: str) -> str:
+    """Identity of the weights: config plus every safetensors header (names, shapes, offsets).
+
+    Reading only headers keeps this cheap; two directories with the same fingerprint hold
+    KV-compatible models.
+    """
+    h = xxhash.xxh3_64(config_text.encode())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with path.open("rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            h.update(f.read(min(header_len, 100_000_000)))
+        h.update(str(path.stat().st_size).encode())
+    return h.hexdigest()

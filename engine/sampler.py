@@ -1,0 +1,49 @@
+"""Turning the last position's logits into one token per request.
+
+Greedy rows take the argmax in one batched call. Sampled rows apply temperature, top-k
+and top-p and draw from the request's own `torch.Generator`, so a seeded request gives
+the same tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+def new_generator(seed: int | None) -> torch.Generator:
+    """A request's private RNG; unseeded requests get a fresh random seed."""
+    gen = torch.Generator(device="cpu")
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int]:
+    """One token per row of `logits` ([N, vocab], float32)."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        if not p.greedy:
+            tokens[row] = _sample_row(logits[row], p, gen)
+    return [int(t) for t in tokens]
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    scaled = logits.cpu() / p.temperature
+    if 0 < p.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, p.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Drop a token once the mass before it already reaches top_p; keep the first.
+        drop = (cum - sorted_logits.softmax(dim=-1)) >= p.top_p
+        drop[0] = False
+        scaled = scaled.scatter(0, order[drop], float("-inf"))
+    probs = scaled.softmax(dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen).item())

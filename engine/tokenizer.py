@@ -1,0 +1,96 @@
+"""Text <-> token ids for a model directory, and its chat template.
+
+Lifecycle: built once per process from `tokenizer.json` (and `tokenizer_config.json` for
+the chat template and special tokens); stateless afterwards and safe to share between
+threads (the `tokenizers` library releases the GIL and keeps no per-call state).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HfTokenizer
+
+from engine.errors import InvalidRequestError, ModelNotFoundError
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+class Tokenizer:
+    """Wraps a `tokenizers.Tokenizer` with the model's special tokens and chat template."""
+
+    def __init__(self, model_dir: Path) -> None:
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ModelNotFoundError(f"{path} not found")
+        self._tok = HfTokenizer.from_file(str(path))
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.add_bos = bool(cfg.get("add_bos_token", False))
+        self.chat_template: str | None = cfg.get("chat_template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        self._template = env.from_string(self.chat_template) if self.chat_template else None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        if self.add_bos and bos_id is not None and (not ids or ids[0] != bos_id):
+            ids = [bos_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def render_chat(
+        self, messages: list[ChatMessage], *, add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text for a message list, by the model's own chat template."""
+        if self._template is None:
+            raise InvalidRequestError("messages", "this model has no chat template; send a prompt")
+        if not messages:
+            raise InvalidRequestError("messages", "must hold at least one message")
+        for m in messages:
+            if m.role not in CHAT_ROLES:
+                raise InvalidRequestError("messages.role", f"must be one of {CHAT_ROLES}", m.role)
+        try:
+            return self._template.render(
+                messages=[{"role": m.role, "content": m.content} for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as exc:
+            raise InvalidRequestError("messages", f"rejected by the chat template: {exc}") from exc
+
+    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+        return self.encode(self.render_chat(messages))
+
+
+def _token_text(value: object) -> str | None:
+    # tokenizer_config.json spells special tokens either as strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        content = value.get("content")
+        return content if isinstance(content, str) else None
+    return value if isinstance(value, str) else None
+
+
+def _raise_template_error(message: str) -> None:
+    raise TemplateError(message)

@@ -1,0 +1,46 @@
+"""The `pdserve` command: one entry point, one subcommand module per noun.
+
+Lifecycle: `main()` builds the parser from each subcommand's `register`, parses argv,
+configures logging and runs the chosen handler, turning expected errors (bad flags, a
+missing model, an invalid request) into a one-line message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from engine.errors import EngineError
+from services.cli import model_cmd, run_cmd
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Disaggregated prefill/decode LLM serving."
+    )
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    model_cmd.register(sub)
+    run_cmd.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        code: int = args.handler(args)
+    except (EngineError, ValueError) as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

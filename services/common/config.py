@@ -1,0 +1,100 @@
+"""Command-line flags and `PDSERVE_*` env vars derived from typed config dataclasses.
+
+Lifecycle: a command calls `add_config_args(parser, SomeConfig)` while building its
+parser, then `config_from_args(SomeConfig, namespace)` after parsing. Every dataclass
+field `foo_bar` becomes the flag `--foo-bar` and the env var `PDSERVE_FOO_BAR`; the flag
+wins over the env var, which wins over the field's default. Help text comes from the
+field's `metadata["help"]`. This module is the only place that reads the environment, so
+the Helm chart and the code can be checked against `env_var_names`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+ENV_PREFIX = "PDSERVE_"
+T = TypeVar("T")
+
+
+def env_var(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def env_var_names(cls: type) -> list[str]:
+    """Every env var a config dataclass accepts."""
+    return [env_var(f.name) for f in dataclasses.fields(cls)]
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _parser_for(tp: Any) -> Callable[[str], Any]:
+    base, optional = _unwrap_optional(tp)
+    convert: Callable[[str], Any] = {bool: _parse_bool, int: int, float: float, Path: Path}.get(
+        base, str
+    )
+    if not optional:
+        return convert
+
+    def parse(text: str) -> Any:
+        return None if text.strip().lower() in ("", "none") else convert(text)
+
+    return parse
+
+
+def add_config_args(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    *,
+    exclude: tuple[str, ...] = (),
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """Add one flag per field of `cls`; defaults come from `env` (os.environ) first."""
+    environ = os.environ if env is None else env
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
+        parse = _parser_for(hints[f.name])
+        name = env_var(f.name)
+        default = f.default
+        if name in environ:
+            try:
+                default = parse(environ[name])
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                parser.error(f"{name}={environ[name]!r}: {exc}")
+        help_text = f"{f.metadata.get('help', '')} (env {name}; default: %(default)s)"
+        group.add_argument(flag(f.name), dest=f.name, type=parse, default=default, help=help_text)
+
+
+def config_from_args(cls: type[T], namespace: argparse.Namespace) -> T:
+    """Build the (frozen, self-validating) config from parsed flags."""
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    values = {n: getattr(namespace, n) for n in names if hasattr(namespace, n)}
+    return cls(**values)

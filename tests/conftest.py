@@ -1,0 +1,53 @@
+"""Shared fixtures: the real default model, prepared once per machine, and engines on it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import DEFAULT_MODEL_CACHE, EngineConfig
+from engine.engine import LLMEngine
+from engine.model_store import prepare_default_model
+
+MODEL_CACHE = DEFAULT_MODEL_CACHE.expanduser()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return prepare_default_model(MODEL_CACHE, progress=False)
+
+
+EngineFactory = Callable[..., LLMEngine]
+
+
+@pytest.fixture(scope="session")
+def make_engine(model_dir: Path) -> Iterator[EngineFactory]:
+    """Build engines on the default model; every keyword goes to EngineConfig."""
+
+    def build(**overrides: object) -> LLMEngine:
+        settings: dict[str, object] = {"model": str(model_dir), "kv_cache_bytes": 64 << 20}
+        settings.update(overrides)
+        return LLMEngine(EngineConfig(**settings))  # type: ignore[arg-type]
+
+    yield build
+
+
+def assert_no_leaks(engine: LLMEngine) -> None:
+    """Every block back in the pool, no request left anywhere."""
+    s = engine.stats()
+    assert s.used_blocks == 0, s
+    assert s.running == s.waiting == s.held_requests == s.importing_requests == 0, s
+    assert not engine.requests
+    assert not engine.has_unfinished()

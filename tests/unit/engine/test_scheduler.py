@@ -1,0 +1,672 @@
+"""Scheduler on a real BlockPool, driven by the engine's step loop without a model.
+
+`Sim.step` does what `LLMEngine.step` does around the model: schedule, `advance` each
+scheduled request, and when a request has computed all its tokens, "sample" a token
+(derived from the request and position, so recomputation can be checked) and finish it
+once it has `max_tokens` outputs. After every step the harness checks the block
+accounting exactly: each block's reference count equals the number of live requests
+whose block table holds it. Every test ends with a leak check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.block_pool import BlockPool
+from engine.prefix_hash import hash_seed
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+
+SEED = hash_seed("m")
+
+
+def make_req(
+    rid: str,
+    prompt: list[int] | range,
+    max_tokens: int,
+    *,
+    hold_kv: bool = False,
+    seed: int = SEED,
+) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(prompt),
+        sampling=SamplingParams(max_tokens=max_tokens),
+        hash_seed=seed,
+        hold_kv=hold_kv,
+    )
+
+
+def token_for(req: Request, index: int) -> int:
+    """The 'sampled' token for output position `index`: stable across recomputation."""
+    return 1000 + 100 * (sum(map(ord, req.request_id)) % 50) + index
+
+
+@dataclass
+class Sim:
+    sched: Scheduler
+    finished: list[Request] = field(default_factory=list)
+    held: list[Request] = field(default_factory=list)  # finished with hold_kv, not released
+    extra_live: list[Request] = field(default_factory=list)  # blocks held outside the sched
+    steps: int = 0
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.sched.pool
+
+    def add(self, *reqs: Request) -> None:
+        for r in reqs:
+            self.sched.add(r)
+
+    def step(self) -> ScheduledBatch:
+        sched = self.sched
+        batch = sched.schedule()
+        self.steps += 1
+        assert batch.num_tokens <= sched.config.max_num_batched_tokens
+        assert len(sched.running) <= sched.config.max_num_seqs
+        ids = [id(r) for r, _ in batch.items]
+        assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
+        for req, n in batch.items:
+            assert n >= 1
+            assert req.status is RequestStatus.RUNNING
+            assert req.num_computed_tokens + n <= req.num_tokens
+            # The block table covers what this step will write.
+            assert len(req.block_ids) * sched.config.block_size >= req.num_computed_tokens + n
+        for req, n in batch.items:
+            sched.advance(req, n)
+            if req.num_computed_tokens == req.num_tokens:
+                req.output_token_ids.append(token_for(req, len(req.output_token_ids)))
+                if len(req.output_token_ids) >= req.sampling.max_tokens:
+                    sched.finish(req, RequestStatus.FINISHED_LENGTH)
+                    self.finished.append(req)
+                    if req.hold_kv:
+                        self.held.append(req)
+        self.check_accounting()
+        return batch
+
+    def run(self, max_steps: int = 2000) -> list[ScheduledBatch]:
+        batches = []
+        while self.sched.has_work():
+            assert self.steps < max_steps, "scheduler made no progress"
+            batches.append(self.step())
+        return batches
+
+    def live(self) -> list[Request]:
+        return [*self.sched.running, *self.sched.waiting, *self.held, *self.extra_live]
+
+    def check_accounting(self) -> None:
+        """Each block's refcount == how many live block tables hold it; hashes agree."""
+        pool, bs = self.pool, self.sched.config.block_size
+        refs = [0] * pool.num_blocks
+        for req in self.live():
+            assert len(req.block_ids) == len(set(req.block_ids))
+            for b in req.block_ids:
+                refs[b] += 1
+        assert [pool.ref_count(b) for b in range(pool.num_blocks)] == refs
+        s = pool.stats()
+        assert s.free + s.used == s.total
+        assert s.used == sum(1 for r in refs if r)
+        for req in self.sched.running:
+            # A published block holds exactly the KV its chained hash names.
+            for j in range(req.num_computed_tokens // bs):
+                h = pool.block_hash(req.block_ids[j])
+                assert h is None or h == req.block_hashes[j]
+
+    def assert_no_leaks(self) -> None:
+        assert not self.sched.has_work()
+        assert not self.sched.running and not self.sched.waiting
+        assert self.pool.stats().used == 0, self.pool.stats()
+        assert all(self.pool.ref_count(b) == 0 for b in range(self.pool.num_blocks))
+
+
+def make_sim(
+    num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 64, budget: int = 512
+) -> Sim:
+    cfg = SchedulerConfig(
+        block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget
+    )
+    return Sim(Scheduler(cfg, BlockPool(num_blocks)))
+
+
+def assert_complete(req: Request) -> None:
+    assert req.status is RequestStatus.FINISHED_LENGTH
+    n = req.sampling.max_tokens
+    assert req.output_token_ids == [token_for(req, i) for i in range(n)]
+    assert req.block_ids == [] or req.hold_kv
+
+
+# -- config ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"block_size": 0}, {"max_num_seqs": 0}, {"max_num_batched_tokens": 0}, {"block_size": -1}],
+)
+def test_config_rejects_non_positive(kwargs: dict[str, int]) -> None:
+    with pytest.raises(ValueError):
+        SchedulerConfig(**kwargs)
+
+
+# -- basic flow --------------------------------------------------------------------
+
+
+def test_single_request_prefill_then_decode() -> None:
+    sim = make_sim()
+    req = make_req("a", range(20), max_tokens=5)
+    sim.add(req)
+    assert req.status is RequestStatus.WAITING
+    first = sim.step()
+    assert first.prefills == [(req, 20)] and first.decodes == []
+    assert req.status is RequestStatus.RUNNING
+    assert len(req.block_ids) == 2
+    assert req.output_token_ids == [token_for(req, 0)]
+    for _ in range(4):
+        b = sim.step()
+        assert b.decodes == [req] and b.prefills == []
+    assert sim.steps == 5
+    assert_complete(req)
+    sim.assert_no_leaks()
+
+
+def test_empty_schedule_when_idle() -> None:
+    sim = make_sim()
+    batch = sim.sched.schedule()
+    assert batch.empty and batch.num_tokens == 0 and batch.items == []
+    sim.assert_no_leaks()
+
+
+def test_chunked_prefill_100_tokens_budget_32_takes_4_steps() -> None:
+    sim = make_sim(budget=32)
+    req = make_req("a", range(100), max_tokens=3)
+    sim.add(req)
+    chunks = []
+    for _ in range(4):
+        assert req.output_token_ids == []
+        b = sim.step()
+        assert b.num_tokens <= 32
+        chunks.append(b.items)
+    assert chunks == [[(req, 32)], [(req, 32)], [(req, 32)], [(req, 4)]]
+    assert req.num_computed_tokens == 100
+    assert len(req.output_token_ids) == 1
+    assert len(req.block_ids) == 7
+    sim.run()
+    assert sim.steps == 6
+    assert_complete(req)
+    sim.assert_no_leaks()
+
+
+def test_chunked_prefill_shares_budget_and_decodes_go_first() -> None:
+    sim = make_sim(budget=32)
+    a = make_req("a", range(10), max_tokens=6)
+    sim.add(a)
+    sim.step()  # a prefilled; now decoding
+    b = make_req("b", range(500, 600), max_tokens=2)
+    sim.add(b)
+    batch = sim.step()
+    assert batch.decodes == [a]
+    assert batch.prefills == [(b, 31)]  # the budget left after a's decode
+    while sim.sched.has_work():
+        batch = sim.step()
+        assert batch.num_tokens <= 32
+    assert_complete(a)
+    assert_complete(b)
+    sim.assert_no_leaks()
+
+
+def test_continuous_batching_new_requests_join_running_decodes() -> None:
+    sim = make_sim()
+    a = make_req("a", range(8), max_tokens=10)
+    sim.add(a)
+    sim.step()
+    sim.step()
+    b = make_req("b", range(100, 130), max_tokens=3)
+    sim.add(b)
+    batch = sim.step()
+    # b's prefill runs in the same step as a's decode.
+    assert batch.decodes == [a]
+    assert batch.prefills == [(b, 30)]
+    batch = sim.step()
+    assert set(map(id, batch.decodes)) == {id(a), id(b)}
+    sim.step()
+    assert b.finished and not a.finished
+    c = make_req("c", range(200, 220), max_tokens=2)
+    sim.add(c)
+    batch = sim.step()
+    assert batch.decodes == [a] and batch.prefills == [(c, 20)]
+    sim.run()
+    for r in (a, b, c):
+        assert_complete(r)
+    sim.assert_no_leaks()
+
+
+def test_max_num_seqs_caps_running() -> None:
+    sim = make_sim(max_num_seqs=2)
+    reqs = [make_req(f"r{i}", range(10 * i, 10 * i + 12), max_tokens=3) for i in range(5)]
+    sim.add(*reqs)
+    first = sim.step()
+    assert len(first.items) == 2
+    assert len(sim.sched.running) == 2 and len(sim.sched.waiting) == 3
+    assert all(not r.block_ids for r in reqs[2:])
+    batches = sim.run()
+    assert all(len(b.items) <= 2 for b in batches)
+    for r in reqs:
+        assert_complete(r)
+    # Arrival order is kept: r0 and r1 first, r4 last.
+    assert [r.request_id for r in sim.finished][:2] == ["r0", "r1"]
+    assert sim.finished[-1].request_id == "r4"
+    sim.assert_no_leaks()
+
+
+def test_token_budget_limits_admission() -> None:
+    sim = make_sim(budget=40)
+    a, b = make_req("a", range(30), 2), make_req("b", range(50, 80), 2)
+    sim.add(a, b)
+    batch = sim.step()
+    assert batch.prefills == [(a, 30), (b, 10)]
+    assert b.status is RequestStatus.RUNNING
+    sim.run()
+    assert_complete(a)
+    assert_complete(b)
+    sim.assert_no_leaks()
+
+
+# -- blocks ------------------------------------------------------------------------
+
+
+def test_admission_waits_when_blocks_short_without_partial_allocation() -> None:
+    sim = make_sim(num_blocks=4, block_size=4)
+    a = make_req("a", range(12), max_tokens=2)  # 3 blocks, a 4th for its decode
+    b = make_req("b", range(100, 108), max_tokens=2)  # needs 2 blocks
+    sim.add(a, b)
+    batch = sim.step()
+    assert batch.items == [(a, 12)]
+    assert b.status is RequestStatus.WAITING and list(sim.sched.waiting) == [b]
+    assert b.block_ids == [] and b.num_computed_tokens == 0
+    assert sim.pool.stats().used == 3
+    batch = sim.step()  # a decodes into its 4th block; b still cannot fit
+    assert batch.items == [(a, 1)]
+    assert a.finished and b.block_ids == []
+    batch = sim.step()
+    assert batch.items == [(b, 8)]
+    sim.run()
+    assert_complete(a)
+    assert_complete(b)
+    sim.assert_no_leaks()
+
+
+def test_failed_admission_gives_back_claimed_prefix_blocks() -> None:
+    sim = make_sim(num_blocks=5, block_size=4)
+    prefix = list(range(8))
+    warm = make_req("warm", prefix, max_tokens=1)
+    sim.add(warm)
+    sim.run()
+    assert sim.pool.stats().cached_free == 2
+    hog = make_req("hog", range(100, 110), max_tokens=3)  # 3 blocks
+    sim.add(hog)
+    sim.step()
+    # b hits the 2 cached blocks but needs 2 more for its tail: only 0 left after the hits.
+    b = make_req("b", [*prefix, 50, 51, 52, 53, 54], max_tokens=1)
+    sim.add(b)
+    batch = sim.step()
+    assert [r for r, _ in batch.items] == [hog]
+    assert b.status is RequestStatus.WAITING
+    assert b.block_ids == [] and b.num_computed_tokens == 0
+    s = sim.pool.stats()
+    assert s.cached_free == 2 and s.used == 3  # the hits went back to the cache
+    sim.run()
+    assert_complete(b)
+    assert b.num_cached_tokens == 8
+    sim.assert_no_leaks()
+
+
+def test_preemption_by_recompute_when_pool_runs_dry() -> None:
+    sim = make_sim(num_blocks=5, block_size=4)
+    a = make_req("a", range(4), max_tokens=8)
+    b = make_req("b", range(100, 104), max_tokens=8)
+    sim.add(a, b)
+    preempt_step = None
+    outputs_before = None
+    while sim.sched.has_work():
+        outputs_before = list(b.output_token_ids)
+        batch = sim.step()
+        if batch.preempted:
+            preempt_step = sim.steps
+            # The most recently admitted request goes, back to the head of the queue.
+            assert batch.preempted == [b]
+            assert sim.sched.waiting[0] is b
+            assert b.status is RequestStatus.WAITING
+            assert b not in sim.sched.running
+            assert b.block_ids == [] and b.num_computed_tokens == 0
+            assert b.output_token_ids == outputs_before  # outputs kept
+            assert len(outputs_before) == 5
+            assert b.num_preemptions == 1 and sim.sched.num_preemptions == 1
+            assert [r for r, _ in batch.items] == [a]
+            break
+    assert preempt_step == 6
+    sim.run()
+    assert sim.sched.num_preemptions == 1
+    assert_complete(a)
+    assert_complete(b)  # its kept outputs plus the rest, no token lost or repeated
+    assert b.num_cached_tokens == 0  # recompute hits are not counted as user hits
+    assert sim.sched.prefix_hit_tokens == 0
+    assert sim.sched.prefix_query_tokens == 8
+    sim.assert_no_leaks()
+
+
+def test_preempted_request_goes_ahead_of_requests_already_waiting() -> None:
+    sim = make_sim(num_blocks=5, block_size=4)
+    a = make_req("a", range(4), max_tokens=8)
+    b = make_req("b", range(100, 104), max_tokens=8)
+    sim.add(a, b)
+    sim.step()
+    sim.step()  # a and b hold 2 blocks each; 1 free
+    late = make_req("late", range(200, 208), max_tokens=1)  # needs 2 blocks: waits
+    sim.add(late)
+    while not sim.sched.num_preemptions:
+        batch = sim.step()
+        assert late.status is RequestStatus.WAITING and late.block_ids == []
+    assert batch.preempted == [b]
+    assert list(sim.sched.waiting) == [b, late]
+    order: list[str] = []
+    while sim.sched.has_work():
+        for r, _ in sim.step().items:
+            if r.request_id not in order:
+                order.append(r.request_id)
+    # b is re-admitted before (or in the same step ahead of) the request that waited.
+    assert order.index("b") < order.index("late")
+    for r in (a, b, late):
+        assert_complete(r)
+    sim.assert_no_leaks()
+
+
+# -- prefix cache ------------------------------------------------------------------
+
+
+def test_prefix_cache_admission_reuses_full_blocks() -> None:
+    sim = make_sim(block_size=16)
+    prefix = list(range(1000, 1048))  # 48 tokens: 3 full blocks
+    first = make_req("first", prefix, max_tokens=1)
+    sim.add(first)
+    sim.step()
+    assert first.finished
+    assert sim.sched.prefix_hit_tokens == 0 and sim.sched.prefix_query_tokens == 48
+    assert sim.pool.stats().cached_free == 3
+
+    # Same 48 tokens: at most (48 - 1) // 16 = 2 blocks reused, so >= 1 token computed.
+    same = make_req("same", prefix, max_tokens=3)
+    sim.add(same)
+    batch = sim.sched.schedule()
+    assert same.num_computed_tokens == 32
+    assert same.num_cached_tokens == 32
+    assert batch.prefills == [(same, 16)]
+    assert sim.sched.prefix_hit_tokens == 32 and sim.sched.prefix_query_tokens == 96
+    hit_blocks = same.block_ids[:2]
+    assert [sim.pool.block_hash(b) for b in hit_blocks] == same.block_hashes[:2]
+    for req, n in batch.items:  # finish the step as the engine would
+        sim.sched.advance(req, n)
+        req.output_token_ids.append(token_for(req, 0))
+    sim.check_accounting()
+
+    # A longer prompt with the same 48-token prefix reuses all 3 blocks, sharing 2 with
+    # the request still running.
+    # same's third block was computed again: its hash stays with first's freed copy.
+    third = sim.pool.lookup(same.block_hashes[2])
+    assert third is not None and third != same.block_ids[2]
+    assert sim.pool.block_hash(same.block_ids[2]) is None
+    longer = make_req("longer", [*prefix, 1, 2, 3, 4, 5], max_tokens=2)
+    sim.add(longer)
+    batch = sim.step()
+    assert (longer, 5) in batch.prefills
+    assert longer.num_cached_tokens == 48
+    assert longer.block_ids[:3] == [*hit_blocks, third]
+    assert [sim.pool.ref_count(b) for b in hit_blocks] == [2, 2]
+    assert sim.sched.prefix_hit_tokens == 80
+    assert sim.sched.prefix_query_tokens == 96 + 53
+    sim.run()
+    assert_complete(same)
+    assert_complete(longer)
+    sim.assert_no_leaks()
+
+
+def test_prefix_cache_misses_on_other_tenant_or_changed_head() -> None:
+    sim = make_sim(block_size=16)
+    prefix = list(range(1000, 1048))
+    sim.add(make_req("first", prefix, max_tokens=1))
+    sim.run()
+    other_tenant = make_req("t", prefix, max_tokens=1, seed=hash_seed("m", "tenant-b"))
+    changed = make_req("c", [7, *prefix[1:]], max_tokens=1)
+    sim.add(other_tenant, changed)
+    batch = sim.step()
+    assert batch.prefills == [(other_tenant, 48), (changed, 48)]
+    assert other_tenant.num_cached_tokens == 0 and changed.num_cached_tokens == 0
+    assert sim.sched.prefix_hit_tokens == 0
+    sim.assert_no_leaks()
+
+
+def test_concurrent_identical_prompts_share_nothing_until_published() -> None:
+    sim = make_sim(block_size=16)
+    prompt = list(range(64))
+    a, b = make_req("a", prompt, 3), make_req("b", prompt, 3)
+    sim.add(a, b)
+    batch = sim.step()
+    assert batch.prefills == [(a, 64), (b, 64)]
+    assert not set(a.block_ids) & set(b.block_ids)
+    # Only one block per hash is published; the other copy stays uncached.
+    assert sim.pool.stats().cached == 4
+    sim.run()
+    assert_complete(a)
+    assert_complete(b)
+    sim.assert_no_leaks()
+
+
+def test_decode_publishes_blocks_as_they_fill() -> None:
+    sim = make_sim(block_size=4)
+    req = make_req("a", range(6), max_tokens=8)
+    sim.add(req)
+    sim.step()
+    assert sim.pool.block_hash(req.block_ids[0]) == req.block_hashes[0]
+    assert sim.pool.block_hash(req.block_ids[1]) is None  # 6 of 8 tokens computed
+    sim.step()
+    sim.step()  # 8 tokens computed: block 1 is full
+    assert req.num_computed_tokens == 8
+    assert sim.pool.block_hash(req.block_ids[1]) == req.block_hashes[1]
+    sim.run()
+    assert sim.pool.stats().cached == 3  # 13 computed tokens: 3 full blocks
+    assert_complete(req)
+    sim.assert_no_leaks()
+
+
+# -- endings -----------------------------------------------------------------------
+
+
+def test_hold_kv_finish_keeps_blocks_until_released() -> None:
+    sim = make_sim(block_size=16)
+    req = make_req("p", range(40), max_tokens=1, hold_kv=True)
+    sim.add(req)
+    sim.step()
+    assert req.status is RequestStatus.FINISHED_LENGTH
+    assert req not in sim.sched.running and not sim.sched.has_work()
+    assert len(req.block_ids) == 3
+    assert sim.pool.stats().used == 3
+    assert all(sim.pool.ref_count(b) == 1 for b in req.block_ids)
+    sim.held.remove(req)
+    sim.sched.release_blocks(req)
+    assert req.block_ids == []
+    sim.assert_no_leaks()
+
+
+def test_hold_kv_abort_frees_blocks() -> None:
+    sim = make_sim(block_size=16, budget=16)
+    req = make_req("p", range(40), max_tokens=1, hold_kv=True)
+    sim.add(req)
+    sim.step()  # mid-prefill
+    assert sim.pool.stats().used == 1
+    sim.sched.finish(req, RequestStatus.FINISHED_ABORTED)
+    assert req.status is RequestStatus.FINISHED_ABORTED
+    assert req.block_ids == []
+    sim.assert_no_leaks()
+
+
+def test_abort_running_and_waiting_requests_frees_blocks() -> None:
+    sim = make_sim(num_blocks=4, block_size=4)
+    a = make_req("a", range(12), max_tokens=4)
+    b = make_req("b", range(100, 108), max_tokens=4)
+    sim.add(a, b)
+    sim.step()
+    assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.WAITING
+    sim.sched.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert b.status is RequestStatus.FINISHED_ABORTED and not sim.sched.waiting
+    sim.check_accounting()
+    sim.sched.finish(a, RequestStatus.FINISHED_ABORTED)
+    assert a.status is RequestStatus.FINISHED_ABORTED and not sim.sched.running
+    assert a.block_ids == []
+    # Finishing twice is harmless.
+    sim.sched.finish(a, RequestStatus.FINISHED_ABORTED)
+    assert sim.sched.schedule().empty
+    sim.assert_no_leaks()
+
+
+def test_abort_mid_prefill_frees_blocks() -> None:
+    sim = make_sim(block_size=16, budget=16)
+    req = make_req("a", range(64), max_tokens=4)
+    sim.add(req)
+    sim.step()
+    sim.step()
+    assert req.num_computed_tokens == 32 and sim.pool.stats().used == 2
+    sim.sched.finish(req, RequestStatus.FINISHED_ABORTED)
+    sim.assert_no_leaks()
+
+
+def test_abort_preempted_request_in_waiting() -> None:
+    sim = make_sim(num_blocks=5, block_size=4)
+    a = make_req("a", range(4), max_tokens=8)
+    b = make_req("b", range(100, 104), max_tokens=8)
+    sim.add(a, b)
+    while not sim.sched.num_preemptions:
+        sim.step()
+    sim.sched.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert b not in sim.sched.waiting
+    sim.run()
+    assert_complete(a)
+    sim.assert_no_leaks()
+
+
+def test_abort_waiting_request_that_holds_blocks_frees_them() -> None:
+    """An imported request (KV reserved elsewhere) waits in the queue holding blocks."""
+    sim = make_sim(num_blocks=8, block_size=4)
+    imported = make_req("imp", range(8), max_tokens=4)
+    imported.block_ids = sim.pool.allocate(2)
+    imported.num_computed_tokens = 8
+    imported.output_token_ids.append(token_for(imported, 0))
+    sim.sched.add(imported)
+    sim.check_accounting()
+    sim.sched.finish(imported, RequestStatus.FINISHED_ABORTED)
+    assert imported.block_ids == []
+    sim.assert_no_leaks()
+
+
+def test_imported_request_decodes_without_recompute() -> None:
+    sim = make_sim(num_blocks=8, block_size=4)
+    imported = make_req("imp", range(8), max_tokens=3)
+    imported.block_ids = sim.pool.allocate(2)
+    imported.num_computed_tokens = 8
+    imported.output_token_ids.append(token_for(imported, 0))
+    sim.sched.publish_full_blocks(imported)
+    sim.sched.add(imported)
+    batch = sim.step()
+    assert batch.decodes == [imported]
+    sim.run()
+    assert_complete(imported)
+    sim.assert_no_leaks()
+
+
+def test_imported_request_keeps_its_blocks_while_waiting_for_a_decode_block() -> None:
+    """A waiting request that already holds blocks (an imported prompt, as
+    `KvHandoff.commit_import` queues it) must keep them if admission has to wait.
+
+    Here the pool is full when the imported request first tries to join: its prompt
+    (8 tokens, bs 4) fills its 2 blocks exactly, so its first decode needs a third.
+    """
+    sim = make_sim(num_blocks=4, block_size=4)
+    a = make_req("a", range(100, 107), max_tokens=2)  # 2 blocks, no growth
+    sim.add(a)
+    sim.step()
+    imported = make_req("imp", range(8), max_tokens=3)
+    imported.block_ids = sim.pool.allocate(2)
+    imported_blocks = list(imported.block_ids)
+    imported.num_computed_tokens = 8
+    imported.output_token_ids.append(token_for(imported, 0))
+    sim.sched.publish_full_blocks(imported)
+    sim.sched.add(imported)
+    assert sim.pool.stats().free == 0
+    batch = sim.sched.schedule()  # no block is free for imp's first decode: it waits
+    assert [r for r, _ in batch.items] == [a]
+    assert imported.status is RequestStatus.WAITING
+    assert imported.block_ids == imported_blocks, "waiting request lost its block table"
+    assert imported.num_computed_tokens == 8, "imported KV dropped: prompt will be recomputed"
+    sim.sched.advance(a, 1)
+    a.output_token_ids.append(token_for(a, 1))
+    sim.sched.finish(a, RequestStatus.FINISHED_LENGTH)
+    sim.check_accounting()
+    sim.run()
+    assert_complete(a)
+    assert_complete(imported)
+    sim.assert_no_leaks()
+
+
+# -- randomized workload -----------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    block_size=st.sampled_from([2, 4, 16]),
+    num_blocks=st.integers(min_value=4, max_value=24),
+    budget=st.integers(min_value=1, max_value=64),
+    max_num_seqs=st.integers(min_value=1, max_value=6),
+)
+def test_random_workload_completes_without_leaks(
+    data: st.DataObject, block_size: int, num_blocks: int, budget: int, max_num_seqs: int
+) -> None:
+    sim = make_sim(num_blocks, block_size, max_num_seqs, budget)
+    capacity = num_blocks * block_size
+    shared = list(range(3 * block_size))
+    reqs: list[Request] = []
+    n_reqs = data.draw(st.integers(min_value=1, max_value=8))
+    for i in range(n_reqs):
+        max_tokens = data.draw(st.integers(min_value=1, max_value=min(12, capacity - 1)))
+        plen = data.draw(st.integers(min_value=1, max_value=capacity - max_tokens))
+        if data.draw(st.booleans()):
+            prompt = (shared + list(range(500 + 100 * i, 500 + 100 * i + plen)))[:plen]
+        else:
+            prompt = list(range(10_000 * (i + 1), 10_000 * (i + 1) + plen))
+        req = make_req(f"r{i}", prompt, max_tokens)
+        reqs.append(req)
+    arrivals = {i: data.draw(st.integers(min_value=0, max_value=6)) for i in range(n_reqs)}
+    aborted: set[int] = set()
+    while arrivals or sim.sched.has_work():
+        for i, at in list(arrivals.items()):
+            if at == 0:
+                sim.add(reqs[i])
+                del arrivals[i]
+            else:
+                arrivals[i] = at - 1
+        if sim.sched.has_work() and data.draw(st.integers(0, 9)) == 0:
+            victim = data.draw(st.sampled_from([*sim.sched.running, *sim.sched.waiting]))
+            sim.sched.finish(victim, RequestStatus.FINISHED_ABORTED)
+            aborted.add(id(victim))
+            sim.check_accounting()
+        if sim.sched.has_work():
+            sim.step()
+        assert sim.steps < 3000, "no progress"
+    for r in reqs:
+        if id(r) not in aborted:
+            assert_complete(r)
+    s = sim.sched
+    assert 0 <= s.prefix_hit_tokens <= s.prefix_query_tokens
+    sim.assert_no_leaks()
