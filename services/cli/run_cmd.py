@@ -34,7 +34,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _run(args: argparse.Namespace) -> int:
     engine = LLMEngine(config_from_args(EngineConfig, args), progress=True)
     tok = engine.tokenizer
-    ids = tok.encode(args.prompt) if args.raw else tok.encode_chat([ChatMessage("user", args.prompt)])
+    ids = (
+        tok.encode(args.prompt) if args.raw else tok.encode_chat([ChatMessage("user", args.prompt)])
+    )
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )

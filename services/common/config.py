@@ -55,9 +55,13 @@ def _parse_bool(text: str) -> bool:
 
 def _parser_for(tp: Any) -> Callable[[str], Any]:
     base, optional = _unwrap_optional(tp)
-    convert: Callable[[str], Any] = {bool: _parse_bool, int: int, float: float, Path: Path}.get(
-        base, str
-    )
+    converters: dict[Any, Callable[[str], Any]] = {
+        bool: _parse_bool,
+        int: int,
+        float: float,
+        Path: Path,
+    }
+    convert = converters.get(base, str)
     if not optional:
         return convert
 

@@ -1,0 +1,57 @@
+"""Building and checking KvHandle messages.
+
+A KvHandle crosses two hops (prefill -> gateway -> decode), so the importer re-checks
+everything that must hold before it touches memory: protocol version, layout, block
+count against token count, and that the lease has not already run out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from pdserve.v1 import common_pb2
+
+from engine.kv_cache import KvLayout
+from kvtransfer.errors import InvalidHandleError, LayoutMismatchError, LeaseExpiredError
+
+#: Version of the KvHandle/handshake protocol; peers refuse any other.
+PROTOCOL_VERSION = 1
+
+
+def validate_handle(
+    handle: common_pb2.KvHandle,
+    layout: KvLayout,
+    prompt_token_ids: Sequence[int],
+    backend: str,
+) -> None:
+    """Raise InvalidHandleError (or a subclass) if the handle cannot serve this request."""
+    if handle.protocol_version != PROTOCOL_VERSION:
+        raise InvalidHandleError(
+            f"kv_handle.protocol_version: {handle.protocol_version} is not supported "
+            f"(this worker speaks {PROTOCOL_VERSION})"
+        )
+    if handle.layout_fingerprint != layout.fingerprint():
+        raise LayoutMismatchError(
+            "kv_handle.layout_fingerprint: the exporter's KV layout differs from this worker's"
+        )
+    if handle.backend != backend:
+        raise InvalidHandleError(
+            f"kv_handle.backend: {handle.backend!r} but this worker imports with {backend!r}"
+        )
+    for name in ("engine_id", "incarnation", "transfer_address", "lease_id"):
+        if not getattr(handle, name):
+            raise InvalidHandleError(f"kv_handle.{name}: must not be empty")
+    if handle.num_tokens != len(prompt_token_ids):
+        raise InvalidHandleError(
+            f"kv_handle.num_tokens: {handle.num_tokens} but the prompt has "
+            f"{len(prompt_token_ids)} tokens"
+        )
+    expected_blocks = -(-handle.num_tokens // layout.block_size)
+    if len(handle.block_ids) != expected_blocks:
+        raise InvalidHandleError(
+            f"kv_handle.block_ids: {len(handle.block_ids)} blocks for {handle.num_tokens} "
+            f"tokens; expected {expected_blocks}"
+        )
+    if handle.lease_expiry_unix_ms and handle.lease_expiry_unix_ms < time.time() * 1000:
+        raise LeaseExpiredError(f"kv_handle lease {handle.lease_id} has expired")

@@ -1,0 +1,169 @@
+"""The decode side of KV transfer: pull a request's blocks from a prefill engine.
+
+Lifecycle of one `import_kv(handle, prompt, ...)`: check the handle against this
+engine's layout and the prompt; make sure the exporter's current incarnation has been
+handshaken (once per incarnation: a restarted exporter's stale NIXL metadata is dropped
+and the handshake redone); reserve blocks in the engine, reusing blocks already in its
+prefix cache so only the missing ones are read; read them with one batched transfer
+before the deadline; release the exporter's lease; commit the request to the engine's
+batch. Any failure cancels the reservation (nothing leaks here) and raises a typed
+TransferError; the exporter's lease expiry covers its side.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
+
+from engine.engine import LLMEngine
+from engine.errors import OutOfBlocksError
+from engine.sampling_params import SamplingParams
+from kvtransfer.backend import ImportBackend
+from kvtransfer.config import TransferConfig
+from kvtransfer.errors import LeaseExpiredError, NoBlocksError, PeerUnavailableError
+from kvtransfer.grpc_errors import transfer_error_from_rpc
+from kvtransfer.handle import PROTOCOL_VERSION, validate_handle
+from kvtransfer.layout import check_layout
+from kvtransfer.tcp_backend import TcpImportBackend
+
+log = logging.getLogger(__name__)
+
+
+def make_import_backend(name: str, engine: LLMEngine, agent_name: str) -> ImportBackend:
+    if name == "nixl":
+        from kvtransfer.nixl_backend import NixlImportBackend
+
+        return NixlImportBackend(engine.kv_cache, agent_name)
+    return TcpImportBackend(engine.kv_cache)
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    num_cached_blocks: int
+    num_read_blocks: int
+    bytes: int
+    descriptors: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class KvImporter:
+    """Moves exported KV into this engine and queues the request for decode."""
+
+    def __init__(
+        self, engine: LLMEngine, config: TransferConfig, *, engine_id: str | None = None
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
+        self.agent_name = f"{self.engine_id}.{uuid.uuid4().hex[:12]}"
+        self.backend = make_import_backend(config.kv_backend, engine, self.agent_name)
+        self._lock = threading.Lock()
+        self._peer_by_address: dict[str, str] = {}  # address -> "address|incarnation"
+        self.handshakes = 0
+
+    def import_kv(
+        self,
+        handle: common_pb2.KvHandle,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str,
+        cache_salt: str = "",
+        timeout_s: float | None = None,
+    ) -> ImportResult:
+        """Bring the handle's KV in and queue the request; raises TransferError subclasses."""
+        start = time.monotonic()
+        deadline = start + (timeout_s or self.config.kv_transfer_timeout_s)
+        validate_handle(handle, self.engine.layout, prompt_token_ids, self.backend.name)
+        peer = self._peer(handle, deadline)
+        try:
+            slot = self.engine.handoff.reserve_import(
+                prompt_token_ids,
+                handle.first_token_id,
+                sampling,
+                request_id=request_id,
+                cache_salt=cache_salt,
+            )
+        except OutOfBlocksError as exc:
+            raise NoBlocksError(str(exc)) from exc
+        try:
+            src = list(handle.block_ids[slot.num_cached_blocks :])
+            result = None
+            if src:
+                result = self.backend.read(peer, handle, src, slot.blocks_to_fill, deadline)
+            self.backend.release(peer, handle, deadline)
+            self.engine.handoff.commit_import(request_id)
+        except PeerUnavailableError:
+            self.engine.handoff.cancel_import(request_id)
+            # The exporter died or restarted: its metadata is stale, re-handshake next time.
+            self._drop_peer(handle.transfer_address, peer)
+            raise
+        except BaseException:
+            self.engine.handoff.cancel_import(request_id)
+            raise
+        return ImportResult(
+            num_cached_blocks=slot.num_cached_blocks,
+            num_read_blocks=len(src),
+            bytes=result.bytes if result else 0,
+            descriptors=result.descriptors if result else 0,
+            seconds=time.monotonic() - start,
+        )
+
+    def _peer(self, handle: common_pb2.KvHandle, deadline: float) -> str:
+        address = handle.transfer_address
+        key = f"{address}|{handle.incarnation}"
+        with self._lock:
+            if self._peer_by_address.get(address) == key:
+                return key
+        response = self._handshake(address, deadline)
+        if response.incarnation != handle.incarnation:
+            raise LeaseExpiredError(
+                f"KV exporter at {address} restarted (incarnation {response.incarnation}, "
+                f"handle has {handle.incarnation}); its blocks are gone"
+            )
+        check_layout(self.engine.layout, response.layout)
+        with self._lock:
+            old = self._peer_by_address.get(address)
+            if old is not None and old != key:
+                log.info("KV exporter at %s has a new incarnation; re-handshaking", address)
+                self.backend.forget(old)
+            self.backend.connect(key, response)
+            self._peer_by_address[address] = key
+            self.handshakes += 1
+        return key
+
+    def _drop_peer(self, address: str, key: str) -> None:
+        with self._lock:
+            if self._peer_by_address.get(address) == key:
+                del self._peer_by_address[address]
+                self.backend.forget(key)
+
+    def _handshake(self, address: str, deadline: float) -> kvtransfer_pb2.HandshakeResponse:
+        request = kvtransfer_pb2.HandshakeRequest(
+            protocol_version=PROTOCOL_VERSION,
+            layout_fingerprint=self.engine.layout.fingerprint(),
+            importer_agent_name=self.agent_name,
+        )
+        timeout = max(deadline - time.monotonic(), 0.05)
+        with grpc.insecure_channel(address) as channel:
+            try:
+                response: kvtransfer_pb2.HandshakeResponse = kvtransfer_pb2_grpc.KvTransferStub(
+                    channel
+                ).Handshake(request, timeout=timeout)
+            except grpc.RpcError as exc:
+                raise transfer_error_from_rpc(exc, f"KV handshake with {address}") from exc
+        return response
+
+    def close(self) -> None:
+        self.backend.close()

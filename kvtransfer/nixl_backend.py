@@ -1,0 +1,232 @@
+"""The NIXL backend (nixl-cu12, UCX): one-sided READs of registered KV pools.
+
+Exporter: registers its whole KV pool once (one registration for the process's life),
+hands out its agent metadata and pool address at handshake, and drains notifications,
+each of which names a lease the importer is done with.
+
+Importer: registers its pool once and prepares a descriptor list covering every
+(layer, K/V, block) unit of it once. Per exporter incarnation it loads the peer's
+metadata and prepares the peer's unit list once. A transfer is then one
+`make_prepped_xfer` READ with index arrays: NIXL merges runs of adjacent units into
+single descriptors, so contiguous blocks move as one ~block-run-sized copy per layer and
+K/V. The lease release rides on the READ as its notification (delivered only after the
+data has landed). A restarted exporter has a new agent name (engine id + incarnation):
+its old metadata and prepared list are dropped before the new ones load.
+
+Settings (found on 2-core CPU hosts with UCX over CMA): no UCX progress thread (the
+binding's thread busy-polls a whole core); the importer progresses transfers by polling
+`check_xfer_state`, the exporter by draining notifications every few milliseconds.
+Agents use read-write thread sync because gRPC handler threads share them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from pdserve.v1 import common_pb2, kvtransfer_pb2
+
+from kvtransfer.backend import ExportBackend, ImportBackend, ReadResult
+from kvtransfer.errors import PeerUnavailableError, TransferTimeoutError
+
+RELEASE_PREFIX = b"pdserve-release:"
+
+
+def _nixl() -> Any:
+    import nixl_cu12
+
+    # nixl installs an INFO handler on stdout, which would interleave with a CLI's
+    # output; route its records through the process's own logging config instead.
+    nixl_log = logging.getLogger("nixl")
+    for handler in list(nixl_log.handlers):
+        nixl_log.removeHandler(handler)
+    nixl_log.propagate = True
+    nixl_log.setLevel(logging.WARNING)
+    return nixl_cu12
+
+
+def _new_agent(name: str) -> Any:
+    nixl = _nixl()
+    config = nixl.nixl_agent_config(
+        enable_prog_thread=False,
+        backends=["UCX"],
+        sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+    )
+    return nixl.nixl_agent(name, config)
+
+
+def _mem_type(pool: torch.Tensor) -> str:
+    return "VRAM" if pool.is_cuda else "DRAM"
+
+
+def unit_bytes(pool: torch.Tensor) -> int:
+    """Bytes of one (layer, K/V, block) unit: the contiguous piece of the pool tensor."""
+    return int(pool[0, 0, 0].numel() * pool.element_size())
+
+
+def unit_descriptors(base: int, layers: int, blocks: int, unit: int, device: int) -> np.ndarray:
+    """[N, 3] (address, length, device) of every unit; unit (l, kv, b) is row (2l+kv)*blocks+b."""
+    n = layers * 2 * blocks
+    descs = np.empty((n, 3), dtype=np.uint64)
+    descs[:, 0] = base + np.arange(n, dtype=np.uint64) * np.uint64(unit)
+    descs[:, 1] = unit
+    descs[:, 2] = device
+    return descs
+
+
+def unit_indices(block_ids: list[int], layers: int, blocks: int) -> np.ndarray:
+    """Row indices of `block_ids` in every (layer, K/V), layer-major like the pool."""
+    b = np.asarray(block_ids, dtype=np.int64)
+    lk = np.arange(layers * 2, dtype=np.int64)[:, None]
+    return (lk * blocks + b[None, :]).reshape(-1).astype(np.int32)
+
+
+def release_message(lease_id: str) -> bytes:
+    return RELEASE_PREFIX + lease_id.encode()
+
+
+class NixlExportBackend(ExportBackend):
+    name = "nixl"
+
+    def __init__(self, kv_cache: torch.Tensor, agent_name: str) -> None:
+        self._pool = kv_cache
+        self._agent_name = agent_name
+        self._agent = _new_agent(agent_name)
+        self._reg = self._agent.register_memory(kv_cache)
+
+    def handshake_fields(self, response: kvtransfer_pb2.HandshakeResponse) -> None:
+        response.agent_name = self._agent_name
+        response.agent_metadata = self._agent.get_agent_metadata()
+        response.pool_base_address = self._pool.data_ptr()
+        response.device_id = self._pool.device.index or 0
+        response.backends.append(self.name)
+
+    def poll_releases(self) -> list[str]:
+        released = []
+        for messages in self._agent.get_new_notifs().values():
+            for message in messages:
+                if message.startswith(RELEASE_PREFIX):
+                    released.append(message[len(RELEASE_PREFIX) :].decode())
+        return released
+
+    def close(self) -> None:
+        if self._reg is not None:
+            self._agent.deregister_memory(self._reg)
+            self._reg = None
+
+
+class _Peer:
+    def __init__(self, name: str, prepped: Any, num_blocks: int) -> None:
+        self.name = name
+        self.prepped = prepped
+        self.num_blocks = num_blocks
+
+
+class NixlImportBackend(ImportBackend):
+    name = "nixl"
+
+    def __init__(self, kv_cache: torch.Tensor, agent_name: str) -> None:
+        self._pool = kv_cache
+        self._layers = kv_cache.shape[0]
+        self._blocks = kv_cache.shape[2]
+        self._unit = unit_bytes(kv_cache)
+        self._device = kv_cache.device.index or 0
+        self._agent = _new_agent(agent_name)
+        self._reg = self._agent.register_memory(kv_cache)
+        local = unit_descriptors(
+            kv_cache.data_ptr(), self._layers, self._blocks, self._unit, self._device
+        )
+        self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, _mem_type(kv_cache))
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._notified: set[str] = set()
+
+    def connect(self, peer_key: str, handshake: kvtransfer_pb2.HandshakeResponse) -> None:
+        raw = self._agent.add_remote_agent(handshake.agent_metadata)
+        name = raw.decode() if isinstance(raw, bytes) else str(raw)
+        remote = unit_descriptors(
+            handshake.pool_base_address,
+            self._layers,
+            handshake.num_blocks,
+            self._unit,
+            handshake.device_id,
+        )
+        prepped = self._agent.prep_xfer_dlist(name, remote, _mem_type(self._pool))
+        with self._lock:
+            self._peers[peer_key] = _Peer(name, prepped, handshake.num_blocks)
+
+    def _peer(self, peer_key: str) -> _Peer:
+        with self._lock:
+            peer = self._peers.get(peer_key)
+        if peer is None:
+            raise PeerUnavailableError(f"no NIXL connection to KV exporter {peer_key}")
+        return peer
+
+    def read(
+        self,
+        peer_key: str,
+        handle: common_pb2.KvHandle,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        deadline: float,
+    ) -> ReadResult:
+        peer = self._peer(peer_key)
+        start = time.monotonic()
+        local_idx = unit_indices(dst_blocks, self._layers, self._blocks)
+        remote_idx = unit_indices(src_blocks, self._layers, peer.num_blocks)
+        xfer = self._agent.make_prepped_xfer(
+            "READ", self._local, local_idx, peer.prepped, remote_idx,
+            notif_msg=release_message(handle.lease_id),
+        )  # fmt: skip
+        try:
+            self._wait(xfer, deadline, handle.transfer_address)
+        finally:
+            xfer.release()
+        with self._lock:
+            self._notified.add(handle.lease_id)
+        nbytes = len(local_idx) * self._unit
+        return ReadResult(nbytes, len(local_idx), time.monotonic() - start)
+
+    def _wait(self, xfer: Any, deadline: float, address: str) -> None:
+        try:
+            state = self._agent.transfer(xfer)
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TransferTimeoutError(f"KV read from {address} passed its deadline")
+                state = self._agent.check_xfer_state(xfer)
+        except TransferTimeoutError:
+            raise
+        except Exception as exc:  # nixl raises its own error types on a dead peer
+            raise PeerUnavailableError(f"KV read from {address} failed: {exc}") from exc
+        if state != "DONE":
+            raise PeerUnavailableError(f"KV read from {address} ended in state {state}")
+
+    def release(self, peer_key: str, handle: common_pb2.KvHandle, deadline: float) -> None:
+        with self._lock:
+            if handle.lease_id in self._notified:
+                self._notified.discard(handle.lease_id)
+                return
+        # Best effort: an unreleased lease expires on the exporter.
+        with contextlib.suppress(Exception):
+            self._agent.send_notif(self._peer(peer_key).name, release_message(handle.lease_id))
+
+    def forget(self, peer_key: str) -> None:
+        with self._lock:
+            peer = self._peers.pop(peer_key, None)
+        if peer is None:
+            return
+        peer.prepped.release()
+        self._agent.remove_remote_agent(peer.name)
+
+    def close(self) -> None:
+        for key in list(self._peers):
+            self.forget(key)
+        if self._reg is not None:
+            self._local.release()
+            self._agent.deregister_memory(self._reg)
+            self._reg = None

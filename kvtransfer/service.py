@@ -1,0 +1,77 @@
+"""The exporter's KvTransfer gRPC service: handshake, fallback block reads, releases.
+
+Runs inside the prefill process next to its engine. Handshake answers with the engine's
+identity (engine id + incarnation), layout and the backend's connection fields, after
+refusing a protocol or layout mismatch. ReadBlocks serves only blocks under an active
+lease; Release ends a lease early.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+from pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
+
+from kvtransfer.handle import PROTOCOL_VERSION
+from kvtransfer.layout import layout_to_proto
+
+if TYPE_CHECKING:
+    from kvtransfer.exporter import KvExporter
+
+
+class KvTransferService(kvtransfer_pb2_grpc.KvTransferServicer):
+    def __init__(self, exporter: KvExporter) -> None:
+        self._exp = exporter
+
+    def Handshake(
+        self, request: kvtransfer_pb2.HandshakeRequest, context: grpc.ServicerContext
+    ) -> kvtransfer_pb2.HandshakeResponse:
+        exp = self._exp
+        if request.protocol_version != PROTOCOL_VERSION:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"protocol_version {request.protocol_version} is not supported "
+                f"(exporter speaks {PROTOCOL_VERSION})",
+            )
+        if request.layout_fingerprint != exp.layout.fingerprint():
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "layout_fingerprint: the importer's KV layout differs from the exporter's "
+                f"({exp.layout})",
+            )
+        response = kvtransfer_pb2.HandshakeResponse(
+            protocol_version=PROTOCOL_VERSION,
+            engine_id=exp.engine_id,
+            incarnation=exp.incarnation,
+            layout=layout_to_proto(exp.layout),
+            num_blocks=exp.kv_cache.shape[2],
+        )
+        exp.backend.handshake_fields(response)
+        return response
+
+    def ReadBlocks(
+        self, request: kvtransfer_pb2.ReadBlocksRequest, context: grpc.ServicerContext
+    ) -> Iterator[kvtransfer_pb2.BlockChunk]:
+        lease = self._exp.leases.get(request.lease_id)
+        if lease is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"lease {request.lease_id} is not active")
+            return
+        allowed = set(lease.block_ids)
+        if not request.block_ids or any(b not in allowed for b in request.block_ids):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "block_ids: must be blocks of the lease"
+            )
+        index = torch.tensor(list(request.block_ids), dtype=torch.long)
+        pool = self._exp.kv_cache
+        for layer in range(pool.shape[0]):
+            for kv in range(2):
+                data = pool[layer, kv].index_select(0, index).cpu().numpy().tobytes()
+                yield kvtransfer_pb2.BlockChunk(layer=layer, kv=kv, data=data)
+
+    def Release(
+        self, request: kvtransfer_pb2.ReleaseRequest, context: grpc.ServicerContext
+    ) -> kvtransfer_pb2.ReleaseResponse:
+        return kvtransfer_pb2.ReleaseResponse(released=self._exp.leases.release(request.lease_id))

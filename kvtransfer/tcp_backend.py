@@ -1,0 +1,109 @@
+"""The fallback backend: block bytes streamed over the exporter's KvTransfer gRPC service.
+
+For platforms without NIXL (or UCX trouble). The exporter needs nothing beyond its
+KvTransfer service (`ReadBlocks` streams one message per layer and K/V; `Release`
+unpins). The importer keeps one channel per exporter incarnation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import grpc
+import torch
+from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
+
+from kvtransfer.backend import ExportBackend, ImportBackend, ReadResult
+from kvtransfer.errors import LeaseExpiredError, PeerUnavailableError, TransferError
+from kvtransfer.grpc_errors import transfer_error_from_rpc
+
+#: One (layer, K/V) slice of a long prompt's blocks can exceed gRPC's 4 MiB default.
+MAX_MESSAGE_BYTES = 256 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class TcpExportBackend(ExportBackend):
+    name = "tcp"
+
+    def handshake_fields(self, response: kvtransfer_pb2.HandshakeResponse) -> None:
+        response.backends.append(self.name)
+
+
+class TcpImportBackend(ImportBackend):
+    """Reads block bytes with ReadBlocks and writes them into the local pool."""
+
+    name = "tcp"
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        self._pool = kv_cache
+        self._lock = threading.Lock()
+        self._channels: dict[str, tuple[grpc.Channel, kvtransfer_pb2_grpc.KvTransferStub]] = {}
+
+    def connect(self, peer_key: str, handshake: kvtransfer_pb2.HandshakeResponse) -> None:
+        address = peer_key.split("|", 1)[0]
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        with self._lock:
+            old = self._channels.pop(peer_key, None)
+            self._channels[peer_key] = (channel, kvtransfer_pb2_grpc.KvTransferStub(channel))
+        if old is not None:
+            old[0].close()
+
+    def _stub(self, peer_key: str) -> kvtransfer_pb2_grpc.KvTransferStub:
+        with self._lock:
+            entry = self._channels.get(peer_key)
+        if entry is None:
+            raise PeerUnavailableError(f"no connection to KV exporter {peer_key}")
+        return entry[1]
+
+    def read(
+        self,
+        peer_key: str,
+        handle: common_pb2.KvHandle,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        deadline: float,
+    ) -> ReadResult:
+        start = time.monotonic()
+        timeout = deadline - start
+        if timeout <= 0:
+            raise TransferError("no time left for the KV read")
+        request = kvtransfer_pb2.ReadBlocksRequest(lease_id=handle.lease_id, block_ids=src_blocks)
+        dst = torch.tensor(dst_blocks, dtype=torch.long)
+        unit_shape = self._pool.shape[3:]
+        total = chunks = 0
+        try:
+            for chunk in self._stub(peer_key).ReadBlocks(request, timeout=timeout):
+                data = torch.frombuffer(bytearray(chunk.data), dtype=self._pool.dtype)
+                block = data.view(len(dst_blocks), *unit_shape).to(self._pool.device)
+                self._pool[chunk.layer, chunk.kv].index_copy_(0, dst, block)
+                total += len(chunk.data)
+                chunks += 1
+        except grpc.RpcError as exc:
+            raise transfer_error_from_rpc(exc, f"KV read from {handle.transfer_address}") from exc
+        expected = 2 * self._pool.shape[0]
+        if chunks != expected:
+            raise LeaseExpiredError(f"KV read got {chunks} of {expected} layer slices")
+        return ReadResult(total, chunks, time.monotonic() - start)
+
+    def release(self, peer_key: str, handle: common_pb2.KvHandle, deadline: float) -> None:
+        timeout = max(deadline - time.monotonic(), 0.5)
+        # Best effort: if the release is lost, the exporter's lease expiry frees it.
+        with contextlib.suppress(grpc.RpcError, PeerUnavailableError):
+            self._stub(peer_key).Release(
+                kvtransfer_pb2.ReleaseRequest(lease_id=handle.lease_id), timeout=timeout
+            )
+
+    def forget(self, peer_key: str) -> None:
+        with self._lock:
+            entry = self._channels.pop(peer_key, None)
+        if entry is not None:
+            entry[0].close()
+
+    def close(self) -> None:
+        for key in list(self._channels):
+            self.forget(key)

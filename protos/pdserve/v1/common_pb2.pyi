@@ -1,0 +1,57 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KvLayout(_message.Message):
+    __slots__ = ("model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "memory_kind", "fingerprint")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    memory_kind: str
+    fingerprint: str
+    def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., memory_kind: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class KvHandle(_message.Message):
+    __slots__ = ("protocol_version", "engine_id", "incarnation", "agent_name", "transfer_address", "block_ids", "num_tokens", "layout_fingerprint", "lease_id", "lease_expiry_unix_ms", "backend", "first_token_id", "request_id")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRY_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    engine_id: str
+    incarnation: str
+    agent_name: str
+    transfer_address: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    layout_fingerprint: str
+    lease_id: str
+    lease_expiry_unix_ms: int
+    backend: str
+    first_token_id: int
+    request_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., transfer_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix_ms: _Optional[int] = ..., backend: _Optional[str] = ..., first_token_id: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,73 @@
+"""A prefill peer process for KV-transfer tests: a real engine plus a real KvExporter.
+
+Run as `python -m tests.integration.kv_peer --backend nixl|tcp [--port P] [--lease-ttl S]`.
+It prints one JSON line `{"ready": ...}` once serving, then answers JSON commands on
+stdin, one per line, until `exit` or EOF:
+  {"cmd": "prefill", "prompt": [...]}  -> {"handle": base64 KvHandle}
+  {"cmd": "stats"}                     -> engine and lease counts
+The control channel is test scaffolding only; handshake and block data go over the real
+KvTransfer gRPC service and NIXL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import sys
+
+from engine.config import DEFAULT_MODEL_CACHE, EngineConfig
+from engine.engine import LLMEngine
+from engine.model_store import prepare_default_model
+from engine.sampling_params import SamplingParams
+from kvtransfer.config import TransferConfig
+from kvtransfer.exporter import KvExporter
+
+
+def _prefill(engine: LLMEngine, exporter: KvExporter, prompt: list[int]) -> dict[str, object]:
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=1), hold_kv=True)
+    while engine.has_unfinished():
+        engine.step()
+    handle = exporter.export(rid)
+    return {"handle": base64.b64encode(handle.SerializeToString()).decode()}
+
+
+def _stats(engine: LLMEngine, exporter: KvExporter) -> dict[str, object]:
+    s, leases = engine.stats(), exporter.stats().leases
+    return {
+        "used_blocks": s.used_blocks,
+        "held_blocks": s.held_blocks,
+        "held_requests": s.held_requests,
+        "active_leases": leases.active,
+        "expired": leases.expired,
+        "released": leases.released,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", default="nixl")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--lease-ttl", type=float, default=30.0)
+    parser.add_argument("--num-kv-blocks", type=int, default=400)
+    args = parser.parse_args()
+    model = prepare_default_model(DEFAULT_MODEL_CACHE.expanduser(), progress=False)
+    engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=args.num_kv_blocks))
+    config = TransferConfig(
+        kv_backend=args.backend, kv_lease_ttl_s=args.lease_ttl, kv_transfer_port=args.port
+    )
+    exporter = KvExporter(engine, config, engine_id="test-prefill").start()
+    print(json.dumps({"ready": exporter.address, "incarnation": exporter.incarnation}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "exit":
+            break
+        reply = _prefill(engine, exporter, cmd["prompt"]) if cmd["cmd"] == "prefill" else {}
+        if cmd["cmd"] == "stats":
+            reply = _stats(engine, exporter)
+        print(json.dumps(reply), flush=True)
+    exporter.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Test-side handle on a `kv_peer` process (start, command, kill, always stop)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pdserve.v1 import common_pb2
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class PeerProcess:
+    def __init__(self, backend: str, *, port: int = 0, lease_ttl: float = 30.0) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.kv_peer", "--backend", backend,
+             "--port", str(port), "--lease-ttl", str(lease_ttl)],
+            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        ready = self._read(timeout=180)
+        self.address: str = ready["ready"]
+        self.incarnation: str = ready["incarnation"]
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError("kv_peer did not answer in time")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"kv_peer exited with {self.proc.wait()}")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def call(self, **cmd: object) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout=120)
+
+    def prefill(self, prompt: list[int]) -> common_pb2.KvHandle:
+        reply = self.call(cmd="prefill", prompt=prompt)
+        return common_pb2.KvHandle.FromString(base64.b64decode(reply["handle"]))
+
+    def stats(self) -> dict[str, Any]:
+        return self.call(cmd="stats")
+
+    def wait_stats(self, predicate: Any, timeout: float = 5.0) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        stats = self.stats()
+        while not predicate(stats) and time.monotonic() < end:
+            time.sleep(0.05)
+            stats = self.stats()
+        return stats
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call(cmd="exit")
+                self.proc.wait(timeout=10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(timeout=10)

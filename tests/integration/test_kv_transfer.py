@@ -1,0 +1,209 @@
+"""KV transfer between two real processes, over NIXL and over the TCP fallback.
+
+The prefill peer is a separate process (`kv_peer.py`) with its own engine and exporter;
+the decode side is this process's engine with a KvImporter. Decoded tokens must equal a
+single-engine run, and every failure must leave no block behind on either side.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from kvtransfer.config import TransferConfig
+from kvtransfer.errors import (
+    InvalidHandleError,
+    LayoutMismatchError,
+    LeaseExpiredError,
+    PeerUnavailableError,
+    TransferError,
+)
+from kvtransfer.importer import KvImporter
+from tests.conftest import EngineFactory, assert_no_leaks
+from tests.integration.peer import PeerProcess
+from tests.prompts import SHORT, long_prompt
+
+BACKENDS = ["nixl", "tcp"]
+PARAMS = SamplingParams(max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def reference(make_engine: EngineFactory) -> LLMEngine:
+    return make_engine(num_kv_blocks=400)
+
+
+@pytest.fixture(scope="module")
+def decode(make_engine: EngineFactory) -> LLMEngine:
+    return make_engine(num_kv_blocks=400)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def peer(backend: str) -> Iterator[PeerProcess]:
+    p = PeerProcess(backend)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def importer(decode: LLMEngine, backend: str) -> Iterator[KvImporter]:
+    imp = KvImporter(decode, TransferConfig(kv_backend=backend, kv_transfer_timeout_s=5))
+    yield imp
+    imp.close()
+
+
+def _decode_all(engine: LLMEngine, request_id: str, first: int) -> list[int]:
+    out = [first]
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == request_id:
+                out += o.new_token_ids
+    return out
+
+
+def _prompts(engine: LLMEngine) -> list[list[int]]:
+    tok = engine.tokenizer
+    return [tok.encode(SHORT[0]), tok.encode(long_prompt(1)), tok.encode(long_prompt(6)),
+            tok.encode(long_prompt(20))]  # fmt: skip
+
+
+def test_transfer_then_decode_matches_single_engine(
+    peer: PeerProcess, importer: KvImporter, decode: LLMEngine, reference: LLMEngine
+) -> None:
+    prompts = _prompts(reference)
+    assert max(len(p) for p in prompts) >= 2000
+    for i, prompt in enumerate(prompts):
+        (expected,) = reference.generate([prompt], PARAMS)
+        handle = peer.prefill(prompt)
+        assert handle.first_token_id == expected[0]
+        result = importer.import_kv(handle, prompt, PARAMS, request_id=f"r{i}")
+        # Prompts share leading sections, so later ones find blocks in the local cache.
+        assert result.num_cached_blocks + result.num_read_blocks == len(handle.block_ids)
+        assert result.bytes == result.num_read_blocks * decode.layout.bytes_per_block
+        assert _decode_all(decode, f"r{i}", handle.first_token_id) == expected
+    stats = peer.wait_stats(lambda s: s["held_blocks"] == 0)
+    assert stats["held_blocks"] == 0 and stats["active_leases"] == 0
+    assert stats["released"] >= len(prompts)
+    assert_no_leaks(decode)
+    decode.pool.reset_prefix_cache()
+
+
+def test_prefix_aware_import_reads_only_missing_blocks(
+    peer: PeerProcess, importer: KvImporter, decode: LLMEngine
+) -> None:
+    prompt = decode.tokenizer.encode(long_prompt(5))
+    bs = decode.config.block_size
+    first = importer.import_kv(peer.prefill(prompt), prompt, PARAMS, request_id="p1")
+    assert first.num_cached_blocks == 0
+    _decode_all(decode, "p1", 0)
+    second = importer.import_kv(peer.prefill(prompt), prompt, PARAMS, request_id="p2")
+    assert second.num_cached_blocks == len(prompt) // bs
+    assert second.num_read_blocks == (1 if len(prompt) % bs else 0)
+    _decode_all(decode, "p2", 0)
+    assert peer.wait_stats(lambda s: s["held_blocks"] == 0)["held_blocks"] == 0
+    assert_no_leaks(decode)
+    decode.pool.reset_prefix_cache()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("protocol_version", 99, InvalidHandleError),
+        ("layout_fingerprint", "0123456789abcdef", LayoutMismatchError),
+        ("num_tokens", 3, InvalidHandleError),
+        ("lease_id", "", InvalidHandleError),
+    ],
+)
+def test_corrupt_handle_is_invalid_argument(
+    peer: PeerProcess,
+    importer: KvImporter,
+    decode: LLMEngine,
+    field: str,
+    value: object,
+    error: type[TransferError],
+) -> None:
+    prompt = decode.tokenizer.encode(long_prompt(1))
+    handle = peer.prefill(prompt)
+    setattr(handle, field, value)
+    with pytest.raises(error) as info:
+        importer.import_kv(handle, prompt, PARAMS, request_id="bad")
+    assert info.value.code.name == "INVALID_ARGUMENT"
+    assert field in str(info.value)
+    assert_no_leaks(decode)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_unclaimed_lease_expires_and_unpins(backend: str) -> None:
+    p = PeerProcess(backend, lease_ttl=1.0)
+    try:
+        p.prefill(list(range(100, 400)))
+        assert p.stats()["held_blocks"] > 0
+        stats = p.wait_stats(lambda s: s["expired"] == 1, timeout=5)
+        assert stats["expired"] == 1 and stats["held_blocks"] == 0 and stats["used_blocks"] == 0
+    finally:
+        p.close()
+
+
+def test_dead_exporter_gives_typed_error_within_deadline(backend: str, decode: LLMEngine) -> None:
+    p = PeerProcess(backend)
+    imp = KvImporter(decode, TransferConfig(kv_backend=backend, kv_transfer_timeout_s=2))
+    try:
+        prompt = decode.tokenizer.encode(long_prompt(2))
+        handle = p.prefill(prompt)
+        p.kill()
+        start = time.monotonic()
+        with pytest.raises((PeerUnavailableError, LeaseExpiredError)) as info:
+            imp.import_kv(handle, prompt, PARAMS, request_id="dead")
+        assert time.monotonic() - start < 2.5
+        assert info.value.code.name in ("UNAVAILABLE", "NOT_FOUND")
+        assert_no_leaks(decode)
+    finally:
+        imp.close()
+        p.close()
+
+
+def test_restarted_exporter_is_re_handshaken(backend: str, decode: LLMEngine) -> None:
+    port = _free_port()
+    imp = KvImporter(decode, TransferConfig(kv_backend=backend, kv_transfer_timeout_s=5))
+    prompt = decode.tokenizer.encode(long_prompt(2))
+    first = PeerProcess(backend, port=port)
+    try:
+        stale = first.prefill(prompt)
+        imp.import_kv(stale, prompt, PARAMS, request_id="before")
+        _decode_all(decode, "before", 0)
+        stale = first.prefill(prompt)
+    finally:
+        first.close()
+    second = PeerProcess(backend, port=port)
+    try:
+        assert second.incarnation != first.incarnation
+        # The old incarnation's blocks are gone: a typed error, never stale data.
+        with pytest.raises((LeaseExpiredError, PeerUnavailableError)):
+            imp.import_kv(stale, prompt, PARAMS, request_id="stale")
+        assert_no_leaks(decode)
+        decode.pool.reset_prefix_cache()
+        fresh = second.prefill(prompt)
+        result = imp.import_kv(fresh, prompt, PARAMS, request_id="after")
+        assert result.num_read_blocks == len(fresh.block_ids)
+        assert imp.handshakes == 2
+        _decode_all(decode, "after", 0)
+        assert second.wait_stats(lambda s: s["held_blocks"] == 0)["held_blocks"] == 0
+        assert_no_leaks(decode)
+    finally:
+        imp.close()
+        second.close()
+        decode.pool.reset_prefix_cache()
