@@ -208,7 +208,7 @@ class LLMEngine:
         return [out for rid in aborts if (out := self._abort_now(rid)) is not None]
 
     def _abort_now(self, request_id: str) -> RequestOutput | None:
-        if self.handoff.release_held(request_id) or self.handoff.cancel_import(request_id):
+        if self.handoff.release_held(request_id) or self.handoff.cancel_when_landed(request_id):
             return None
         req = self.requests.pop(request_id, None)
         if req is None:

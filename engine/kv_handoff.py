@@ -56,6 +56,9 @@ class KvHandoff:
         self._engine = engine
         self.held: dict[str, Request] = {}
         self.importing: dict[str, Request] = {}
+        # Imports cancelled while their bytes may still be landing: the blocks are freed
+        # when the importer commits or cancels, never under an in-flight transfer.
+        self.cancelled: set[str] = set()
 
     def owns(self, request_id: str) -> bool:
         return request_id in self.held or request_id in self.importing
@@ -129,29 +132,47 @@ class KvHandoff:
             hits.append(block_id)
         return hits
 
-    def commit_import(self, request_id: str) -> None:
-        """The reserved blocks now hold the prompt's KV: queue the request to decode."""
+    def commit_import(self, request_id: str) -> bool:
+        """The reserved blocks now hold the prompt's KV: queue the request to decode.
+
+        Returns False when the first token already ended the request (EOS, a stop, or
+        max_tokens 1): then nothing is queued and the blocks are freed.
+        """
         eng = self._engine
         with eng.lock:
             req = self.importing.pop(request_id, None)
             if req is None:
                 raise UnknownRequestError(request_id)
+            if request_id in self.cancelled:
+                self.cancelled.discard(request_id)
+                eng.scheduler.release_blocks(req)
+                return False
             req.num_computed_tokens = req.num_prompt_tokens
             eng.scheduler.publish_full_blocks(req)
             if eng.stop_checker.check(req) is not None:
                 # The first token already ended it (EOS, max_tokens 1): nothing to decode.
                 eng.scheduler.release_blocks(req)
-                return
+                return False
             eng.requests[request_id] = req
             eng.scheduler.add(req)
+            return True
 
     def cancel_import(self, request_id: str) -> bool:
         """Free a reservation whose transfer failed or was cancelled; False if none."""
         with self._engine.lock:
+            self.cancelled.discard(request_id)
             req = self.importing.pop(request_id, None)
             if req is None:
                 return False
             self._engine.scheduler.release_blocks(req)
+            return True
+
+    def cancel_when_landed(self, request_id: str) -> bool:
+        """Abort an import whose transfer may be in flight; False if not importing."""
+        with self._engine.lock:
+            if request_id not in self.importing:
+                return False
+            self.cancelled.add(request_id)
             return True
 
     def blocks(self) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """The prefill side of KV transfer: export held blocks under leases and serve importers.
 
-Lifecycle: `KvExporter(engine, config)` registers the engine's KV pool with the backend
+Lifecycle: `KvExporter.for_engine(engine, config)` registers the engine's KV pool with the backend
 (NIXL registers it once, for the process's life) and `start()` binds the KvTransfer gRPC
 service on loopback and starts a housekeeping thread. After the engine finishes a
 request added with `hold_kv=True`, `export(request_id)` grants a lease and returns the
@@ -17,11 +17,15 @@ import threading
 import uuid
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
+import torch
 from pdserve.v1 import common_pb2, kvtransfer_pb2_grpc
 
 from engine.engine import LLMEngine
+from engine.kv_cache import KvLayout
+from engine.kv_handoff import HeldKv
 from kvtransfer.backend import ExportBackend
 from kvtransfer.config import TransferConfig
 from kvtransfer.handle import PROTOCOL_VERSION
@@ -43,6 +47,14 @@ def make_export_backend(name: str, exporter: KvExporter) -> ExportBackend:
     return TcpExportBackend()
 
 
+class HeldKvProvider(Protocol):
+    """Who pins exported blocks: an engine's `handoff` (or a bare pool in benchmarks)."""
+
+    def held_kv(self, request_id: str) -> HeldKv: ...
+
+    def release_held(self, request_id: str) -> bool: ...
+
+
 @dataclass(frozen=True)
 class ExporterStats:
     leases: LeaseStats
@@ -54,17 +66,23 @@ class KvExporter:
     """Leases on a prefill engine's held blocks, plus the service importers talk to."""
 
     def __init__(
-        self, engine: LLMEngine, config: TransferConfig, *, engine_id: str | None = None
+        self,
+        layout: KvLayout,
+        kv_cache: torch.Tensor,
+        held: HeldKvProvider,
+        config: TransferConfig,
+        *,
+        engine_id: str | None = None,
     ) -> None:
-        self.engine = engine
+        self.held = held
         self.config = config
-        self.layout = engine.layout
-        self.kv_cache = engine.kv_cache
+        self.layout = layout
+        self.kv_cache = kv_cache
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         # A new incarnation per process start: importers must re-handshake after a restart.
         self.incarnation = uuid.uuid4().hex[:12]
         self.agent_name = f"{self.engine_id}.{self.incarnation}"
-        self.leases = LeaseTable(config.kv_lease_ttl_s, on_release=engine.handoff.release_held)
+        self.leases = LeaseTable(config.kv_lease_ttl_s, on_release=held.release_held)
         self.backend = make_export_backend(config.kv_backend, self)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS
@@ -76,6 +94,12 @@ class KvExporter:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._housekeeping, name="kv-exporter", daemon=True)
 
+    @classmethod
+    def for_engine(
+        cls, engine: LLMEngine, config: TransferConfig, *, engine_id: str | None = None
+    ) -> KvExporter:
+        return cls(engine.layout, engine.kv_cache, engine.handoff, config, engine_id=engine_id)
+
     def start(self) -> KvExporter:
         self._server.start()
         self._thread.start()
@@ -86,7 +110,7 @@ class KvExporter:
 
     def export(self, request_id: str) -> common_pb2.KvHandle:
         """Lease the held blocks of a finished hold_kv request and describe them."""
-        held = self.engine.handoff.held_kv(request_id)
+        held = self.held.held_kv(request_id)
         lease = self.leases.grant(request_id, held.block_ids)
         return common_pb2.KvHandle(
             protocol_version=PROTOCOL_VERSION,

@@ -24,6 +24,7 @@ from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 
 from engine.engine import LLMEngine
 from engine.errors import OutOfBlocksError
+from engine.kv_cache import KvLayout
 from engine.sampling_params import SamplingParams
 from kvtransfer.backend import ImportBackend
 from kvtransfer.config import TransferConfig
@@ -44,6 +45,26 @@ def make_import_backend(name: str, engine: LLMEngine, agent_name: str) -> Import
     return TcpImportBackend(engine.kv_cache)
 
 
+def handshake(
+    address: str, layout: KvLayout, agent_name: str, deadline: float
+) -> kvtransfer_pb2.HandshakeResponse:
+    """Ask the exporter at `address` who it is; it refuses a protocol or layout mismatch."""
+    request = kvtransfer_pb2.HandshakeRequest(
+        protocol_version=PROTOCOL_VERSION,
+        layout_fingerprint=layout.fingerprint(),
+        importer_agent_name=agent_name,
+    )
+    timeout = max(deadline - time.monotonic(), 0.05)
+    with grpc.insecure_channel(address) as channel:
+        try:
+            response: kvtransfer_pb2.HandshakeResponse = kvtransfer_pb2_grpc.KvTransferStub(
+                channel
+            ).Handshake(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise transfer_error_from_rpc(exc, f"KV handshake with {address}") from exc
+    return response
+
+
 @dataclass(frozen=True)
 class ImportResult:
     num_cached_blocks: int
@@ -51,6 +72,7 @@ class ImportResult:
     bytes: int
     descriptors: int
     seconds: float
+    queued: bool = True  # False: the first token already ended the request
 
     @property
     def gbps(self) -> float:
@@ -103,7 +125,7 @@ class KvImporter:
             if src:
                 result = self.backend.read(peer, handle, src, slot.blocks_to_fill, deadline)
             self.backend.release(peer, handle, deadline)
-            self.engine.handoff.commit_import(request_id)
+            queued = self.engine.handoff.commit_import(request_id)
         except PeerUnavailableError:
             self.engine.handoff.cancel_import(request_id)
             # The exporter died or restarted: its metadata is stale, re-handshake next time.
@@ -118,6 +140,7 @@ class KvImporter:
             bytes=result.bytes if result else 0,
             descriptors=result.descriptors if result else 0,
             seconds=time.monotonic() - start,
+            queued=queued,
         )
 
     def _peer(self, handle: common_pb2.KvHandle, deadline: float) -> str:
@@ -126,7 +149,7 @@ class KvImporter:
         with self._lock:
             if self._peer_by_address.get(address) == key:
                 return key
-        response = self._handshake(address, deadline)
+        response = handshake(address, self.engine.layout, self.agent_name, deadline)
         if response.incarnation != handle.incarnation:
             raise LeaseExpiredError(
                 f"KV exporter at {address} restarted (incarnation {response.incarnation}, "
@@ -148,22 +171,6 @@ class KvImporter:
             if self._peer_by_address.get(address) == key:
                 del self._peer_by_address[address]
                 self.backend.forget(key)
-
-    def _handshake(self, address: str, deadline: float) -> kvtransfer_pb2.HandshakeResponse:
-        request = kvtransfer_pb2.HandshakeRequest(
-            protocol_version=PROTOCOL_VERSION,
-            layout_fingerprint=self.engine.layout.fingerprint(),
-            importer_agent_name=self.agent_name,
-        )
-        timeout = max(deadline - time.monotonic(), 0.05)
-        with grpc.insecure_channel(address) as channel:
-            try:
-                response: kvtransfer_pb2.HandshakeResponse = kvtransfer_pb2_grpc.KvTransferStub(
-                    channel
-                ).Handshake(request, timeout=timeout)
-            except grpc.RpcError as exc:
-                raise transfer_error_from_rpc(exc, f"KV handshake with {address}") from exc
-        return response
 
     def close(self) -> None:
         self.backend.close()

@@ -12,7 +12,7 @@ import logging
 import sys
 
 from engine.errors import EngineError
-from services.cli import model_cmd, run_cmd
+from services.cli import cluster_cmd, model_cmd, run_cmd, serve_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,9 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pdserve", description="Disaggregated prefill/decode LLM serving."
     )
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    parser.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
     model_cmd.register(sub)
     run_cmd.register(sub)
+    serve_cmd.register(sub)
+    cluster_cmd.register(sub)
     return parser
 
 
@@ -32,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.die_with_parent:
+        from services.cli.cluster import die_with_parent
+
+        die_with_parent()
     try:
         code: int = args.handler(args)
     except (EngineError, ValueError) as exc:

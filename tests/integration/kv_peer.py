@@ -56,7 +56,7 @@ def main() -> None:
     config = TransferConfig(
         kv_backend=args.backend, kv_lease_ttl_s=args.lease_ttl, kv_transfer_port=args.port
     )
-    exporter = KvExporter(engine, config, engine_id="test-prefill").start()
+    exporter = KvExporter.for_engine(engine, config, engine_id="test-prefill").start()
     print(json.dumps({"ready": exporter.address, "incarnation": exporter.incarnation}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

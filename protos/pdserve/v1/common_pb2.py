@@ -24,15 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xae\x01\n\x08KvLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x13\n\x0bmemory_kind\x18\x07 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x08 \x01(\t\"\xaa\x02\n\x08KvHandle\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x18\n\x10transfer_address\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x08 \x01(\t\x12\x10\n\x08lease_id\x18\t \x01(\t\x12\x1c\n\x14lease_expiry_unix_ms\x18\n \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x0b \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x0c \x01(\r\x12\x12\n\nrequest_id\x18\r \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\">\n\x0b\x45rrorDetail\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\"\xae\x01\n\x08KvLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x13\n\x0bmemory_kind\x18\x07 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x08 \x01(\t\"\xaa\x02\n\x08KvHandle\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x18\n\x10transfer_address\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x08 \x01(\t\x12\x10\n\x08lease_id\x18\t \x01(\t\x12\x1c\n\x14lease_expiry_unix_ms\x18\n \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x0b \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x0c \x01(\r\x12\x12\n\nrequest_id\x18\r \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVLAYOUT']._serialized_start=40
-  _globals['_KVLAYOUT']._serialized_end=214
-  _globals['_KVHANDLE']._serialized_start=217
-  _globals['_KVHANDLE']._serialized_end=515
+  _globals['_FINISHREASON']._serialized_start=910
+  _globals['_FINISHREASON']._serialized_end=1030
+  _globals['_SAMPLINGPARAMS']._serialized_start=40
+  _globals['_SAMPLINGPARAMS']._serialized_end=284
+  _globals['_USAGE']._serialized_start=286
+  _globals['_USAGE']._serialized_end=366
+  _globals['_ERRORDETAIL']._serialized_start=368
+  _globals['_ERRORDETAIL']._serialized_end=430
+  _globals['_KVLAYOUT']._serialized_start=433
+  _globals['_KVLAYOUT']._serialized_end=607
+  _globals['_KVHANDLE']._serialized_start=610
+  _globals['_KVHANDLE']._serialized_end=908
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,111 @@
+"""`pdserve up`, `pdserve generate` and `pdserve status`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+import grpc
+from pdserve.v1 import common_pb2
+
+from services.cli.cluster import ClusterConfig, LocalCluster
+from services.common.config import add_config_args, config_from_args
+from services.gateway.client import GatewayClient, build_request
+
+DEFAULT_GATEWAY = "127.0.0.1:8470"
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    up = sub.add_parser("up", help="start a local cluster (workers + gateway) and wait")
+    add_config_args(up, ClusterConfig)
+    up.add_argument("--generate", metavar="PROMPT", help="stream one completion, then stop")
+    up.add_argument("--max-tokens", type=int, default=64, help="tokens for --generate")
+    up.set_defaults(handler=_up)
+    gen = sub.add_parser("generate", help="stream a completion through the gateway")
+    gen.add_argument("prompt")
+    gen.add_argument("--gateway", default=DEFAULT_GATEWAY, help="gateway address")
+    gen.add_argument("--raw", action="store_true", help="no chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(handler=_generate)
+    status = sub.add_parser("status", help="show workers, KV blocks and load")
+    status.add_argument("--gateway", default=DEFAULT_GATEWAY, help="gateway address")
+    status.set_defaults(handler=_status)
+
+
+async def stream_completion(address: str, prompt: str, *, raw: bool, **sampling: object) -> int:
+    request = build_request(
+        prompt=prompt if raw else None,
+        messages=None if raw else [("user", prompt)],
+        **sampling,  # type: ignore[arg-type]
+    )
+    async with GatewayClient(address) as client:
+        try:
+            async for msg in client.generate(request):
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                if msg.finished:
+                    reason = common_pb2.FinishReason.Name(msg.finish_reason)
+                    u = msg.usage
+                    print(f"\n[{reason}; prompt {u.prompt_tokens}, cached {u.cached_tokens}, "
+                          f"completion {u.completion_tokens} tokens]", file=sys.stderr)  # fmt: skip
+        except grpc.aio.AioRpcError as exc:
+            print(f"\npdserve: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    cluster = LocalCluster(config_from_args(ClusterConfig, args))
+    stop = [False]
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop[0] = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        address = cluster.start()
+        print(f"pdserve cluster ready: gateway {address}", file=sys.stderr)
+        if args.generate:
+            return asyncio.run(
+                stream_completion(address, args.generate, raw=False, max_tokens=args.max_tokens)
+            )
+        signal.sigwait({signal.SIGINT, signal.SIGTERM}) if not stop[0] else None
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        print("pdserve: stopping the cluster", file=sys.stderr)
+        cluster.stop()
+
+
+def _generate(args: argparse.Namespace) -> int:
+    return asyncio.run(
+        stream_completion(args.gateway, args.prompt, raw=args.raw, max_tokens=args.max_tokens,
+                          temperature=args.temperature, seed=args.seed)
+    )  # fmt: skip
+
+
+def _status(args: argparse.Namespace) -> int:
+    async def fetch() -> int:
+        async with GatewayClient(args.gateway) as client:
+            status = await client.cluster_status()
+        print(f"streams: {status.active_streams}/{status.max_streams}")
+        print(f"{'worker':<14}{'role':<10}{'address':<22}{'blocks used/total':>18}{'held':>6}"
+              f"{'run':>5}{'wait':>5}{'leases':>7}{'hit%':>6}")  # fmt: skip
+        for w in status.workers:
+            hit = (
+                100 * w.prefix_hit_tokens / w.prefix_query_tokens if w.prefix_query_tokens else 0.0
+            )
+            used = f"{w.used_blocks}/{w.total_blocks}"
+            print(
+                f"{w.worker_id:<14}{w.role:<10}{w.address:<22}{used:>18}{w.held_blocks:>6}"
+                f"{w.running:>5}{w.waiting:>5}{w.active_leases:>7}{hit:>6.1f}"
+            )
+        return 0
+
+    return asyncio.run(fetch())

@@ -1,0 +1,24 @@
+"""The worker process's own settings (its engine and KV transfer have their own configs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ROLES = ("prefill", "decode", "mixed")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str = field(default="mixed", metadata={"help": "prefill, decode or mixed"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address the worker binds"})
+    port: int = field(default=0, metadata={"help": "worker gRPC port (0 = any free port)"})
+    worker_id: str = field(default="", metadata={"help": "stable worker id (default: role-pid)"})
+    drain_timeout_s: float = field(
+        default=10.0, metadata={"help": "on SIGTERM, seconds to let running streams finish"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")

@@ -1,0 +1,158 @@
+"""One worker process: an engine, its loop thread, KV transfer and the Worker service.
+
+Lifecycle: `run_worker(worker, engine, transfer)` loads the engine (converting the
+default model on first use), starts the engine loop, the KV exporter (prefill/mixed
+roles... prefill only) or importer (decode), and the gRPC server with health and
+reflection; prints one JSON line `{"ready": address, ...}` on stdout for whoever
+launched it; serves until SIGTERM/SIGINT; then reports NOT_SERVING, lets running
+streams finish for up to `drain_timeout_s`, and stops everything (leases released).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+
+import grpc
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from kvtransfer.config import TransferConfig
+from kvtransfer.exporter import KvExporter
+from kvtransfer.importer import KvImporter
+from services.common.engine_loop import EngineLoop
+from services.common.grpc_server import build_server
+from services.common.status import abort_with
+from services.common.worker_config import WorkerConfig
+from services.decode.handler import DecodeHandler
+from services.prefill.handler import PrefillHandler
+
+log = logging.getLogger(__name__)
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    """Routes RPCs to the role's handlers; every error becomes a typed status."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        loop: EngineLoop,
+        prefill: PrefillHandler | None,
+        decode: DecodeHandler | None,
+        exporter: KvExporter | None,
+        address: str,
+    ) -> None:
+        self.config = config
+        self.loop = loop
+        self.prefill_handler = prefill
+        self.decode_handler = decode
+        self.exporter = exporter
+        self.address = address
+        self.worker_id = config.worker_id
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        if self.prefill_handler is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"worker role is {self.config.role}"
+            )
+        assert self.prefill_handler is not None
+        try:
+            return await self.prefill_handler.prefill(request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await abort_with(context, exc)
+            raise
+
+    async def Decode(
+        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.DecodeChunk]:
+        if self.decode_handler is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"worker role is {self.config.role}"
+            )
+        assert self.decode_handler is not None
+        try:
+            async for chunk in self.decode_handler.decode(request, context):
+                yield chunk
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def Abort(
+        self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AbortResponse:
+        found = self.prefill_handler.abort(request.request_id) if self.prefill_handler else False
+        if not found:
+            self.loop.engine.abort(request.request_id)
+            self.loop.wake()
+        return worker_pb2.AbortResponse(found=found)
+
+    async def Stats(
+        self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStats:
+        return worker_stats(self)
+
+
+def worker_stats(svc: WorkerService) -> worker_pb2.WorkerStats:
+    s = svc.loop.engine.stats()
+    leases = svc.exporter.stats().leases if svc.exporter else None
+    return worker_pb2.WorkerStats(
+        worker_id=svc.worker_id, role=svc.config.role, total_blocks=s.total_blocks,
+        free_blocks=s.free_blocks, used_blocks=s.used_blocks, cached_blocks=s.cached_blocks,
+        held_blocks=s.held_blocks, running=s.running, waiting=s.waiting,
+        active_leases=leases.active if leases else 0,
+        expired_leases=leases.expired if leases else 0,
+        prefix_hit_tokens=s.prefix_hit_tokens, prefix_query_tokens=s.prefix_query_tokens,
+        kv_layout_fingerprint=svc.loop.engine.layout.fingerprint(), address=svc.address,
+    )  # fmt: skip
+
+
+async def serve_worker(
+    config: WorkerConfig, engine_cfg: EngineConfig, transfer: TransferConfig
+) -> None:
+    if not config.worker_id:
+        config = WorkerConfig(**{**config.__dict__, "worker_id": f"{config.role}-{os.getpid()}"})
+    engine = LLMEngine(engine_cfg, progress=False)
+    loop = EngineLoop(engine).start(asyncio.get_running_loop())
+    exporter = importer = None
+    if config.role == "prefill":
+        exporter = KvExporter.for_engine(engine, transfer, engine_id=config.worker_id).start()
+    if config.role == "decode":
+        importer = KvImporter(engine, transfer, engine_id=config.worker_id)
+    built = build_server(
+        config.host, config.port, [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name]
+    )
+    address = f"{config.host}:{built.port}"
+    prefill = PrefillHandler(loop, exporter, config.worker_id) if exporter else None
+    decode = DecodeHandler(loop, importer) if config.role != "prefill" else None
+    service = WorkerService(config, loop, prefill, decode, exporter, address)
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, built.server)
+    await built.server.start()
+    await built.mark_serving()
+    print(
+        json.dumps({"ready": address, "worker_id": config.worker_id, "role": config.role}),
+        flush=True,
+    )
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("worker %s draining", config.worker_id)
+    await built.mark_not_serving()
+    await built.server.stop(grace=config.drain_timeout_s)
+    loop.stop()
+    if exporter:
+        exporter.close()
+    if importer:
+        importer.close()
+    sys.stdout.flush()

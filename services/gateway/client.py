@@ -1,0 +1,90 @@
+"""The async Python client of the gateway, used by the CLI, the tests and the load tester.
+
+Lifecycle: `async with GatewayClient(address) as client:` opens one channel; `generate`
+returns the live streaming call (iterate it for deltas; `call.cancel()` or leaving the
+iteration early cancels the request everywhere); `complete` returns the whole answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+
+import grpc
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+from services.common.grpc_server import CHANNEL_OPTIONS
+
+
+def build_request(
+    prompt: str | None = None,
+    messages: Sequence[tuple[str, str]] | None = None,
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    model: str = "",
+    request_id: str = "",
+) -> gateway_pb2.GenerateRequest:
+    """A GenerateRequest from plain values; exactly one of prompt/messages."""
+    sp = common_pb2.SamplingParams(stop=list(stop), ignore_eos=ignore_eos)
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
+                        ("top_p", top_p), ("top_k", top_k), ("seed", seed)):  # fmt: skip
+        if value is not None:
+            setattr(sp, name, value)
+    req = gateway_pb2.GenerateRequest(model=model, sampling=sp, request_id=request_id)
+    if messages is not None:
+        req.messages.messages.extend(
+            gateway_pb2.ChatMessage(role=r, content=c) for r, c in messages
+        )
+    elif prompt is not None:
+        req.prompt = prompt
+    return req
+
+
+class GatewayClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = gateway_pb2_grpc.GatewayStub(self._channel)
+
+    async def __aenter__(self) -> GatewayClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def generate(
+        self, request: gateway_pb2.GenerateRequest, *, timeout: float | None = None
+    ) -> grpc.aio.UnaryStreamCall:
+        return self.stub.Generate(request, timeout=timeout)
+
+    async def complete(
+        self, request: gateway_pb2.GenerateRequest, *, timeout: float | None = None
+    ) -> gateway_pb2.GenerateResponse:
+        response: gateway_pb2.GenerateResponse = await self.stub.Complete(request, timeout=timeout)
+        return response
+
+    async def list_models(self) -> gateway_pb2.ListModelsResponse:
+        response: gateway_pb2.ListModelsResponse = await self.stub.ListModels(
+            gateway_pb2.ListModelsRequest()
+        )
+        return response
+
+    async def cluster_status(self) -> gateway_pb2.ClusterStatusResponse:
+        response: gateway_pb2.ClusterStatusResponse = await self.stub.ClusterStatus(
+            gateway_pb2.ClusterStatusRequest()
+        )
+        return response

@@ -1,0 +1,60 @@
+"""The gateway process.
+
+Lifecycle: `serve_gateway(config, model_cfg)` loads the tokenizer and model shape
+(converting the default model on first use), builds the static placement from the
+configured worker addresses, starts the gRPC server with health and reflection, prints
+a JSON ready line, and serves until SIGTERM/SIGINT; then it reports NOT_SERVING and
+lets open streams finish for a few seconds before stopping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+from engine.model_spec import ModelSpec
+from engine.model_store import DEFAULT_MODEL_NAME, resolve_model_dir
+from engine.tokenizer import Tokenizer
+from services.cli.model_cmd import ModelConfig
+from services.common.grpc_server import build_server
+from services.gateway.config import GatewayConfig
+from services.gateway.service import GatewayService
+from services.router.placement import StaticPlacement
+
+DRAIN_S = 5.0
+
+
+def build_service(config: GatewayConfig, model_cfg: ModelConfig) -> GatewayService:
+    model_dir = resolve_model_dir(
+        model_cfg.model, model_cfg.model_cache_dir.expanduser(), progress=False
+    )
+    spec = ModelSpec.from_dir(model_dir)
+    placement = StaticPlacement.from_addresses(config.prefill_list, config.decode_list)
+    name = model_cfg.model or DEFAULT_MODEL_NAME
+    return GatewayService(
+        config, placement, Tokenizer(model_dir), name, spec.max_position_embeddings, spec.vocab_size
+    )
+
+
+async def serve_gateway(config: GatewayConfig, model_cfg: ModelConfig) -> None:
+    service = build_service(config, model_cfg)
+    built = build_server(
+        config.gateway_host,
+        config.gateway_port,
+        [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
+    )
+    gateway_pb2_grpc.add_GatewayServicer_to_server(service, built.server)
+    await built.server.start()
+    await built.mark_serving()
+    address = f"{config.gateway_host}:{built.port}"
+    print(json.dumps({"ready": address, "role": "gateway"}), flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await built.mark_not_serving()
+    await built.server.stop(grace=DRAIN_S)
+    await service.close()

@@ -1,0 +1,72 @@
+"""The Prefill RPC: first token plus a leased KvHandle.
+
+Lifecycle of one call: the request joins the engine with `max_tokens=1` and
+`hold_kv=True` (chunked prefill and prefix-cache hits apply as usual); when its one
+token is sampled, either the request is already over (the token is EOS or a stop, or
+the client asked for one token) and its blocks are released at once, or the exporter
+leases the held blocks and the handle goes back. A cancelled call aborts the request
+and drops any lease.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+from pdserve.v1 import worker_pb2
+
+from engine.request import RequestOutput
+from kvtransfer.exporter import KvExporter
+from services.common import sampling
+from services.common.engine_loop import EngineLoop
+
+
+class PrefillHandler:
+    def __init__(self, loop: EngineLoop, exporter: KvExporter, worker_id: str) -> None:
+        self.loop = loop
+        self.engine = loop.engine
+        self.exporter = exporter
+        self.worker_id = worker_id
+
+    async def prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        params = sampling.from_proto(request.sampling)
+        first_only = dataclasses.replace(params, max_tokens=1)
+        rid = request.request_id
+        queue = self.loop.open(rid)
+        finished = False
+        try:
+            self.engine.add_request(
+                list(request.prompt_token_ids), first_only, request_id=rid,
+                cache_salt=request.cache_salt, hold_kv=True,
+            )  # fmt: skip
+            self.loop.wake()
+            out: RequestOutput = await queue.get()
+            finished = True
+            return self._respond(rid, out, params.max_tokens)
+        finally:
+            self.loop.close(rid, finished=finished)
+            if not finished:
+                self.exporter.cancel(rid)
+
+    def _respond(self, rid: str, out: RequestOutput, max_tokens: int) -> worker_pb2.PrefillResponse:
+        response = worker_pb2.PrefillResponse(
+            first_token_id=out.new_token_ids[0] if out.new_token_ids else 0,
+            cached_tokens=out.num_cached_tokens,
+            worker_id=self.worker_id,
+        )
+        if out.finish_reason == "stop" or max_tokens == 1 or out.finish_reason == "abort":
+            self.engine.handoff.release_held(rid)
+            response.finished = True
+            response.finish_reason = sampling.finish_reason(out.finish_reason)
+            return response
+        response.kv_handle.CopyFrom(self.exporter.export(rid))
+        return response
+
+    def abort(self, request_id: str) -> bool:
+        dropped = self.exporter.cancel(request_id)
+        released = self.engine.handoff.release_held(request_id)
+        self.engine.abort(request_id)
+        self.loop.wake()
+        return dropped or released

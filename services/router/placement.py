@@ -1,0 +1,110 @@
+"""Placement: the interface the gateway calls to pick workers, and a static version.
+
+The gateway depends only on `Placement`. `StaticPlacement` serves a fixed list of
+workers round-robin (what `pdserve up` uses until the Redis router is configured); the
+Redis-backed router implements the same interface with bounded-load consistent hashing
+on the prompt's prefix. `route` may be called again with `exclude` naming workers that
+failed the request; `release` gives back whatever load the decision took.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+
+
+@dataclass(frozen=True)
+class WorkerRef:
+    worker_id: str
+    address: str
+    role: str
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """`prefill` is None when the pool is mixed: `decode` then runs the whole request."""
+
+    prefill: WorkerRef | None
+    decode: WorkerRef
+    load_lease_ids: tuple[str, ...] = field(default=())
+
+
+def _ref(entry: str, role: str) -> WorkerRef:
+    worker_id, _, address = entry.rpartition("=")
+    return WorkerRef(worker_id or address, address, role)
+
+
+class NoWorkerError(Exception):
+    """No eligible worker is left for this request."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Placement(Protocol):
+    async def route(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        tenant: str,
+        exclude: Sequence[str] = (),
+    ) -> RouteDecision: ...
+
+    async def release(self, decision: RouteDecision) -> None: ...
+
+    def workers(self) -> list[WorkerRef]: ...
+
+
+class StaticPlacement:
+    """Round-robin over fixed prefill and decode lists (or one mixed list)."""
+
+    def __init__(self, prefill: Sequence[WorkerRef], decode: Sequence[WorkerRef]) -> None:
+        if not decode:
+            raise ValueError("at least one decode (or mixed) worker is needed")
+        self._prefill = list(prefill)
+        self._decode = list(decode)
+        self._lock = threading.Lock()
+        self._next_p = itertools.count()
+        self._next_d = itertools.count()
+
+    @classmethod
+    def from_addresses(cls, prefill: Sequence[str], decode: Sequence[str]) -> StaticPlacement:
+        """Entries are `host:port` or `worker_id=host:port`."""
+        role = "decode" if prefill else "mixed"
+        return cls([_ref(a, "prefill") for a in prefill], [_ref(a, role) for a in decode])
+
+    def workers(self) -> list[WorkerRef]:
+        return self._prefill + self._decode
+
+    async def route(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        tenant: str,
+        exclude: Sequence[str] = (),
+    ) -> RouteDecision:
+        prefill = self._pick(self._prefill, self._next_p, exclude) if self._prefill else None
+        if self._prefill and prefill is None:
+            raise NoWorkerError("no prefill worker left to try")
+        decode = self._pick(self._decode, self._next_d, exclude)
+        if decode is None:
+            raise NoWorkerError("no decode worker left to try")
+        return RouteDecision(prefill, decode)
+
+    async def release(self, decision: RouteDecision) -> None:
+        return None
+
+    def _pick(
+        self, pool: list[WorkerRef], counter: itertools.count[int], exclude: Sequence[str]
+    ) -> WorkerRef | None:
+        with self._lock:
+            start = next(counter)
+        for i in range(len(pool)):
+            ref = pool[(start + i) % len(pool)]
+            if ref.worker_id not in exclude:
+                return ref
+        return None

@@ -1,0 +1,189 @@
+"""End to end through real processes on 127.0.0.1: gateway, prefill and decode workers
+(KV over NIXL), the default model. Streams, cancels, crashes and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import ChatMessage
+from services.cli.cluster import ClusterConfig, LocalCluster
+from services.gateway.client import GatewayClient, build_request
+from tests.conftest import MODEL_CACHE, EngineFactory
+from tests.prompts import long_prompt
+
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def _cluster(**overrides: object) -> LocalCluster:
+    settings: dict[str, object] = {"gateway_port": 0, "model_cache_dir": MODEL_CACHE,
+                                   "worker_kv_cache_bytes": 96 << 20}  # fmt: skip
+    settings.update(overrides)
+    cluster = LocalCluster(ClusterConfig(**settings))  # type: ignore[arg-type]
+    cluster.start()
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    c = _cluster(num_prefill=2, num_decode=1)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(make_engine: EngineFactory) -> LLMEngine:
+    return make_engine(num_kv_blocks=200)
+
+
+def run(coro: object) -> object:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+async def _collect(address: str, **kwargs: object) -> list[object]:
+    async with GatewayClient(address) as client:
+        return [m async for m in client.generate(build_request(**kwargs))]  # type: ignore[arg-type]
+
+
+async def _idle(address: str, timeout: float) -> list[object]:
+    """Poll until every worker holds no blocks; returns the last worker stats."""
+    end = time.monotonic() + timeout
+    async with GatewayClient(address) as client:
+        while True:
+            workers = list((await client.cluster_status()).workers)
+            if all(w.used_blocks == 0 and w.held_blocks == 0 and w.running == 0 for w in workers):
+                return workers
+            if time.monotonic() > end:
+                return workers
+            await asyncio.sleep(0.05)
+
+
+def test_stream_equals_single_engine(cluster: LocalCluster, reference: LLMEngine) -> None:
+    msgs = run(_collect(cluster.gateway_address, messages=[("user", QUESTION)], max_tokens=24))
+    prompt = reference.tokenizer.encode_chat([ChatMessage("user", QUESTION)])
+    (expected,) = reference.generate([prompt], SamplingParams(max_tokens=24))
+    tokens = [t for m in msgs for t in m.token_ids]  # type: ignore[attr-defined]
+    assert tokens == expected
+    text = "".join(m.text for m in msgs)  # type: ignore[attr-defined]
+    assert text == reference.tokenizer.decode(expected)
+    first, last = msgs[0], msgs[-1]
+    # Token 1 comes from the prefill worker before the decode worker is involved.
+    assert first.prefill_worker.startswith("prefill-") and not first.decode_worker  # type: ignore[attr-defined]
+    assert len(first.token_ids) == 1  # type: ignore[attr-defined]
+    assert last.finished and last.usage.completion_tokens == len(expected)  # type: ignore[attr-defined]
+    assert last.usage.prompt_tokens == len(prompt)  # type: ignore[attr-defined]
+
+
+def test_cancel_frees_blocks_on_both_workers_within_a_second(cluster: LocalCluster) -> None:
+    async def scenario() -> list[object]:
+        async with GatewayClient(cluster.gateway_address) as client:
+            call = client.generate(
+                build_request(prompt=long_prompt(3), max_tokens=400, ignore_eos=True)
+            )
+            seen = 0
+            async for _ in call:
+                seen += 1
+                if seen == 4:
+                    break
+            call.cancel()
+        return await _idle(cluster.gateway_address, timeout=1.0)
+
+    workers = run(scenario())
+    assert all(w.used_blocks == 0 and w.held_blocks == 0 for w in workers), workers  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "code", "needle"),
+    [
+        ({"prompt": ""}, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        ({"prompt": "hi " * 9000}, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        (
+            {"prompt": "hi", "temperature": -1.0},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.temperature",
+        ),
+        ({"prompt": "hi", "top_p": 1.5}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
+        (
+            {"prompt": "hi", "max_tokens": 0},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.max_tokens",
+        ),
+        ({"prompt": "hi", "max_tokens": 9000}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+        ({"prompt": "hi", "model": "gpt-9"}, grpc.StatusCode.NOT_FOUND, "model"),
+        ({"messages": [("wizard", "hi")]}, grpc.StatusCode.INVALID_ARGUMENT, "role"),
+    ],
+)
+def test_bad_input_gets_typed_status_and_servers_stay_up(
+    cluster: LocalCluster, kwargs: dict[str, object], code: grpc.StatusCode, needle: str
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        run(_collect(cluster.gateway_address, **kwargs))
+    assert info.value.code() == code
+    assert needle in (info.value.details() or "")
+    msgs = run(_collect(cluster.gateway_address, prompt="Hello", max_tokens=3))
+    assert msgs[-1].finished  # type: ignore[attr-defined]
+
+
+def test_dead_prefill_worker_is_retried_on_the_other(cluster: LocalCluster) -> None:
+    victim = next(c for c in cluster.children if c.name == "prefill-0")
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(timeout=10)
+    # Round robin sends one of two consecutive requests to the dead worker first.
+    for _ in range(2):
+        msgs = run(_collect(cluster.gateway_address, prompt="The sea is", max_tokens=5))
+        assert msgs[-1].finished  # type: ignore[attr-defined]
+        assert msgs[0].prefill_worker == "prefill-1"  # type: ignore[attr-defined]
+
+
+def test_stream_cap_and_dead_decode_worker() -> None:
+    c = _cluster(num_prefill=1, num_decode=1, max_streams=1)
+    try:
+
+        async def scenario() -> tuple[grpc.StatusCode, float, grpc.StatusCode]:
+            async with GatewayClient(c.gateway_address) as client:
+                call = client.generate(
+                    build_request(prompt=long_prompt(1), max_tokens=400, ignore_eos=True)
+                )
+                it = call.__aiter__()
+                for _ in range(3):
+                    await it.__anext__()
+                with pytest.raises(grpc.aio.AioRpcError) as busy:
+                    await client.complete(build_request(prompt="hi", max_tokens=2))
+                decode = next(ch for ch in c.children if ch.name == "decode-0")
+                os.kill(decode.proc.pid, signal.SIGKILL)
+                start = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as dead:
+                    async for _ in it:
+                        pass
+                return busy.value.code(), time.monotonic() - start, dead.value.code()
+
+        busy_code, elapsed, dead_code = run(scenario())  # type: ignore[misc]
+        assert busy_code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dead_code == grpc.StatusCode.UNAVAILABLE
+        assert elapsed < 2.0
+    finally:
+        c.stop()
+
+
+def test_mixed_workers_serve_whole_requests(reference: LLMEngine) -> None:
+    c = _cluster(num_prefill=0, num_decode=1)
+    try:
+        msgs = run(_collect(c.gateway_address, prompt="Once upon a time", max_tokens=12))
+        (expected,) = reference.generate(
+            [reference.tokenizer.encode("Once upon a time")], SamplingParams(max_tokens=12)
+        )
+        assert [t for m in msgs for t in m.token_ids] == expected  # type: ignore[attr-defined]
+        assert msgs[0].prefill_worker == "mixed-0"  # type: ignore[attr-defined]
+        assert run(_idle(c.gateway_address, timeout=2.0))
+        procs = [ch.proc for ch in c.children]
+    finally:
+        c.stop()
+    assert all(p.poll() is not None for p in procs), "stop() left a process running"
