@@ -1,5 +1,5 @@
 # pdserve: the README's commands. Everything installs into .venv on first use.
-#   make demo   install, prepare the default model, stream a completion
+#   make demo   install, start a local cluster, stream a completion, stop it
 #   make test   install, lint, type-check and run the test suite
 #   make bench  install and run the benchmarks (results in bench-results/)
 
@@ -28,7 +28,7 @@ model: install
 	$(BIN)/pdserve model prepare
 
 demo: model
-	$(BIN)/pdserve run "$(DEMO_PROMPT)" --max-tokens 80 --kv-cache-bytes 268435456
+	$(BIN)/pdserve up --gateway-port 0 --generate "$(DEMO_PROMPT)" --max-tokens 80
 
 lint: install
 	$(BIN)/ruff check .
@@ -40,6 +40,8 @@ test: model lint
 
 bench: model
 	$(BIN)/python -m loadtest.engine_bench --out bench-results/engine.json
+	$(BIN)/python -m loadtest.transfer_bench --out bench-results/transfer.json
+	$(BIN)/python -m loadtest.gateway_bench --out bench-results/gateway.json
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache .mypy_cache .ruff_cache

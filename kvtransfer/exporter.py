@@ -21,7 +21,6 @@ from typing import Protocol
 
 import grpc
 import torch
-from pdserve.v1 import common_pb2, kvtransfer_pb2_grpc
 
 from engine.engine import LLMEngine
 from engine.kv_cache import KvLayout
@@ -32,6 +31,7 @@ from kvtransfer.handle import PROTOCOL_VERSION
 from kvtransfer.leases import LeaseStats, LeaseTable
 from kvtransfer.service import KvTransferService
 from kvtransfer.tcp_backend import CHANNEL_OPTIONS, TcpExportBackend
+from pdserve.v1 import common_pb2, kvtransfer_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from pdserve.v1 import common_pb2
-
 from engine.kv_cache import KvLayout
 from kvtransfer.errors import InvalidHandleError, LayoutMismatchError, LeaseExpiredError
+from pdserve.v1 import common_pb2
 
 #: Version of the KvHandle/handshake protocol; peers refuse any other.
 PROTOCOL_VERSION = 1

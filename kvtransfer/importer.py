@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
-from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 
 from engine.engine import LLMEngine
 from engine.errors import OutOfBlocksError
@@ -33,6 +32,7 @@ from kvtransfer.grpc_errors import transfer_error_from_rpc
 from kvtransfer.handle import PROTOCOL_VERSION, validate_handle
 from kvtransfer.layout import check_layout
 from kvtransfer.tcp_backend import TcpImportBackend
+from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 
 log = logging.getLogger(__name__)
 

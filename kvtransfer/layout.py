@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pdserve.v1 import common_pb2
-
 from engine.kv_cache import KvLayout
 from kvtransfer.errors import LayoutMismatchError
+from pdserve.v1 import common_pb2
 
 _FIELDS = ("model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim",
            "memory_kind")  # fmt: skip

@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from pdserve.v1 import common_pb2, kvtransfer_pb2
 
 from kvtransfer.backend import ExportBackend, ImportBackend, ReadResult
 from kvtransfer.errors import PeerUnavailableError, TransferTimeoutError
+from pdserve.v1 import common_pb2, kvtransfer_pb2
 
 RELEASE_PREFIX = b"pdserve-release:"
 

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 import torch
-from pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 from kvtransfer.handle import PROTOCOL_VERSION
 from kvtransfer.layout import layout_to_proto
+from pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 if TYPE_CHECKING:
     from kvtransfer.exporter import KvExporter

@@ -13,11 +13,11 @@ import time
 
 import grpc
 import torch
-from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 
 from kvtransfer.backend import ExportBackend, ImportBackend, ReadResult
 from kvtransfer.errors import LeaseExpiredError, PeerUnavailableError, TransferError
 from kvtransfer.grpc_errors import transfer_error_from_rpc
+from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 
 #: One (layer, K/V) slice of a long prompt's blocks can exceed gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 256 << 20

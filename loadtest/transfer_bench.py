@@ -54,7 +54,6 @@ from typing import IO, Any
 
 import numpy as np
 import torch
-from pdserve.v1 import common_pb2
 
 from engine.config import DEFAULT_MODEL_CACHE
 from engine.kv_cache import KvLayout, allocate_kv_cache
@@ -67,6 +66,7 @@ from kvtransfer.exporter import KvExporter
 from kvtransfer.importer import handshake
 from kvtransfer.layout import check_layout
 from kvtransfer.tcp_backend import TcpImportBackend
+from pdserve.v1 import common_pb2
 
 SCHEMA = "pdserve.transfer_bench/1"
 BACKENDS = ("nixl", "tcp")
@@ -163,6 +163,34 @@ class LeaseCounts:
 
 
 @dataclass(frozen=True)
+class MachineInfo:
+    """The host, for the record; load averages (1/5/15 min) say how busy it was."""
+
+    cpu_count: int
+    loadavg_start: list[float]
+    loadavg_end: list[float]
+    torch_threads: int
+    torch_version: str
+    nixl_version: str
+    python: str
+    platform: str
+    processor: str
+    transparent_hugepage: str
+
+
+@dataclass(frozen=True)
+class LayoutInfo:
+    """The KV layout moved: the default model's, fp32, on CPU."""
+
+    layout: KvLayout
+    bytes_per_token: int
+    bytes_per_block: int
+    unit_bytes: int  # one block of one layer's K or V: NIXL's unit descriptor
+    pool_blocks: int
+    pool_bytes: int
+
+
+@dataclass(frozen=True)
 class BenchReport:
     schema: str
     started_at: str
@@ -170,8 +198,8 @@ class BenchReport:
     wall_s: float
     model_dir: str
     exporter_pid: int
-    machine: dict[str, object]
-    layout: dict[str, object]
+    machine: MachineInfo
+    layout: LayoutInfo
     config: BenchConfig
     cases: list[CaseResult]
     one_block: list[OneBlockResult]
@@ -541,43 +569,42 @@ def progress(message: str) -> None:
     print(f"[transfer_bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def machine_info(loadavg_start: Sequence[float]) -> dict[str, object]:
-    """The host, for the record; load averages say how busy the shared machine was."""
+def machine_info(loadavg_start: Sequence[float]) -> MachineInfo:
     import importlib.metadata as md
 
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    return {
-        "cpu_count": os.cpu_count() or 0,
-        "loadavg_start": [round(x, 2) for x in loadavg_start],
-        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
-        "torch_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "nixl_version": md.version("nixl-cu12"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "transparent_hugepage": thp.read_text().strip() if thp.exists() else "unknown",
-    }
+    return MachineInfo(
+        cpu_count=os.cpu_count() or 0,
+        loadavg_start=[round(x, 2) for x in loadavg_start],
+        loadavg_end=[round(x, 2) for x in os.getloadavg()],
+        torch_threads=torch.get_num_threads(),
+        torch_version=torch.__version__,
+        nixl_version=md.version("nixl-cu12"),
+        python=platform.python_version(),
+        platform=platform.platform(),
+        processor=platform.processor() or platform.machine(),
+        transparent_hugepage=thp.read_text().strip() if thp.exists() else "unknown",
+    )
 
 
-def layout_info(layout: KvLayout, num_blocks: int) -> dict[str, object]:
-    return {
-        **asdict(layout),
-        "bytes_per_token": layout.bytes_per_token,
-        "bytes_per_block": layout.bytes_per_block,
-        "unit_bytes": layout.bytes_per_block_layer,
-        "pool_blocks": num_blocks,
-        "pool_bytes": num_blocks * layout.bytes_per_block,
-    }
+def layout_info(layout: KvLayout, num_blocks: int) -> LayoutInfo:
+    return LayoutInfo(
+        layout=layout,
+        bytes_per_token=layout.bytes_per_token,
+        bytes_per_block=layout.bytes_per_block,
+        unit_bytes=layout.bytes_per_block_layer,
+        pool_blocks=num_blocks,
+        pool_bytes=num_blocks * layout.bytes_per_block,
+    )
 
 
 def format_table(report: BenchReport) -> str:
     lay, m = report.layout, report.machine
     rows = [
-        f"KV of the default model: {lay['bytes_per_token']} bytes/token, {BLOCK_SIZE}-token "
-        f"blocks of {lay['unit_bytes']} bytes per layer and K/V; baseline: 1-thread memcpy; "
-        f"load average {m['loadavg_start']} -> {m['loadavg_end']} (1/5/15 min) on "
-        f"{m['cpu_count']} CPUs",
+        f"KV of the default model: {lay.bytes_per_token} bytes/token, {BLOCK_SIZE}-token "
+        f"blocks of {lay.unit_bytes} bytes per layer and K/V; baseline: 1-thread memcpy; "
+        f"load average {m.loadavg_start} -> {m.loadavg_end} (1/5/15 min) on "
+        f"{m.cpu_count} CPUs",
         f"{'tokens':>6} {'pattern':>7} {'MiB':>6} {'memcpy':>7} {'copy_':>6} {'nixl':>6} "
         f"{'tcp':>6} {'nixl/memcpy':>11} {'nixl/tcp':>8}  {'nixl descs unit->merged':>23} "
         f"{'tcp msgs':>8}  (GB/s; medians)",
@@ -668,6 +695,7 @@ def run(cfg: BenchConfig) -> BenchReport:
         torch.set_num_threads(threads)
     targets = evaluate_targets(cases, one_block)
     clean = all(c.active == c.expired == 0 and c.released == c.granted for c in leases.values())
+    verified = all(all(c.verified.values()) for c in cases) and all(o.verified for o in one_block)
     return BenchReport(
         schema=SCHEMA,
         started_at=started.isoformat(),
@@ -681,11 +709,11 @@ def run(cfg: BenchConfig) -> BenchReport:
         cases=cases,
         one_block=one_block,
         leases=leases,
-        verified=all(all(c.verified.values()) for c in cases)
-        and all(o.verified for o in one_block),
+        verified=verified,
         leases_clean=clean,
         targets=targets,
-        targets_met=bool(targets) and all(t.met for t in targets),
+        # A wrong byte or a stranded lease fails the run whatever its speed.
+        targets_met=verified and clean and bool(targets) and all(t.met for t in targets),
     )
 
 

@@ -8,8 +8,8 @@ import signal
 import sys
 
 import grpc
-from pdserve.v1 import common_pb2
 
+from pdserve.v1 import common_pb2
 from services.cli.cluster import ClusterConfig, LocalCluster
 from services.common.config import add_config_args, config_from_args
 from services.gateway.client import GatewayClient, build_request

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pdserve.v1 import common_pb2
-
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from pdserve.v1 import common_pb2
 
 DEFAULT_MAX_TOKENS = 16
 FINISH_REASONS = {

@@ -19,13 +19,13 @@ import sys
 from collections.abc import AsyncIterator
 
 import grpc
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from kvtransfer.config import TransferConfig
 from kvtransfer.exporter import KvExporter
 from kvtransfer.importer import KvImporter
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.engine_loop import EngineLoop
 from services.common.grpc_server import build_server
 from services.common.status import abort_with

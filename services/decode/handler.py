@@ -14,11 +14,11 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
-from pdserve.v1 import common_pb2, worker_pb2
 
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.importer import KvImporter
+from pdserve.v1 import common_pb2, worker_pb2
 from services.common import sampling
 from services.common.engine_loop import EngineLoop
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from types import TracebackType
 
 import grpc
-from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common.grpc_server import CHANNEL_OPTIONS
 
 

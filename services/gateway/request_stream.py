@@ -21,9 +21,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
-from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
 
 from engine.sampling_params import SamplingParams
+from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
 from services.common import sampling
 from services.common.detokenizer import IncrementalDetokenizer
 from services.gateway.config import GatewayConfig

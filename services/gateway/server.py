@@ -13,11 +13,10 @@ import asyncio
 import json
 import signal
 
-from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
-
 from engine.model_spec import ModelSpec
 from engine.model_store import DEFAULT_MODEL_NAME, resolve_model_dir
 from engine.tokenizer import Tokenizer
+from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.cli.model_cmd import ModelConfig
 from services.common.grpc_server import build_server
 from services.gateway.config import GatewayConfig

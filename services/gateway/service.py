@@ -12,10 +12,10 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-from pdserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from engine.errors import InvalidRequestError
 from engine.tokenizer import ChatMessage, Tokenizer
+from pdserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common import sampling
 from services.common.detokenizer import IncrementalDetokenizer
 from services.common.status import status_for

@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 
 import grpc
-from pdserve.v1 import worker_pb2
 
 from engine.request import RequestOutput
 from kvtransfer.exporter import KvExporter
+from pdserve.v1 import worker_pb2
 from services.common import sampling
 from services.common.engine_loop import EngineLoop
 

@@ -203,3 +203,17 @@ def test_held_kv_released_by_abort(make_engine: EngineFactory) -> None:
     eng.abort(rid)
     eng.step()
     assert_no_leaks(eng)
+
+
+def test_abort_during_import_frees_blocks_only_after_the_bytes_land(
+    make_engine: EngineFactory,
+) -> None:
+    eng = make_engine(num_kv_blocks=64)
+    prompt = eng.tokenizer.encode(long_prompt(1))
+    slot = eng.handoff.reserve_import(prompt, 5, SamplingParams(max_tokens=4), request_id="imp")
+    eng.abort("imp")
+    eng.step()
+    # A transfer may still be writing into these blocks: they must not be handed out yet.
+    assert eng.stats().used_blocks == len(slot.block_ids)
+    assert eng.handoff.commit_import("imp") is False
+    assert_no_leaks(eng)

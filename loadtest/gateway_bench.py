@@ -1,0 +1,121 @@
+"""Gateway overhead: p50 TTFT through the gateway minus p50 of a direct Prefill call.
+
+Lifecycle: start a local cluster (1 prefill + 1 decode worker, KV over NIXL), warm it
+up, then alternate the two measurements on the same prompt so machine noise hits both:
+(a) a Generate stream through the gateway, timed to its first message (TTFT), closed at
+once; (b) a Prefill RPC straight to the same prefill worker, timed to its reply (its
+lease is dropped with Abort). The difference of the medians is what the gateway adds
+(tokenization, validation, placement, the extra hop). Writes JSON; stops the cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+
+from engine.config import DEFAULT_MODEL_CACHE
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from services.cli.cluster import ClusterConfig, LocalCluster
+from services.common import sampling
+from services.gateway.client import GatewayClient, build_request
+
+TARGET_MS = 3.0
+PROMPT = "Explain briefly why the sky is blue."
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    reps: int = 40
+    warmup: int = 5
+    out: Path = Path("bench-results/gateway.json")
+
+
+async def _gateway_ttft(client: GatewayClient) -> float:
+    start = time.perf_counter()
+    call = client.generate(build_request(prompt=PROMPT, max_tokens=8))
+    async for _ in call:
+        break
+    elapsed = time.perf_counter() - start
+    call.cancel()
+    return elapsed
+
+
+async def _direct_prefill(stub: worker_pb2_grpc.WorkerStub, prompt: list[int]) -> float:
+    rid = uuid.uuid4().hex
+    request = worker_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=prompt,
+        sampling=sampling.to_proto(sampling.from_proto(build_request(max_tokens=8).sampling)),
+    )  # fmt: skip
+    start = time.perf_counter()
+    await stub.Prefill(request)
+    elapsed = time.perf_counter() - start
+    await stub.Abort(worker_pb2.AbortRequest(request_id=rid))
+    return elapsed
+
+
+async def _measure(cluster: LocalCluster, cfg: BenchConfig) -> dict[str, object]:
+    prefill = next(c for c in cluster.children if c.name == "prefill-0")
+    async with (
+        GatewayClient(cluster.gateway_address) as client,
+        grpc.aio.insecure_channel(prefill.address) as channel,
+    ):
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        from engine.model_store import resolve_model_dir
+        from engine.tokenizer import Tokenizer
+
+        tok = Tokenizer(resolve_model_dir(None, DEFAULT_MODEL_CACHE.expanduser(), progress=False))
+        prompt = tok.encode(PROMPT)
+        gw: list[float] = []
+        direct: list[float] = []
+        for i in range(cfg.warmup + cfg.reps):
+            g, d = await _gateway_ttft(client), await _direct_prefill(stub, prompt)
+            if i >= cfg.warmup:
+                gw.append(g)
+                direct.append(d)
+            await asyncio.sleep(0.05)  # let the cancelled stream's cleanup finish
+    p50_gw, p50_direct = statistics.median(gw) * 1e3, statistics.median(direct) * 1e3
+    return {
+        "gateway_ttft_p50_ms": p50_gw,
+        "direct_prefill_p50_ms": p50_direct,
+        "overhead_p50_ms": p50_gw - p50_direct,
+        "target_ms": TARGET_MS,
+        "met": p50_gw - p50_direct <= TARGET_MS,
+        "reps": cfg.reps,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=BenchConfig.reps)
+    parser.add_argument("--out", type=Path, default=BenchConfig.out)
+    args = parser.parse_args(argv)
+    cfg = BenchConfig(reps=args.reps, out=args.out)
+    cluster = LocalCluster(ClusterConfig(gateway_port=0, num_prefill=1, num_decode=1))
+    try:
+        cluster.start()
+        result = asyncio.run(_measure(cluster, cfg))
+    finally:
+        cluster.stop()
+    result["config"] = {k: str(v) for k, v in asdict(cfg).items()}
+    result["finished_unix"] = time.time()
+    print(
+        f"gateway TTFT p50 {result['gateway_ttft_p50_ms']:.2f} ms, direct Prefill p50 "
+        f"{result['direct_prefill_p50_ms']:.2f} ms -> gateway overhead "
+        f"{result['overhead_p50_ms']:.2f} ms (target <= {TARGET_MS} ms: "
+        f"{'met' if result['met'] else 'NOT met'})"
+    )
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    cfg.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
