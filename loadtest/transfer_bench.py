@@ -249,6 +249,8 @@ def patterned_pool(layout: KvLayout, num_blocks: int) -> torch.Tensor:
     """A pool whose flat element i holds the int32 bit pattern i (checkable anywhere)."""
     pool = allocate_kv_cache(layout, num_blocks, CPU)
     flat = pool.view(torch.int32).view(-1)
+    if flat.numel() > 2**31:
+        raise ValueError(f"{num_blocks} blocks are too many for an int32 pattern")
     torch.arange(flat.numel(), dtype=torch.int32, out=flat)
     return pool
 
@@ -341,9 +343,15 @@ class ExporterPeer:
         reply: dict[str, Any] = json.loads(line)
         return reply
 
-    def call(self, **cmd: object) -> dict[str, Any]:
+    def _send(self, data: bytes) -> None:
+        # stdin is unbuffered (bufsize=0): a pipe write may be partial for long commands.
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd).encode() + b"\n")
+        view = memoryview(data)
+        while view:
+            view = view[self.proc.stdin.write(view) or 0 :]
+
+    def call(self, **cmd: object) -> dict[str, Any]:
+        self._send(json.dumps(cmd).encode() + b"\n")
         return self._read()
 
     def export(self, backend: str, blocks: Sequence[int]) -> common_pb2.KvHandle:
@@ -363,15 +371,14 @@ class ExporterPeer:
         """Ask the process to exit; kill it if it does not within 10 s. Idempotent."""
         if self.proc.poll() is None:
             try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(b'{"cmd": "exit"}\n')
-                self.proc.stdin.close()
+                self._send(b'{"cmd": "exit"}\n')
                 self.proc.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
+            except (OSError, ValueError, subprocess.TimeoutExpired):
                 self.proc.kill()
         self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
 
 
 # -- this process: importers and the memcpy baseline ----------------------------------

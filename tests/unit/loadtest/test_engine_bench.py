@@ -122,6 +122,7 @@ def test_ratios_and_targets(report: dict[str, Any]) -> None:
         assert phase["ratio"] > 0
         assert math.isclose(phase["ratio"], pd["tokens_per_s"] / hf["tokens_per_s"])
         assert 0.0 <= phase["greedy_agreement"] <= 1.0
+        assert phase["load_before"] >= 0 and phase["load_after"] >= 0
         target = engine_bench.TARGETS.get(phase["batch_size"])
         assert phase["target"] == target
         assert phase["met"] == (None if target is None else phase["ratio"] >= target)
