@@ -42,6 +42,7 @@ bench: model
 	$(BIN)/python -m loadtest.engine_bench --out bench-results/engine.json
 	$(BIN)/python -m loadtest.transfer_bench --out bench-results/transfer.json
 	$(BIN)/python -m loadtest.gateway_bench --out bench-results/gateway.json
+	$(BIN)/python -m loadtest.router_bench --out bench-results/router.json
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache .mypy_cache .ruff_cache

@@ -37,6 +37,7 @@ class AttentionMetadata:
     # Host copies for the torch path's per-sequence prefill loop (no device syncs).
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    plan: object = None  # the backend's per-step plan (see AttentionBackend.plan)
 
 
 class AttentionBackend(abc.ABC):
@@ -49,6 +50,10 @@ class AttentionBackend(abc.ABC):
 
     name: str
 
+    def plan(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> object:
+        """Work shared by all layers of one step (index tensors, masks); stored in meta.plan."""
+        return None
+
     @abc.abstractmethod
     def attend(
         self,
@@ -59,10 +64,84 @@ class AttentionBackend(abc.ABC):
     ) -> torch.Tensor: ...
 
 
+@dataclass
+class _DecodeGroup:
+    """Decode rows of similar context length, attended together."""
+
+    rows: torch.Tensor  # [g] long: rows of q among the decodes
+    blocks: torch.Tensor  # [g * nblocks] long: their block ids, flattened
+    nblocks: int
+    mask: torch.Tensor  # [g, 1, 1, nblocks * block_size] bool: real positions
+
+
+@dataclass
+class _PrefillSeq:
+    start: int
+    qlen: int
+    seq_len: int
+    blocks: torch.Tensor  # [nblocks] long
+    mask: torch.Tensor | None  # additive float mask for a later chunk; None = causal
+
+
+@dataclass
+class _TorchPlan:
+    decode_groups: list[_DecodeGroup]
+    prefills: list[_PrefillSeq]
+
+
 class TorchAttention(AttentionBackend):
-    """Gathers each sequence's blocks and runs torch SDPA; CPU and CUDA."""
+    """Gathers blocks and runs torch SDPA; CPU and CUDA.
+
+    Per step (`plan`, once for all layers): decode rows are sorted by context length and
+    cut into groups whose longest context is at most `GROUP_SPREAD` times the shortest,
+    so a short sequence never pays for the longest one's padding; each group's blocks
+    are flattened for one `index_select` per layer. Prefill chunks attend one sequence
+    at a time; a later chunk of a chunked prefill gets an additive float mask so SDPA
+    stays on its fused kernel.
+    """
 
     name = "torch"
+    GROUP_SPREAD = 1.5
+
+    def plan(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> _TorchPlan:
+        nd = meta.num_decodes
+        groups = [
+            self._group(meta, rows, block_size, device)
+            for rows in self._buckets(meta.seq_lens_host[:nd])
+        ]
+        prefills = []
+        start = sum(meta.query_lens_host[:nd])
+        for i in range(nd, len(meta.query_lens_host)):
+            qlen, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
+            nblocks = -(-seq_len // block_size)
+            blocks = meta.block_table[i, :nblocks].long()
+            prefills.append(
+                _PrefillSeq(start, qlen, seq_len, blocks, _chunk_mask(qlen, seq_len, device))
+            )
+            start += qlen
+        return _TorchPlan(groups, prefills)
+
+    def _buckets(self, lens: list[int]) -> list[list[int]]:
+        order = sorted(range(len(lens)), key=lens.__getitem__)
+        buckets: list[list[int]] = []
+        for row in order:
+            if buckets and lens[row] <= self.GROUP_SPREAD * lens[buckets[-1][0]]:
+                buckets[-1].append(row)
+            else:
+                buckets.append([row])
+        return buckets
+
+    @staticmethod
+    def _group(
+        meta: AttentionMetadata, rows: list[int], bs: int, device: torch.device
+    ) -> _DecodeGroup:
+        nblocks = -(-max(meta.seq_lens_host[r] for r in rows) // bs)
+        index = torch.tensor(rows, device=device)
+        blocks = meta.block_table.index_select(0, index)[:, :nblocks].reshape(-1).long()
+        positions = torch.arange(nblocks * bs, device=device)
+        lens = meta.seq_lens.index_select(0, index)
+        mask = (positions[None, :] < lens[:, None]).view(len(rows), 1, 1, -1)
+        return _DecodeGroup(index, blocks, nblocks, mask)
 
     def attend(
         self,
@@ -71,65 +150,57 @@ class TorchAttention(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        plan = meta.plan
+        assert isinstance(plan, _TorchPlan), "ModelRunner must call plan() once per step"
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
-        start = nd
-        for i in range(nd, len(meta.query_lens_host)):
-            qlen = meta.query_lens_host[i]
-            out[start : start + qlen] = self._prefill(
-                q[start : start + qlen],
-                k_cache,
-                v_cache,
-                meta.block_table[i],
-                meta.seq_lens_host[i],
+        for group in plan.decode_groups:
+            out[group.rows] = self._decode(q.index_select(0, group.rows), k_cache, v_cache, group)
+        for seq in plan.prefills:
+            out[seq.start : seq.start + seq.qlen] = self._prefill(
+                q[seq.start : seq.start + seq.qlen], k_cache, v_cache, seq
             )
-            start += qlen
         return out
 
     @staticmethod
     def _decode(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup
     ) -> torch.Tensor:
-        nd, heads, hd = q.shape
+        g, heads, hd = q.shape
         bs, kvh = k_cache.shape[1], k_cache.shape[2]
-        nblocks = -(-max(meta.seq_lens_host[:nd]) // bs)
-        table = meta.block_table[:nd, :nblocks]
-        # [nd, kvh, L, hd]: only as many blocks as the longest sequence needs.
-        k = k_cache[table].view(nd, nblocks * bs, kvh, hd).transpose(1, 2)
-        v = v_cache[table].view(nd, nblocks * bs, kvh, hd).transpose(1, 2)
+        length = group.nblocks * bs
+        k = k_cache.index_select(0, group.blocks).view(g, length, kvh, hd).transpose(1, 2)
+        v = v_cache.index_select(0, group.blocks).view(g, length, kvh, hd).transpose(1, 2)
         # GQA without copying K/V: the query heads of one KV group become query rows.
-        qg = q.view(nd, kvh, heads // kvh, hd)
-        positions = torch.arange(nblocks * bs, device=q.device)
-        mask = (positions[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, -1)
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
-        return out.reshape(nd, heads, hd)
+        qg = q.view(g, kvh, heads // kvh, hd)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask)
+        return out.reshape(g, heads, hd)
 
     @staticmethod
     def _prefill(
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        table_row: torch.Tensor,
-        seq_len: int,
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: _PrefillSeq
     ) -> torch.Tensor:
-        qlen, _, hd = q.shape
+        _, _, hd = q.shape
         bs, kvh = k_cache.shape[1], k_cache.shape[2]
-        nblocks = -(-seq_len // bs)
-        blocks = table_row[:nblocks]
-        k = k_cache[blocks].view(nblocks * bs, kvh, hd)[:seq_len].transpose(0, 1)
-        v = v_cache[blocks].view(nblocks * bs, kvh, hd)[:seq_len].transpose(0, 1)
+        nblocks = seq.blocks.shape[0]
+        k = k_cache.index_select(0, seq.blocks).view(nblocks * bs, kvh, hd)[: seq.seq_len]
+        v = v_cache.index_select(0, seq.blocks).view(nblocks * bs, kvh, hd)[: seq.seq_len]
         qh = q.transpose(0, 1)  # [heads, qlen, hd]
-        if seq_len == qlen:
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if seq.mask is None:
             out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
         else:
-            # A later chunk: query i sits at position seq_len - qlen + i.
-            qpos = torch.arange(seq_len - qlen, seq_len, device=q.device)
-            kpos = torch.arange(seq_len, device=q.device)
-            mask = kpos[None, :] <= qpos[:, None]
-            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=seq.mask, enable_gqa=True)
         return out.transpose(0, 1)
+
+
+def _chunk_mask(qlen: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
+    """Additive mask of a later prefill chunk: query i sits at position seq_len - qlen + i."""
+    if qlen == seq_len:
+        return None
+    qpos = torch.arange(seq_len - qlen, seq_len, device=device)
+    kpos = torch.arange(seq_len, device=device)
+    mask = torch.zeros(qlen, seq_len, device=device)
+    return mask.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
 
 
 class FlashAttention(AttentionBackend):

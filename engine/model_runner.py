@@ -63,6 +63,7 @@ class ModelRunner:
                 last_rows.append(len(ids) - 1)
                 sampling.append(req)
         meta = self._metadata(items, slots, qlens, seqlens, len(batch.decodes))
+        meta.plan = self.backend.plan(meta, self.block_size, self.device)
         hidden = self.model.forward(
             torch.tensor(ids, device=self.device),
             torch.tensor(pos, device=self.device),

@@ -159,6 +159,9 @@ class PhaseResult:
     greedy_agreement: float
     preemptions: int
     prefix_hit_tokens: int
+    #: 1-minute load average before and after the phase: context on a shared machine.
+    load_before: float
+    load_after: float
 
 
 @dataclass(frozen=True)
@@ -359,6 +362,7 @@ def run_phase(
 ) -> tuple[PhaseResult, EngineStats]:
     requests = make_workload(plan, vocab_size, cfg.seed)
     b = plan.batch_size
+    load_before = os.getloadavg()[0]
     progress(f"batch {b}: pdserve, {len(requests)} requests")
     pd, pd_out, stats = run_pdserve(cfg, plan, requests, vocab_size)
     gc.collect()
@@ -381,6 +385,8 @@ def run_phase(
         greedy_agreement=agreement(pd_out, hf_out),
         preemptions=stats.num_preemptions,
         prefix_hit_tokens=stats.prefix_hit_tokens,
+        load_before=load_before,
+        load_after=os.getloadavg()[0],
     )
     return result, stats
 
@@ -422,14 +428,15 @@ def machine_info(threads: int) -> MachineInfo:
 def format_table(report: BenchReport) -> str:
     rows = [
         f"{'batch':>5}  {'reqs':>4}  {'pdserve tok/s':>13}  {'transformers tok/s':>18}  "
-        f"{'ratio':>7}  {'target':>7}  result"
+        f"{'ratio':>7}  {'target':>7}  {'result':<6}  load"
     ]
     for p in report.phases:
         target = f">={p.target:.2f}x" if p.target is not None else "-"
         verdict = "-" if p.met is None else ("met" if p.met else "UNMET")
         rows.append(
             f"{p.batch_size:>5}  {p.num_requests:>4}  {p.pdserve.tokens_per_s:>13.1f}  "
-            f"{p.transformers.tokens_per_s:>18.1f}  {p.ratio:>6.2f}x  {target:>7}  {verdict}"
+            f"{p.transformers.tokens_per_s:>18.1f}  {p.ratio:>6.2f}x  {target:>7}  {verdict:<6}  "
+            f"{p.load_before:.1f}-{p.load_after:.1f}"
         )
     kv = report.kv
     rows.append(
@@ -439,7 +446,8 @@ def format_table(report: BenchReport) -> str:
     )
     rows.append(
         f"threads {report.machine.torch_threads} of {report.machine.cpu_count} CPUs; "
-        f"wall {report.wall_s:.0f}s; all targets met: {report.targets_met}"
+        f"load = 1-min load average before-after each phase; wall {report.wall_s:.0f}s; "
+        f"all targets met: {report.targets_met}"
     )
     return "\n".join(rows)
 

@@ -1,11 +1,12 @@
 """Starting and stopping the processes of a local cluster (`pdserve up`).
 
-Lifecycle: `LocalCluster(cfg).start()` launches the workers (each prints a JSON ready
-line with its address), then the gateway pointed at them, and waits until every
+Lifecycle: `LocalCluster(cfg).start()` starts an embedded Redis for the router's
+registry (placement `redis`, the default), launches the workers (each registers there
+and prints a JSON ready line with its address), then the gateway, and waits until every
 process answered; `stop()` sends SIGTERM to the gateway, then the workers, waits for
-them to drain, and SIGKILLs any straggler. Children also get SIGTERM from the kernel if
-this process dies first (each asks for PR_SET_PDEATHSIG at start), so no orphan
-outlives `pdserve up`.
+them to drain, SIGKILLs any straggler, and stops Redis. Children also get SIGTERM from
+the kernel if this process dies first (each asks for PR_SET_PDEATHSIG at start), so no
+orphan outlives `pdserve up`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import DEFAULT_MODEL_CACHE
+from services.router.embedded_redis import EmbeddedRedis
 
 _PR_SET_PDEATHSIG = 1
 
@@ -46,6 +48,10 @@ class ClusterConfig:
     model_cache_dir: Path = field(
         default=DEFAULT_MODEL_CACHE, metadata={"help": "where the default model is converted to"}
     )
+    placement: str = field(
+        default="redis",
+        metadata={"help": "redis (embedded Redis + router registry) or static worker lists"},
+    )
     max_streams: int = field(default=64, metadata={"help": "gateway's concurrent stream cap"})
     startup_timeout_s: float = field(
         default=300.0, metadata={"help": "seconds to wait for every process to be ready"}
@@ -54,6 +60,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError("num_prefill must be >= 0 and num_decode >= 1")
+        if self.placement not in ("redis", "static"):
+            raise ValueError(f"placement must be redis or static, got {self.placement!r}")
 
 
 def die_with_parent() -> None:
@@ -84,6 +92,7 @@ class LocalCluster:
         self.cfg = cfg
         self.children: list[Child] = []
         self.gateway_address = ""
+        self.redis: EmbeddedRedis | None = None
 
     def _common(self) -> list[str]:
         args = ["--model-cache-dir", str(self.cfg.model_cache_dir)]
@@ -102,7 +111,8 @@ class LocalCluster:
         return ["worker", "--role", role, "--worker-id", f"{role}-{index}",
                 "--num-threads", str(self.cfg.worker_threads),
                 "--kv-cache-bytes", str(self.cfg.worker_kv_cache_bytes),
-                "--kv-backend", self.cfg.kv_backend, *self._common()]  # fmt: skip
+                "--kv-backend", self.cfg.kv_backend,
+                *self._common(), *self._redis_args()]  # fmt: skip
 
     def _gateway_args(self, prefill: list[Child], decode: list[Child]) -> list[str]:
         return [
@@ -115,12 +125,20 @@ class LocalCluster:
             ",".join(f"{c.name}={c.address}" for c in decode),
             "--max-streams",
             str(self.cfg.max_streams),
+            "--placement",
+            self.cfg.placement,
             *self._common(),
+            *self._redis_args(),
         ]
+
+    def _redis_args(self) -> list[str]:
+        return ["--redis-url", self.redis.url] if self.redis is not None else []
 
     def start(self) -> str:
         """Launch everything; returns the gateway address. Stops all on failure."""
         try:
+            if self.cfg.placement == "redis":
+                self.redis = EmbeddedRedis(tcp=True).start()
             decode_role = "decode" if self.cfg.num_prefill else "mixed"
             prefill = [
                 self._launch(f"prefill-{i}", self._worker_args("prefill", i))
@@ -172,3 +190,6 @@ class LocalCluster:
                 child.proc.kill()
                 child.proc.wait()
         self.children.clear()
+        if self.redis is not None:
+            self.redis.close()
+            self.redis = None

@@ -11,6 +11,7 @@ from services.cli.model_cmd import ModelConfig
 from services.common.config import add_config_args, config_from_args
 from services.common.worker_config import WorkerConfig
 from services.gateway.config import GatewayConfig
+from services.router.router_config import RouterConfig
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -22,7 +23,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     gateway = sub.add_parser("gateway", help="run the gateway")
     add_config_args(gateway, GatewayConfig)
     add_config_args(gateway, ModelConfig)
+    add_config_args(gateway, RouterConfig)
     gateway.set_defaults(handler=_gateway)
+    router = sub.add_parser("router", help="run a Router service replica (Route/Release)")
+    router.add_argument("--router-host", default="127.0.0.1", help="address to bind")
+    router.add_argument("--router-port", type=int, default=0, help="port (0 = any free port)")
+    add_config_args(router, RouterConfig)
+    router.set_defaults(handler=_router)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -42,6 +49,19 @@ def _gateway(args: argparse.Namespace) -> int:
     from services.gateway.server import serve_gateway
 
     asyncio.run(
-        serve_gateway(config_from_args(GatewayConfig, args), config_from_args(ModelConfig, args))
+        serve_gateway(
+            config_from_args(GatewayConfig, args),
+            config_from_args(ModelConfig, args),
+            config_from_args(RouterConfig, args),
+        )
+    )
+    return 0
+
+
+def _router(args: argparse.Namespace) -> int:
+    from services.router.service import serve_router
+
+    asyncio.run(
+        serve_router(args.router_host, args.router_port, config_from_args(RouterConfig, args))
     )
     return 0

@@ -16,6 +16,14 @@ class WorkerConfig:
     drain_timeout_s: float = field(
         default=10.0, metadata={"help": "on SIGTERM, seconds to let running streams finish"}
     )
+    redis_url: str = field(
+        default="",
+        metadata={"help": "register with the router's Redis at this URL (empty: no registry)"},
+    )
+    namespace: str = field(default="pdserve", metadata={"help": "the cluster's Redis key prefix"})
+    heartbeat_ttl_s: float = field(
+        default=10.0, metadata={"help": "registration lease; renewed every third of it"}
+    )
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

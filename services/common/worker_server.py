@@ -1,11 +1,14 @@
 """One worker process: an engine, its loop thread, KV transfer and the Worker service.
 
-Lifecycle: `run_worker(worker, engine, transfer)` loads the engine (converting the
-default model on first use), starts the engine loop, the KV exporter (prefill/mixed
-roles... prefill only) or importer (decode), and the gRPC server with health and
-reflection; prints one JSON line `{"ready": address, ...}` on stdout for whoever
-launched it; serves until SIGTERM/SIGINT; then reports NOT_SERVING, lets running
-streams finish for up to `drain_timeout_s`, and stops everything (leases released).
+Lifecycle: `serve_worker(worker, engine, transfer)` loads the engine (converting the
+default model on first use), starts the engine loop, the KV exporter (prefill role) or
+importer (decode role; a mixed worker needs neither), and the gRPC server with health
+and reflection; registers with the router's Redis when `--redis-url` is set (refused if
+its model or KV layout differs from the cluster's); prints one JSON line
+`{"ready": address, ...}` on stdout for whoever launched it; serves until SIGTERM or
+SIGINT. Then it drains: marks itself draining in the registry (no new requests), reports
+NOT_SERVING, lets running streams finish and exported KV be pulled for up to
+`drain_timeout_s`, deregisters, and stops everything (remaining leases released).
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from kvtransfer.importer import KvImporter
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.engine_loop import EngineLoop
 from services.common.grpc_server import build_server
+from services.common.registration import WorkerRegistration
 from services.common.status import abort_with
 from services.common.worker_config import WorkerConfig
 from services.decode.handler import DecodeHandler
 from services.prefill.handler import PrefillHandler
+from services.router.registry import WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +143,7 @@ async def serve_worker(
     service = WorkerService(config, loop, prefill, decode, exporter, address)
     worker_pb2_grpc.add_WorkerServicer_to_server(service, built.server)
     await built.server.start()
+    registration = await _register(config, engine, address)
     await built.mark_serving()
     print(
         json.dumps({"ready": address, "worker_id": config.worker_id, "role": config.role}),
@@ -148,11 +154,44 @@ async def serve_worker(
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("worker %s draining", config.worker_id)
+    if registration is not None:
+        await registration.drain()
     await built.mark_not_serving()
-    await built.server.stop(grace=config.drain_timeout_s)
+    await _wait_idle(engine, exporter, config.drain_timeout_s)
+    if registration is not None:
+        await registration.stop()
+    await built.server.stop(grace=1.0)
     loop.stop()
     if exporter:
         exporter.close()
     if importer:
         importer.close()
     sys.stdout.flush()
+
+
+async def _register(
+    config: WorkerConfig, engine: LLMEngine, address: str
+) -> WorkerRegistration | None:
+    if not config.redis_url:
+        return None
+    info = WorkerInfo(
+        worker_id=config.worker_id, role=config.role, model=engine.spec.fingerprint,
+        layout_fingerprint=engine.layout.fingerprint(), address=address,
+        capacity=engine.pool.num_blocks,
+    )  # fmt: skip
+    registration = WorkerRegistration(
+        config.redis_url, config.namespace, config.heartbeat_ttl_s, info
+    )
+    await registration.start()
+    return registration
+
+
+async def _wait_idle(engine: LLMEngine, exporter: KvExporter | None, timeout: float) -> None:
+    """Let running streams finish and exported KV be pulled, up to `timeout` seconds."""
+    end = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < end:
+        busy = engine.has_unfinished() or (exporter is not None and exporter.stats().leases.active)
+        if not busy:
+            return
+        await asyncio.sleep(0.05)
+    log.warning("drain timeout: stopping with requests still running")

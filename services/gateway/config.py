@@ -32,6 +32,12 @@ class GatewayConfig:
     token_timeout_s: float = field(
         default=30.0, metadata={"help": "longest wait between two streamed tokens"}
     )
+    placement: str = field(
+        default="static",
+        metadata={
+            "help": "static (the worker lists) or redis (the router's registry, --redis-url)"
+        },
+    )
     prefill_retries: int = field(
         default=1, metadata={"help": "prefill retries on another worker before the first token"}
     )
@@ -41,8 +47,10 @@ class GatewayConfig:
             raise ValueError(f"max_streams must be > 0, got {self.max_streams}")
         if min(self.prefill_timeout_s, self.first_token_timeout_s, self.token_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
-        if not self.decode_workers:
-            raise ValueError("decode_workers: at least one worker address is needed")
+        if self.placement not in ("static", "redis"):
+            raise ValueError(f"placement must be static or redis, got {self.placement!r}")
+        if self.placement == "static" and not self.decode_workers:
+            raise ValueError("decode_workers: static placement needs at least one worker address")
 
     @property
     def prefill_list(self) -> list[str]:

@@ -19,16 +19,20 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
 from engine.sampling_params import SamplingParams
-from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2
 from services.common import sampling
 from services.common.detokenizer import IncrementalDetokenizer
 from services.gateway.config import GatewayConfig
 from services.gateway.stop_text import StopTrimmer
 from services.router.placement import Placement, RouteDecision
+
+if TYPE_CHECKING:
+    from services.gateway.service import WorkerStubs
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -55,7 +59,7 @@ class RequestStream:
         req: Prepared,
         config: GatewayConfig,
         placement: Placement,
-        stubs: dict[str, worker_pb2_grpc.WorkerStub],
+        stubs: WorkerStubs,
         detok: IncrementalDetokenizer,
     ) -> None:
         self.req = req

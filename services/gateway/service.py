@@ -18,12 +18,35 @@ from engine.tokenizer import ChatMessage, Tokenizer
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common import sampling
 from services.common.detokenizer import IncrementalDetokenizer
+from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.status import status_for
 from services.gateway.config import GatewayConfig
 from services.gateway.request_stream import Prepared, RequestStream, StreamError
 from services.router.placement import NoWorkerError, Placement
 
 MAX_PROMPT_CHARS = 1_000_000
+
+
+class WorkerStubs:
+    """One channel per worker address, opened on first use (membership changes)."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+
+    def __getitem__(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = channel
+            stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
+        return stub
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        self._stubs.clear()
 
 
 class GatewayService(gateway_pb2_grpc.GatewayServicer):
@@ -43,14 +66,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.active = 0
-        self._channels = {
-            ref.address: grpc.aio.insecure_channel(ref.address) for ref in placement.workers()
-        }
-        self.stubs = {a: worker_pb2_grpc.WorkerStub(c) for a, c in self._channels.items()}
+        self.stubs = WorkerStubs()
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        await self.stubs.close()
 
     # -- validation --------------------------------------------------------------
     def prepare(self, request: gateway_pb2.GenerateRequest) -> Prepared:

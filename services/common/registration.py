@@ -1,0 +1,49 @@
+"""A worker's registration with the Redis router: register, heartbeat, drain, leave.
+
+Lifecycle: `WorkerRegistration.start()` registers the worker (an incompatible model or
+KV layout raises IncompatibleWorkerError: the worker must not serve) and starts the
+heartbeat task, which renews the lease and re-creates it after a Redis restart. On
+shutdown the worker calls `drain()` (routers stop placing on it at once), finishes its
+streams, then `stop()` ends the heartbeat and deregisters. A worker that dies simply
+stops heartbeating and expires after `heartbeat_ttl_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from services.router.keyspace import Keyspace
+from services.router.redis_client import REDIS_DOWN_ERRORS, connect
+from services.router.registry import Registry, WorkerInfo, keep_registered
+
+log = logging.getLogger(__name__)
+
+
+class WorkerRegistration:
+    def __init__(self, redis_url: str, namespace: str, ttl_s: float, info: WorkerInfo) -> None:
+        self.info = info
+        self.registry = Registry(connect(redis_url, 1.0), Keyspace(namespace), ttl_s=ttl_s)
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.registry.register, self.info)
+        self._task = asyncio.create_task(keep_registered(self.registry, self.info, self._stop))
+
+    async def drain(self) -> None:
+        try:
+            await asyncio.to_thread(self.registry.set_draining, self.info.worker_id)
+        except REDIS_DOWN_ERRORS as exc:
+            log.warning("could not mark %s draining: %s", self.info.worker_id, exc)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await self._task
+        try:
+            await asyncio.to_thread(self.registry.deregister, self.info.worker_id)
+        except REDIS_DOWN_ERRORS as exc:
+            log.warning("could not deregister %s (it will expire): %s", self.info.worker_id, exc)

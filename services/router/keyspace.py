@@ -1,0 +1,66 @@
+"""Names of the Redis keys one pdserve cluster uses, all under one namespace prefix.
+
+Layout (`ns` = namespace, `role` in prefill / decode / mixed):
+
+- `ns:worker:<id>`   HASH of one worker's registration, PX-expiring (its heartbeat lease)
+- `ns:pool:<role>`   SET of worker ids registered in a pool (pruned of expired ids)
+- `ns:identity`      HASH {model, layout} every live worker shares, PX-expiring
+- `ns:load:<role>`   ZSET of load lease ids scored by expiry (Redis server ms)
+- `ns:count:<role>`  HASH worker id -> number of live load leases (kept equal to the ZSET)
+- `ns:rr:<role>`     round-robin counter
+- `ns:epoch`         random token; a change means Redis lost its data (restart, flush)
+
+A load lease id is `<role>:<token>:<worker id>`: it names its pool and worker, so release
+and expiry need no lookup. Tokens are hex, roles have no ':', so the split is unambiguous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.worker_config import ROLES
+
+
+@dataclass(frozen=True)
+class Keyspace:
+    namespace: str = "pdserve"
+
+    def worker(self, worker_id: str) -> str:
+        return f"{self.namespace}:worker:{worker_id}"
+
+    @property
+    def worker_prefix(self) -> str:
+        return f"{self.namespace}:worker:"
+
+    def pool(self, role: str) -> str:
+        return f"{self.namespace}:pool:{role}"
+
+    @property
+    def identity(self) -> str:
+        return f"{self.namespace}:identity"
+
+    def load(self, role: str) -> str:
+        return f"{self.namespace}:load:{role}"
+
+    def count(self, role: str) -> str:
+        return f"{self.namespace}:count:{role}"
+
+    def round_robin(self, role: str) -> str:
+        return f"{self.namespace}:rr:{role}"
+
+    @property
+    def epoch(self) -> str:
+        return f"{self.namespace}:epoch"
+
+
+def lease_id(role: str, token: str, worker_id: str) -> str:
+    return f"{role}:{token}:{worker_id}"
+
+
+def parse_lease_id(lease: str) -> tuple[str, str, str]:
+    """(role, token, worker id) of a lease id; ValueError if it is not one."""
+    role, sep1, rest = lease.partition(":")
+    token, sep2, worker_id = rest.partition(":")
+    if not (sep1 and sep2 and role in ROLES and token and worker_id):
+        raise ValueError(f"not a pdserve load lease id: {lease!r}")
+    return role, token, worker_id

@@ -1,0 +1,191 @@
+"""Load leases in Redis: the atomic bounded-load placement, release and expiry.
+
+Lifecycle of one load lease: `LoadLedger.place` runs `bounded_load.lua`, which purges
+expired leases, picks a worker from the candidate order, and records a lease (member of
+`ns:load:<role>` scored by its expiry in Redis server time, plus +1 in `ns:count:<role>`)
+in one atomic call. The caller hands the lease id back through `release` (`release_load.lua`
+removes it and decrements); if the holder dies instead, the next placement or snapshot
+after the TTL purges it. Counts and the ZSET change only inside scripts, so they agree.
+
+`choose` is the same selection in Python: the router's fail-open path uses it on local
+counts, and the tests use it as the oracle for the script.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+
+import redis
+
+from services.router.keyspace import Keyspace, parse_lease_id
+
+MODES = ("bounded", "first", "least", "round_robin")
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One pool's placement: the lease taken and what the choice was based on."""
+
+    worker_id: str
+    lease_id: str
+    load: int  # the worker's load just before this placement
+    bound: int  # ceil((1 + eps) * (total + 1) / n) at that moment
+    n: int  # counted candidates (live, not draining, not excluded)
+    total: int  # their summed load before this placement
+    rank: int  # index of the worker among counted candidates; > 0 means overflow
+    local: bool = False  # placed by this process's fail-open counts, not through Redis
+
+
+@dataclass(frozen=True)
+class PlaceRequest:
+    role: str
+    candidates: Sequence[str]  # preference order; the script drops dead and draining ones
+    mode: str
+    eps: float
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    leases: int  # live leases in the pool's ZSET
+    counts: dict[str, int]  # worker id -> live leases (workers with none are absent)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def load_bound(total: int, n: int, eps: float) -> int:
+    """The bounded-load cap, computed exactly as `bounded_load.lua` does (IEEE doubles)."""
+    return math.ceil((1 + eps) * (total + 1) / n)
+
+
+def choose(
+    mode: str, loads: Sequence[int], eps: float, rr_counter: int = 0
+) -> tuple[int, int, int]:
+    """(index, bound, total) of the pick among counted candidates with `loads`, in order.
+
+    Precondition: `loads` is non-empty. `rr_counter` is the round-robin counter after
+    incrementing (1-based), as the script's INCR returns it.
+    """
+    n = len(loads)
+    total = sum(loads)
+    bound = load_bound(total, n, eps)
+    if mode == "bounded":
+        pick = next(i for i, load in enumerate(loads) if load < bound)
+    elif mode == "least":
+        pick = min(range(n), key=lambda i: (loads[i], i))
+    elif mode == "round_robin":
+        pick = (rr_counter - 1) % n
+    elif mode == "first":
+        pick = 0
+    else:
+        raise ValueError(f"unknown placement mode {mode!r}; expected one of {MODES}")
+    return pick, bound, total
+
+
+def _script_text(name: str) -> str:
+    return resources.files("services.router").joinpath(name).read_text(encoding="utf-8")
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex
+
+
+class LoadLedger:
+    """Load leases of every pool of one cluster, in one Redis.
+
+    Precondition: `client` decodes responses (see `redis_client.connect`). Methods raise
+    redis errors as they come; the router decides what a dead Redis means.
+    """
+
+    def __init__(self, client: redis.Redis, keys: Keyspace, *, purge_batch: int = 1000) -> None:
+        self.client = client
+        self.keys = keys
+        self.purge_batch = purge_batch
+        self._place = client.register_script(_script_text("bounded_load.lua"))
+        self._release = client.register_script(_script_text("release_load.lua"))
+        self._snapshot = client.register_script(_script_text("load_snapshot.lua"))
+
+    def place(self, req: PlaceRequest) -> Placed | None:
+        """Place in one pool (one round trip); None if no candidate is live."""
+        return self.place_many([req])[0]
+
+    def place_many(self, reqs: Sequence[PlaceRequest]) -> list[Placed | None]:
+        """Place in several pools in one pipelined round trip; each pool is atomic."""
+        calls = [self._place_call(r) for r in reqs]
+        pipe = self.client.pipeline(transaction=False)
+        for keys, args, _ in calls:
+            # Raw EVALSHA, not Script.__call__: a pipeline with registered scripts sends
+            # SCRIPT EXISTS first, a second round trip on every decision.
+            pipe.evalsha(self._place.sha, len(keys), *keys, *args)
+        results = pipe.execute(raise_on_error=False)
+        out: list[Placed | None] = []
+        error: Exception | None = None
+        for (keys, args, lease_prefix), res in zip(calls, results, strict=True):
+            if isinstance(res, redis.exceptions.NoScriptError):
+                try:
+                    res = self._place(keys=keys, args=args)  # loads the script, runs it
+                except redis.RedisError as exc:
+                    res = exc
+            if isinstance(res, Exception):
+                error = error or res
+                out.append(None)
+            else:
+                out.append(_placed(res, lease_prefix))
+        if error is not None:
+            # All or nothing: give back what the other pools took before raising.
+            self.release([p.lease_id for p in out if p is not None])
+            raise error
+        return out
+
+    def _place_call(self, r: PlaceRequest) -> tuple[list[str], list[str | int], str]:
+        if r.mode not in MODES:
+            raise ValueError(f"unknown placement mode {r.mode!r}; expected one of {MODES}")
+        lease_prefix = f"{r.role}:{new_token()}:"
+        keys = [self.keys.load(r.role), self.keys.count(r.role), self.keys.round_robin(r.role)]
+        keys += [self.keys.worker(w) for w in r.candidates]
+        ttl_ms = max(1, round(r.ttl_s * 1000))
+        args: list[str | int] = [r.mode, repr(float(r.eps)), lease_prefix, ttl_ms]
+        args += [self.purge_batch, *r.candidates]
+        return keys, args, lease_prefix
+
+    def release(self, lease_ids: Sequence[str]) -> int:
+        """Release leases (any pools; one round trip); returns how many were still live."""
+        by_role: dict[str, list[str]] = {}
+        for lease in lease_ids:
+            by_role.setdefault(parse_lease_id(lease)[0], []).append(lease)
+        if not by_role:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for role, leases in by_role.items():
+            keys = [self.keys.load(role), self.keys.count(role)]
+            pipe.evalsha(self._release.sha, len(keys), *keys, *leases)
+        results = pipe.execute(raise_on_error=False)
+        released = 0
+        for (role, leases), res in zip(by_role.items(), results, strict=True):
+            if isinstance(res, redis.exceptions.NoScriptError):
+                res = self._release(keys=[self.keys.load(role), self.keys.count(role)], args=leases)
+            elif isinstance(res, Exception):
+                raise res
+            released += int(res)
+        return released
+
+    def snapshot(self, role: str) -> LoadSnapshot:
+        """Purge all expired leases of a pool, then read its live leases and counts."""
+        res = self._snapshot(keys=[self.keys.load(role), self.keys.count(role)])
+        flat = [str(x) for x in res[1:]]
+        counts = {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        return LoadSnapshot(int(res[0]), counts)
+
+
+def _placed(res: list[object], lease_prefix: str) -> Placed | None:
+    worker = str(res[0])
+    if not worker:
+        return None
+    load, bound, n, total, rank = (int(str(x)) for x in res[1:6])
+    return Placed(worker, lease_prefix + worker, load, bound, n, total, rank)

@@ -1,0 +1,23 @@
+"""The routing key of a prompt: the engine's chained prefix hash over its first K blocks.
+
+The router and the engine's prefix cache hash with the same function and seed (model
+fingerprint + tenant salt), so the worker a key routes to is the one whose cache holds
+that prefix. Prompts shorter than one block hash whatever tokens they have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.prefix_hash import hash_seed, prefix_block_hashes, short_prompt_key
+
+
+def prefix_key(token_ids: Sequence[int], block_size: int, prefix_blocks: int, seed: int) -> int:
+    """Chained hash of the first `prefix_blocks` full blocks, or of a short prompt."""
+    hashes = prefix_block_hashes(token_ids, block_size, seed, max_blocks=prefix_blocks)
+    return hashes[-1] if hashes else short_prompt_key(token_ids, seed)
+
+
+def tenant_seed(model_fingerprint: str, tenant: str) -> int:
+    """Seed of one tenant's keys; the tenant is the salt, as in the engine's cache."""
+    return hash_seed(model_fingerprint, tenant)

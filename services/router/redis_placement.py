@@ -1,0 +1,86 @@
+"""`RedisPlacement`: the gateway's `Placement` backed by the Redis router.
+
+Lifecycle: `RedisPlacement.from_config(config)` connects to `config.redis_url` (or starts
+an `EmbeddedRedis` and owns it when the URL is empty), builds a `Router`, and reads the
+registry once. The gateway then awaits `route` / `release` per request; both run the
+synchronous router in a worker thread (redis-py's sync client is the one the Lua scripts
+and the tests share). `close()` disconnects and stops an owned embedded server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import redis
+
+from services.router.embedded_redis import EmbeddedRedis
+from services.router.placement import RouteDecision, WorkerRef
+from services.router.redis_client import connect
+from services.router.router import Router, RouterStats
+from services.router.router_config import RouterConfig
+
+
+class RedisPlacement:
+    """Implements `services.router.placement.Placement` with bounded-load hashing."""
+
+    def __init__(self, router: Router, *, embedded: EmbeddedRedis | None = None) -> None:
+        self.router = router
+        self._embedded = embedded
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> RedisPlacement:
+        embedded = None
+        url = config.redis_url
+        if not url:
+            embedded = EmbeddedRedis().start()
+            url = embedded.url
+        try:
+            router = Router(connect(url, config.redis_timeout_s), config)
+            router.refresh()
+        except BaseException:
+            if embedded is not None:
+                embedded.close()
+            raise
+        return cls(router, embedded=embedded)
+
+    @property
+    def redis_url(self) -> str:
+        """Where workers must register (the embedded server's URL when there is one)."""
+        if self._embedded is not None:
+            return self._embedded.url
+        return self.router.config.redis_url
+
+    @property
+    def client(self) -> redis.Redis:
+        return self.router.client
+
+    @property
+    def stats(self) -> RouterStats:
+        return self.router.stats
+
+    async def route(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        tenant: str,
+        exclude: Sequence[str] = (),
+    ) -> RouteDecision:
+        """Pick workers and lease their load; raises NoWorkerError (UNAVAILABLE)."""
+        return await asyncio.to_thread(
+            self.router.route, request_id, list(prompt_token_ids), tenant, tuple(exclude)
+        )
+
+    async def release(self, decision: RouteDecision) -> None:
+        """Give back the decision's load leases; never raises on a dead Redis."""
+        if decision.load_lease_ids:
+            await asyncio.to_thread(self.router.release, decision.load_lease_ids)
+
+    def workers(self) -> list[WorkerRef]:
+        return self.router.workers()
+
+    def close(self) -> None:
+        self.router.client.close()
+        if self._embedded is not None:
+            self._embedded.close()
+            self._embedded = None

@@ -1,0 +1,92 @@
+-- Worker registry operations, each atomic. One script, dispatched on ARGV[1].
+--
+-- KEYS[1]  ns:identity       HASH {model, layout} all live workers share, PX-expiring
+-- KEYS[2]  ns:pool:prefill   SET of worker ids
+-- KEYS[3]  ns:pool:decode    SET of worker ids
+-- KEYS[4]  ns:pool:mixed     SET of worker ids
+-- ARGV[1]  op: register | deregister | drain | list
+-- ARGV[2]  worker key prefix "ns:worker:" (a worker's key is prefix .. id; single Redis)
+--
+-- register  ARGV[3..10] = id, role, model, layout, address, capacity, draining, ttl_ms
+--   -> {'ok', created (1 new, 0 renewed)} | {'identity', model, layout} | {'role', role}
+--   Creates or renews the worker's PX lease. The identity is set by the first live
+--   worker and lives as long as the longest worker lease, so it resets only once every
+--   worker is gone. Draining is sticky: a heartbeat never un-drains a worker.
+-- deregister ARGV[3] = id -> 1 if it was registered; drops the identity if no worker is left
+-- drain      ARGV[3] = id, ARGV[4] = '1' | '0' -> 1 if the worker is registered
+-- list       ARGV[3] = role or '' for all
+--   -> flat {id, role, model, layout, address, capacity, draining, ...}; prunes expired ids
+
+local pools = {prefill = KEYS[2], decode = KEYS[3], mixed = KEYS[4]}
+local op = ARGV[1]
+local prefix = ARGV[2]
+
+local function live_members(pool)
+  local alive = {}
+  for _, id in ipairs(redis.call('SMEMBERS', pool)) do
+    if redis.call('EXISTS', prefix .. id) == 1 then
+      alive[#alive + 1] = id
+    else
+      redis.call('SREM', pool, id)
+    end
+  end
+  return alive
+end
+
+if op == 'register' then
+  local id, role, model, layout = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+  local ttl = tonumber(ARGV[10])
+  local key = prefix .. id
+  if pools[role] == nil then
+    return redis.error_reply('registry: unknown role ' .. role)
+  end
+  local known = redis.call('HMGET', KEYS[1], 'model', 'layout')
+  if known[1] and (known[1] ~= model or known[2] ~= layout) then
+    return {'identity', known[1], known[2]}
+  end
+  local old = redis.call('HMGET', key, 'role', 'draining')
+  if old[1] and old[1] ~= role then
+    return {'role', old[1]}
+  end
+  local draining = ARGV[9]
+  if old[2] == '1' then draining = '1' end
+  redis.call('HSET', key, 'role', role, 'model', model, 'layout', layout,
+             'address', ARGV[7], 'capacity', ARGV[8], 'draining', draining)
+  redis.call('PEXPIRE', key, ttl)
+  redis.call('SADD', pools[role], id)
+  redis.call('HSET', KEYS[1], 'model', model, 'layout', layout)
+  if redis.call('PTTL', KEYS[1]) < ttl then
+    redis.call('PEXPIRE', KEYS[1], ttl)
+  end
+  if old[1] then return {'ok', 0} end
+  return {'ok', 1}
+elseif op == 'deregister' then
+  local id = ARGV[3]
+  local existed = redis.call('DEL', prefix .. id)
+  local left = 0
+  for _, pool in pairs(pools) do
+    redis.call('SREM', pool, id)
+    left = left + #live_members(pool)
+  end
+  if left == 0 then redis.call('DEL', KEYS[1]) end
+  return existed
+elseif op == 'drain' then
+  local key = prefix .. ARGV[3]
+  if redis.call('EXISTS', key) == 0 then return 0 end
+  redis.call('HSET', key, 'draining', ARGV[4])
+  return 1
+elseif op == 'list' then
+  local out = {}
+  for _, role in ipairs({'prefill', 'decode', 'mixed'}) do
+    if ARGV[3] == '' or ARGV[3] == role then
+      for _, id in ipairs(live_members(pools[role])) do
+        local f = redis.call('HMGET', prefix .. id,
+                             'role', 'model', 'layout', 'address', 'capacity', 'draining')
+        out[#out + 1] = id
+        for i = 1, 6 do out[#out + 1] = f[i] or '' end
+      end
+    end
+  end
+  return out
+end
+return redis.error_reply('registry: unknown op ' .. tostring(op))

@@ -1,0 +1,172 @@
+"""The worker registry in Redis: who serves which pool, with what model and KV layout.
+
+Lifecycle of a registration: a worker calls `register` once it can serve (a PX-expiring
+hash plus membership in its pool's set), then `heartbeat` well within `ttl_s` to renew
+it. A heartbeat re-creates a registration Redis lost (restart, failover), so the registry
+rebuilds itself from heartbeats. To leave, a worker calls `set_draining(id)` (routers stop
+sending it requests), finishes its streams, then `deregister`s; a worker that dies just
+stops heartbeating and expires. All workers must share one model and KV layout (the
+cluster's identity): the first live worker sets it unless the config pins it, and a worker
+that differs is refused at registration, not at its first KV transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from importlib import resources
+
+import grpc
+import redis
+
+from services.common.worker_config import ROLES
+from services.router.keyspace import Keyspace
+from services.router.redis_client import REDIS_DOWN_ERRORS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    role: str  # prefill, decode or mixed
+    model: str  # model fingerprint (ModelSpec.fingerprint)
+    layout_fingerprint: str  # KV layout fingerprint (KvLayout.fingerprint())
+    address: str  # host:port of the worker's gRPC server
+    capacity: int = 0  # KV blocks it can hold (informational)
+    draining: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not self.worker_id:
+            raise ValueError("worker_id must be non-empty")
+
+
+class IncompatibleWorkerError(Exception):
+    """A worker's model, KV layout or role conflicts with the cluster's registry."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Registry:
+    """Registrations of one cluster (namespace). Redis errors propagate to the caller.
+
+    `model` / `layout` pin the identity every worker must have; empty means "whatever the
+    first live worker has".
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keyspace,
+        *,
+        ttl_s: float = 10.0,
+        model: str = "",
+        layout: str = "",
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.client = client
+        self.keys = keys
+        self.ttl_s = ttl_s
+        self.model = model
+        self.layout = layout
+        text = resources.files("services.router").joinpath("registry.lua").read_text("utf-8")
+        self._script = client.register_script(text)
+
+    def _call(self, op: str, *args: str | int) -> object:
+        keys = [self.keys.identity, *(self.keys.pool(r) for r in ("prefill", "decode", "mixed"))]
+        return self._script(keys=keys, args=[op, self.keys.worker_prefix, *args])
+
+    def register(self, info: WorkerInfo) -> bool:
+        """Create or renew `info`'s registration; True if it was created.
+
+        Raises IncompatibleWorkerError (and registers nothing) if the worker's model or
+        KV layout differs from the cluster's, or its id is registered under another role.
+        """
+        self._check_pinned(info)
+        res = self._call(
+            "register", info.worker_id, info.role, info.model, info.layout_fingerprint,
+            info.address, info.capacity, "1" if info.draining else "0",
+            max(1, round(self.ttl_s * 1000)),
+        )  # fmt: skip
+        assert isinstance(res, list)
+        status = str(res[0])
+        if status == "identity":
+            raise IncompatibleWorkerError(
+                f"worker {info.worker_id!r} refused: it has model {info.model!r} and KV layout "
+                f"{info.layout_fingerprint!r}, but the live workers have model {res[1]!r} and "
+                f"KV layout {res[2]!r}; start it with the same model, dtype and block size, or "
+                f"in another namespace"
+            )
+        if status == "role":
+            raise IncompatibleWorkerError(
+                f"worker {info.worker_id!r} refused: that id is already registered as a "
+                f"{res[1]} worker; give each worker a unique id"
+            )
+        return int(res[1]) == 1
+
+    def _check_pinned(self, info: WorkerInfo) -> None:
+        for what, want, got in (
+            ("model", self.model, info.model),
+            ("KV layout", self.layout, info.layout_fingerprint),
+        ):
+            if want and got != want:
+                raise IncompatibleWorkerError(
+                    f"worker {info.worker_id!r} refused: its {what} is {got!r} but the router "
+                    f"is configured for {want!r}"
+                )
+
+    def heartbeat(self, info: WorkerInfo) -> bool:
+        """Renew the lease; True if the registration was lost and had to be re-created."""
+        return self.register(info)
+
+    def deregister(self, worker_id: str) -> bool:
+        """Remove a worker; True if it was registered. Its load leases expire on their own."""
+        return int(str(self._call("deregister", worker_id))) == 1
+
+    def set_draining(self, worker_id: str, draining: bool = True) -> bool:
+        """Mark a worker (un)draining; routers stop placing on it at once. False if unknown."""
+        return int(str(self._call("drain", worker_id, "1" if draining else "0"))) == 1
+
+    def list(self, role: str | None = None) -> list[WorkerInfo]:
+        """Live registrations (all pools, or one), pruning expired ones from the pool sets."""
+        if role is not None and role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        res = self._call("list", role or "")
+        assert isinstance(res, list)
+        flat = [str(x) for x in res]
+        out = []
+        for i in range(0, len(flat), 7):
+            wid, r, model, layout, address, capacity, draining = flat[i : i + 7]
+            out.append(
+                WorkerInfo(wid, r, model, layout, address, int(capacity or 0), draining == "1")
+            )
+        return sorted(out, key=lambda w: (w.role, w.worker_id))
+
+    def identity(self) -> tuple[str, str] | None:
+        """(model, layout) of the live workers, or None if none is registered."""
+        model, layout = self.client.hmget(self.keys.identity, ["model", "layout"])
+        return None if model is None else (str(model), str(layout))
+
+
+async def keep_registered(
+    registry: Registry, info: WorkerInfo, stop: asyncio.Event, interval_s: float | None = None
+) -> None:
+    """Heartbeat `info` every `interval_s` (default ttl/3) until `stop` is set.
+
+    Survives Redis outages (logged): the next heartbeat after Redis returns re-creates
+    the registration. An IncompatibleWorkerError propagates: the worker must not serve.
+    """
+    interval = registry.ttl_s / 3 if interval_s is None else interval_s
+    while not stop.is_set():
+        try:
+            if await asyncio.to_thread(registry.heartbeat, info):
+                log.info("worker %s (%s) registered with the router", info.worker_id, info.role)
+        except REDIS_DOWN_ERRORS as exc:
+            log.warning("heartbeat of %s failed, Redis unreachable: %s", info.worker_id, exc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=interval)

@@ -1,0 +1,262 @@
+"""The router's core: turn a prompt into a (prefill, decode) or mixed placement.
+
+Lifecycle of a decision (`Router.route`, synchronous and thread-safe):
+1. Membership: every `membership_refresh_s` the router re-reads the registry (and the
+   epoch key that tells it whether Redis lost its data) and rebuilds the ring of any pool
+   whose non-draining members changed.
+2. Key: the engine's prefix hash of the prompt's first K blocks, seeded with the cluster's
+   model fingerprint and the tenant as salt.
+3. Pools: prefill + decode if both have workers, else mixed. Each pool's candidate order
+   comes from the policy (the ring walk for the hashing policies), minus `exclude`.
+4. Place: one pipelined round trip runs `bounded_load.lua` once per pool; each call is
+   atomic, so the bound holds across any number of router replicas.
+5. Release: `release(lease_ids)` gives the load back; leases also expire after `load_ttl_s`.
+
+Fail-open: if Redis errors, the router places with `LocalLoad` on the last known
+membership, logs once per outage, counts each such decision in `stats.fail_open`, and
+tries Redis again after `redis_retry_s`. If Redis comes back empty (restarted), pools it
+does not list yet keep their last membership, routed locally, for one heartbeat TTL, by
+which time the workers' heartbeats have re-registered them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import redis
+
+from services.router.keyspace import Keyspace
+from services.router.load import LoadLedger, Placed, PlaceRequest, new_token
+from services.router.local_load import LocalLoad
+from services.router.membership import Membership, MembershipView
+from services.router.placement import NoWorkerError, RouteDecision, WorkerRef
+from services.router.policies import make_policy
+from services.router.prefix_key import prefix_key, tenant_seed
+from services.router.redis_client import REDIS_DOWN_ERRORS
+from services.router.registry import Registry
+from services.router.router_config import RouterConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterStats:
+    decisions: int = 0  # successful route() calls
+    fail_open: int = 0  # pool placements made locally because Redis was unusable
+    overflow: int = 0  # bounded placements that skipped the key's first worker
+    redis_errors: int = 0  # Redis calls that failed with a connection/timeout error
+    release_failures: int = 0  # releases Redis never got (those leases expire by TTL)
+
+
+@dataclass(frozen=True)
+class Routed:
+    decision: RouteDecision
+    placements: tuple[Placed, ...]  # (prefill, decode) or (mixed,), as in the decision
+    fail_open: bool  # some pool was placed with local counts, not through Redis
+
+
+class Router:
+    """Placement against one Redis; one instance per router replica (or gateway)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        config: RouterConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.keys = Keyspace(config.namespace)
+        self.client = client
+        self.registry = Registry(
+            client,
+            self.keys,
+            ttl_s=config.heartbeat_ttl_s,
+            model=config.model_fingerprint,
+            layout=config.layout_fingerprint,
+        )
+        self.ledger = LoadLedger(client, self.keys)
+        self.policy = make_policy(config.policy, config.seed)
+        self.local = LocalLoad(clock)
+        self.membership = Membership(config.virtual_nodes, config.heartbeat_ttl_s)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._refresh_lock = threading.Lock()
+        self._stats = RouterStats()
+        self._next_refresh = float("-inf")
+        self._redis_down_until = float("-inf")
+        self._redis_down = False
+
+    # -- public API -------------------------------------------------------------------
+
+    @property
+    def stats(self) -> RouterStats:
+        with self._lock:
+            return self._stats
+
+    @property
+    def fail_open_count(self) -> int:
+        return self.stats.fail_open
+
+    def workers(self) -> list[WorkerRef]:
+        """Every worker last known to be registered, draining ones included."""
+        self._maybe_refresh(self._clock())
+        return self.membership.view().refs()
+
+    def refresh(self) -> bool:
+        """Re-read the registry now; False (and fail-open) if Redis is unreachable."""
+        return self._maybe_refresh(self._clock(), force=True)
+
+    def route(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        tenant: str,
+        exclude: Sequence[str] = (),
+    ) -> RouteDecision:
+        """Place one request; raises NoWorkerError if a pool has no eligible worker."""
+        return self.route_detailed(request_id, prompt_token_ids, tenant, exclude).decision
+
+    def route_detailed(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        tenant: str,
+        exclude: Sequence[str] = (),
+    ) -> Routed:
+        """`route`, plus each pool's placement (load, bound, rank) for spans and tests."""
+        now = self._clock()
+        self._maybe_refresh(now)
+        view = self.membership.view()
+        excluded = frozenset(exclude)
+        placed = self._place(view, prompt_token_ids, tenant, excluded, now)
+        if any(p is None for p in placed) and now >= self._redis_down_until:
+            # The view may be stale (a worker died or began draining): re-read and retry once.
+            self.release([p.lease_id for p in placed if p is not None])
+            self._maybe_refresh(now, force=True)
+            view = self.membership.view()
+            placed = self._place(view, prompt_token_ids, tenant, excluded, now)
+        roles = view.serving_roles()
+        if not roles:
+            if self._redis_down:
+                raise NoWorkerError(
+                    "the router cannot reach Redis and knows no workers yet; check redis_url"
+                )
+            raise NoWorkerError(view.why_empty())
+        missing = [r for r, p in zip(roles, placed, strict=True) if p is None]
+        if missing:
+            self.release([p.lease_id for p in placed if p is not None])
+            raise NoWorkerError(view.why_none(missing[0], excluded))
+        chosen = [p for p in placed if p is not None]
+        self._count(decisions=1, overflow=sum(1 for p in chosen if p.rank > 0))
+        refs = [view.ref(r, p.worker_id) for r, p in zip(roles, chosen, strict=True)]
+        prefill = refs[0] if len(refs) == 2 else None
+        decision = RouteDecision(prefill, refs[-1], tuple(p.lease_id for p in chosen))
+        return Routed(decision, tuple(chosen), any(p.local for p in chosen))
+
+    def release(self, lease_ids: Sequence[str]) -> None:
+        """Give back load leases (local ones here, the rest in Redis). Never raises on a
+        dead Redis: those leases expire after `load_ttl_s`."""
+        remote = [lease for lease in lease_ids if not self.local.release(lease)]
+        if not remote:
+            return
+        if self._clock() < self._redis_down_until:
+            self._count(release_failures=len(remote))
+            return
+        try:
+            self.ledger.release(remote)
+        except REDIS_DOWN_ERRORS as exc:
+            self._redis_failed(exc)
+            self._count(release_failures=len(remote))
+
+    # -- internals --------------------------------------------------------------------
+
+    def _place(
+        self,
+        view: MembershipView,
+        prompt_token_ids: Sequence[int],
+        tenant: str,
+        excluded: frozenset[str],
+        now: float,
+    ) -> list[Placed | None]:
+        """One placement per serving pool of `view` (None where no worker is eligible)."""
+        cfg = self.config
+        roles = view.serving_roles()
+        if not roles:
+            return [None]
+        seed = tenant_seed(cfg.model_fingerprint or view.model, tenant)
+        key = prefix_key(prompt_token_ids, cfg.block_size, cfg.prefix_blocks, seed)
+        orders = {}
+        for role in roles:
+            orders[role] = [w for w in self.policy.order(key, view.ring(role)) if w not in excluded]
+        redis_up = now >= self._redis_down_until
+        remote = [r for r in roles if redis_up and not view.is_local_only([r])]
+        out: dict[str, Placed | None] = {}
+        if remote:
+            mode = self.policy.mode
+            reqs = [PlaceRequest(r, orders[r], mode, cfg.eps, cfg.load_ttl_s) for r in remote]
+            try:
+                out.update(zip(remote, self.ledger.place_many(reqs), strict=True))
+                self._redis_ok()
+            except REDIS_DOWN_ERRORS as exc:
+                self._redis_failed(exc)
+        for role in roles:
+            if role not in out:
+                live = view.live(role, orders[role])
+                out[role] = self.local.place(role, live, self.policy.mode, cfg.eps, cfg.load_ttl_s)
+                self._count(fail_open=1)
+        return [out[r] for r in roles]
+
+    def _maybe_refresh(self, now: float, force: bool = False) -> bool:
+        if not force and (now < self._next_refresh or now < self._redis_down_until):
+            return not self._redis_down
+        with self._refresh_lock:
+            if not force and now < self._next_refresh:
+                return True
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.setnx(self.keys.epoch, new_token())
+                pipe.get(self.keys.epoch)
+                epoch = str(pipe.execute()[1])
+                workers = self.registry.list()
+            except REDIS_DOWN_ERRORS as exc:
+                self._redis_failed(exc)
+                return False
+            self._redis_ok()
+            self.membership.update(workers, epoch, now)
+            self._next_refresh = now + self.config.membership_refresh_s
+            return True
+
+    def _redis_failed(self, exc: Exception) -> None:
+        with self._lock:
+            self._stats = _bump(self._stats, redis_errors=1)
+            first = not self._redis_down
+            self._redis_down = True
+            self._redis_down_until = self._clock() + self.config.redis_retry_s
+        if first:
+            log.warning(
+                "Redis unreachable (%s): routing fails open on the last known %d workers with "
+                "local load counts until it returns",
+                exc,
+                len(self.membership.view().refs()),
+            )
+
+    def _redis_ok(self) -> None:
+        with self._lock:
+            recovered = self._redis_down
+            self._redis_down = False
+        if recovered:
+            log.warning("Redis reachable again: routing through Redis resumes")
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            self._stats = _bump(self._stats, **deltas)
+
+
+def _bump(stats: RouterStats, **deltas: int) -> RouterStats:
+    values = {k: getattr(stats, k) + v for k, v in deltas.items()}
+    return RouterStats(**{**stats.__dict__, **values})

@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import redis
+
+from services.router.keyspace import Keyspace
+from services.router.registry import IncompatibleWorkerError, Registry, keep_registered
+from tests.unit.router.conftest import LAYOUT, MODEL, worker
+
+
+def make(client: redis.Redis, namespace: str, **kw: object) -> Registry:
+    return Registry(client, Keyspace(namespace), **kw)  # type: ignore[arg-type]
+
+
+def test_register_list_heartbeat_deregister(client: redis.Redis, namespace: str) -> None:
+    reg = make(client, namespace, ttl_s=5)
+    assert reg.register(worker("p0", "prefill", capacity=128)) is True
+    assert reg.heartbeat(worker("p0", "prefill", capacity=128)) is False  # renewed, not new
+    reg.register(worker("d0", "decode"))
+    assert [w.worker_id for w in reg.list()] == ["d0", "p0"]
+    (p0,) = reg.list("prefill")
+    assert (p0.address, p0.capacity, p0.model, p0.draining) == ("addr-p0", 128, MODEL, False)
+    assert reg.identity() == (MODEL, LAYOUT)
+    assert reg.deregister("p0") is True and reg.deregister("p0") is False
+    assert [w.worker_id for w in reg.list()] == ["d0"]
+    reg.deregister("d0")
+    assert reg.identity() is None  # the last worker gone: a new model may register
+
+
+def test_incompatible_worker_is_refused_with_a_clear_message(
+    client: redis.Redis, namespace: str
+) -> None:
+    reg = make(client, namespace)
+    reg.register(worker("m0"))
+    with pytest.raises(IncompatibleWorkerError, match=r"KV layout 'other'.*live workers") as err:
+        reg.register(worker("m1", layout_fingerprint="other"))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(IncompatibleWorkerError, match="model 'other-model'"):
+        reg.register(worker("m1", "prefill", model="other-model"))
+    with pytest.raises(IncompatibleWorkerError, match="already registered as a mixed worker"):
+        reg.register(worker("m0", "decode"))
+    assert [w.worker_id for w in reg.list()] == ["m0"]
+
+
+def test_pinned_identity_refuses_even_the_first_worker(client: redis.Redis, namespace: str) -> None:
+    reg = make(client, namespace, model=MODEL, layout="pinned")
+    with pytest.raises(IncompatibleWorkerError, match="configured for 'pinned'"):
+        reg.register(worker("m0"))
+    assert reg.list() == []
+
+
+def test_expired_worker_disappears_and_heartbeat_recreates_it(
+    client: redis.Redis, namespace: str
+) -> None:
+    reg = make(client, namespace, ttl_s=0.05)
+    reg.register(worker("m0"))
+    time.sleep(0.1)
+    assert reg.list() == []
+    assert reg.identity() is None  # identity lives exactly as long as the longest lease
+    assert reg.heartbeat(worker("m0")) is True
+    assert [w.worker_id for w in reg.list()] == ["m0"]
+
+
+def test_draining_is_sticky_until_cleared(client: redis.Redis, namespace: str) -> None:
+    reg = make(client, namespace)
+    reg.register(worker("m0"))
+    assert reg.set_draining("m0") is True
+    reg.heartbeat(worker("m0"))  # the worker's own heartbeat must not un-drain it
+    assert reg.list()[0].draining is True
+    reg.set_draining("m0", False)
+    assert reg.list()[0].draining is False
+    assert reg.set_draining("ghost") is False
+    assert reg.list()[0].worker_id == "m0"
+
+
+def test_keep_registered_heartbeats_until_stopped(client: redis.Redis, namespace: str) -> None:
+    reg = make(client, namespace, ttl_s=0.15)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(keep_registered(reg, worker("m0"), stop, interval_s=0.03))
+        await asyncio.sleep(0.4)  # well past the TTL: only heartbeats keep it alive
+        assert [w.worker_id for w in reg.list()] == ["m0"]
+        stop.set()
+        await asyncio.wait_for(task, 1.0)
+
+    asyncio.run(run())
+    time.sleep(0.2)
+    assert reg.list() == []

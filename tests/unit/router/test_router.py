@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+import pytest
+import redis
+
+from services.common.config import add_config_args, config_from_args
+from services.router.keyspace import Keyspace
+from services.router.placement import NoWorkerError
+from services.router.redis_placement import RedisPlacement
+from services.router.registry import Registry
+from services.router.router import Router
+from services.router.router_config import RouterConfig
+from tests.unit.router.conftest import register_pool, worker
+
+
+def make_router(client: redis.Redis, namespace: str, **kw: object) -> Router:
+    r = Router(client, RouterConfig(namespace=namespace, **kw))  # type: ignore[arg-type]
+    r.refresh()
+    return r
+
+
+def test_disaggregated_decision_and_release(client: redis.Redis, namespace: str) -> None:
+    register_pool(client, namespace, "prefill", 2)
+    register_pool(client, namespace, "decode", 3)
+    r = make_router(client, namespace)
+    d = r.route("r1", list(range(70)), "tenant")
+    assert d.prefill is not None and d.prefill.role == "prefill" and d.decode.role == "decode"
+    assert d.prefill.address == f"addr-{d.prefill.worker_id}"
+    assert len(d.load_lease_ids) == 2
+    # Same prefix, same tenant: same prefill worker (the one whose cache holds it).
+    again = r.route("r2", [*range(64), 9, 9], "tenant")
+    assert again.prefill == d.prefill
+    r.release(d.load_lease_ids)
+    r.release(again.load_lease_ids)
+    assert r.ledger.snapshot("prefill").counts == r.ledger.snapshot("decode").counts == {}
+    assert {w.worker_id for w in r.workers()} == {"p0", "p1", "d0", "d1", "d2"}
+
+
+def test_draining_worker_gets_no_new_requests(client: redis.Redis, namespace: str) -> None:
+    register_pool(client, namespace, "mixed", 3)
+    r = make_router(client, namespace, membership_refresh_s=60)
+    reg = Registry(client, Keyspace(namespace))
+    reg.set_draining("m1")
+    # The router's view is stale (refresh in 60 s): the script itself skips m1 at once.
+    placed = {r.route(str(i), [i] * 40, "t").decode.worker_id for i in range(200)}
+    assert placed == {"m0", "m2"}
+    r.refresh()
+    assert "m1" not in r.membership.view().ring("mixed")
+    reg.set_draining("m0")
+    reg.set_draining("m2")
+    with pytest.raises(NoWorkerError, match="3 registered, 3 draining"):
+        r.route("x", [1] * 40, "t")
+
+
+def test_exclude_skips_failed_workers(client: redis.Redis, namespace: str) -> None:
+    register_pool(client, namespace, "mixed", 2)
+    r = make_router(client, namespace)
+    first = r.route("r", [5] * 40, "t").decode.worker_id
+    other = r.route("r", [5] * 40, "t", exclude=[first]).decode.worker_id
+    assert other != first
+    with pytest.raises(NoWorkerError, match="2 already tried"):
+        r.route("r", [5] * 40, "t", exclude=["m0", "m1"])
+
+
+def test_dead_worker_is_dropped_via_refresh_and_retry(client: redis.Redis, namespace: str) -> None:
+    register_pool(client, namespace, "mixed", 1)
+    r = make_router(client, namespace, membership_refresh_s=60)
+    reg = Registry(client, Keyspace(namespace))
+    reg.deregister("m0")
+    reg.register(worker("m9"))
+    # The view still says m0; the script finds it gone, the router re-reads and retries.
+    assert r.route("r", [1] * 40, "t").decode.worker_id == "m9"
+
+
+def test_no_workers_and_half_a_disaggregated_cluster(client: redis.Redis, namespace: str) -> None:
+    r = make_router(client, namespace)
+    with pytest.raises(NoWorkerError, match="no worker is registered"):
+        r.route("r", [1], "t")
+    register_pool(client, namespace, "prefill", 1)
+    r.refresh()
+    with pytest.raises(NoWorkerError, match="no decode worker"):
+        r.route("r", [1], "t")
+
+
+def test_router_config_flags_env_and_validation() -> None:
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, RouterConfig, env={"PDSERVE_EPS": "0.5", "PDSERVE_POLICY": "random"})
+    cfg = config_from_args(RouterConfig, parser.parse_args(["--prefix-blocks", "2"]))
+    assert (cfg.eps, cfg.policy, cfg.prefix_blocks, cfg.redis_url) == (0.5, "random", 2, "")
+    with pytest.raises(ValueError, match="policy"):
+        RouterConfig(policy="sticky")
+    with pytest.raises(ValueError, match="eps"):
+        RouterConfig(eps=0)
+
+
+def test_redis_placement_with_its_own_embedded_redis() -> None:
+    placement = RedisPlacement.from_config(RouterConfig(redis_url=""))
+    try:
+        reg = Registry(placement.client, Keyspace("pdserve"))
+        reg.register(worker("m0"))
+        placement.router.refresh()
+
+        async def go() -> None:
+            d = await placement.route("r", [1, 2, 3], "t")
+            assert d.decode.worker_id == "m0" and d.prefill is None
+            await placement.release(d)
+
+        asyncio.run(go())
+        assert placement.router.ledger.snapshot("mixed").counts == {}
+        assert [w.worker_id for w in placement.workers()] == ["m0"]
+        pid = placement._embedded.pid if placement._embedded else None
+    finally:
+        placement.close()
+    assert pid is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
