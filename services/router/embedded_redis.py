@@ -12,11 +12,9 @@ without stopping it (PR_SET_PDEATHSIG), so a crashed parent leaves no orphan.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import logging
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -56,10 +54,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: only a foreign call, no Python imports.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+# A tiny launcher that asks for SIGTERM on parent death, then execs redis-server (the
+# setting survives exec). A preexec_fn would do the same between fork and exec, but
+# forking a process that already runs gRPC threads runs gRPC's fork handlers in the
+# child, which can abort it.
+_LAUNCHER = (
+    "import ctypes, os, signal, sys; "
+    f"ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM, 0, 0, 0); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
 
 
 class EmbeddedRedis:
@@ -107,13 +110,10 @@ class EmbeddedRedis:
         if not self.tcp:
             args += ["--unixsocket", str(self._dir / "redis.sock"), "--unixsocketperm", "700"]
         on_main = threading.current_thread() is threading.main_thread()
-        pdeathsig = sys.platform == "linux" and on_main
+        if sys.platform == "linux" and on_main:
+            args = [sys.executable, "-c", _LAUNCHER, *args]
         self._proc = subprocess.Popen(
-            args,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if pdeathsig else None,
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         self._wait_ready(timeout_s)
         log.info("embedded redis-server (pid %d) serving %s", self._proc.pid, self.url)
