@@ -66,10 +66,20 @@ class EngineLoop:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception:
-                log.exception("engine step failed")
-                continue
+            except Exception as exc:
+                log.exception("engine step failed; failing every live request")
+                outputs = self._fail_all(exc)
             self._dispatch(outputs)
+
+    def _fail_all(self, exc: Exception) -> list[RequestOutput]:
+        """A step that raised would raise again: end every stream with the error rather
+        than leave its client hanging, and abort the requests so their blocks free."""
+        with self._lock:
+            ids = list(self._queues)
+        for rid in ids:
+            self.engine.abort(rid)
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        return [RequestOutput(rid, [], True, "abort", error=message) for rid in ids]
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         assert self._loop is not None

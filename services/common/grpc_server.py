@@ -8,6 +8,10 @@ on shutdown calls `mark_not_serving` then `server.stop(grace)`.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import signal
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -50,11 +54,22 @@ def build_server(host: str, port: int, service_names: list[str]) -> BuiltServer:
     return BuiltServer(server, bound, health_servicer)
 
 
+def announce_ready(**fields: object) -> None:
+    """The one JSON line on stdout that tells a launcher (`pdserve up`, tests) we serve."""
+    print(json.dumps(fields), flush=True)
+
+
+async def wait_for_shutdown_signal() -> None:
+    """Return once SIGTERM or SIGINT arrives (installed on the running event loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
 async def wait_healthy(address: str, timeout: float) -> bool:
     """Poll the standard health service until SERVING or the timeout passes."""
-    import asyncio
-    import time
-
     end = time.monotonic() + timeout
     async with grpc.aio.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)

@@ -14,10 +14,8 @@ NOT_SERVING, lets running streams finish and exported KV be pulled for up to
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import signal
 import sys
 from collections.abc import AsyncIterator
 
@@ -30,7 +28,7 @@ from kvtransfer.exporter import KvExporter
 from kvtransfer.importer import KvImporter
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.engine_loop import EngineLoop
-from services.common.grpc_server import build_server
+from services.common.grpc_server import announce_ready, build_server, wait_for_shutdown_signal
 from services.common.registration import WorkerRegistration
 from services.common.status import abort_with
 from services.common.worker_config import WorkerConfig
@@ -145,14 +143,8 @@ async def serve_worker(
     await built.server.start()
     registration = await _register(config, engine, address)
     await built.mark_serving()
-    print(
-        json.dumps({"ready": address, "worker_id": config.worker_id, "role": config.role}),
-        flush=True,
-    )
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
+    announce_ready(ready=address, worker_id=config.worker_id, role=config.role)
+    await wait_for_shutdown_signal()
     log.info("worker %s draining", config.worker_id)
     if registration is not None:
         await registration.drain()

@@ -48,6 +48,8 @@ class DecodeHandler:
             first = True
             while not finished:
                 out: RequestOutput = await queue.get()
+                if out.error:
+                    raise RuntimeError(out.error)
                 finished = out.finished
                 yield self._chunk(out, kv_bytes if first else 0)
                 first = False

@@ -9,16 +9,12 @@ then it reports NOT_SERVING and lets open streams finish for a few seconds.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import signal
-
 from engine.model_spec import ModelSpec
 from engine.model_store import DEFAULT_MODEL_NAME, resolve_model_dir
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.cli.model_cmd import ModelConfig
-from services.common.grpc_server import build_server
+from services.common.grpc_server import announce_ready, build_server, wait_for_shutdown_signal
 from services.gateway.config import GatewayConfig
 from services.gateway.service import GatewayService
 from services.router.placement import Placement, StaticPlacement
@@ -62,11 +58,8 @@ async def serve_gateway(
     await built.server.start()
     await built.mark_serving()
     address = f"{config.gateway_host}:{built.port}"
-    print(json.dumps({"ready": address, "role": "gateway"}), flush=True)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
+    announce_ready(ready=address, role="gateway")
+    await wait_for_shutdown_signal()
     await built.mark_not_serving()
     await built.server.stop(grace=DRAIN_S)
     await service.close()

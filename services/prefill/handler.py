@@ -43,6 +43,8 @@ class PrefillHandler:
             )  # fmt: skip
             self.loop.wake()
             out: RequestOutput = await queue.get()
+            if out.error:
+                raise RuntimeError(out.error)
             finished = True
             return self._respond(rid, out, params.max_tokens)
         finally:

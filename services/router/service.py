@@ -12,13 +12,11 @@ when no URL is given), serves until SIGTERM/SIGINT, then closes.
 from __future__ import annotations
 
 import asyncio
-import json
-import signal
 
 import grpc
 
 from pdserve.v1 import router_pb2, router_pb2_grpc
-from services.common.grpc_server import build_server
+from services.common.grpc_server import announce_ready, build_server, wait_for_shutdown_signal
 from services.router.placement import NoWorkerError, WorkerRef
 from services.router.redis_placement import RedisPlacement
 from services.router.router_config import RouterConfig
@@ -67,12 +65,8 @@ async def serve_router(host: str, port: int, config: RouterConfig) -> None:
     router_pb2_grpc.add_RouterServicer_to_server(RouterService(placement), built.server)
     await built.server.start()
     await built.mark_serving()
-    print(json.dumps({"ready": f"{host}:{built.port}", "role": "router",
-                      "redis_url": placement.redis_url}), flush=True)  # fmt: skip
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
+    announce_ready(ready=f"{host}:{built.port}", role="router", redis_url=placement.redis_url)
+    await wait_for_shutdown_signal()
     await built.mark_not_serving()
     await built.server.stop(grace=2.0)
     placement.close()

@@ -1,0 +1,50 @@
+"""Flags and PDSERVE_* env vars derived from config dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from services.common.config import add_config_args, config_from_args, env_var_names
+from services.common.worker_config import WorkerConfig
+
+
+def _parse(argv: list[str], env: dict[str, str]) -> EngineConfig:
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, EngineConfig, env=env)
+    return config_from_args(EngineConfig, parser.parse_args(argv))
+
+
+def test_flag_beats_env_beats_default() -> None:
+    assert _parse([], {}).block_size == 16
+    assert _parse([], {"PDSERVE_BLOCK_SIZE": "32"}).block_size == 32
+    assert _parse(["--block-size", "64"], {"PDSERVE_BLOCK_SIZE": "32"}).block_size == 64
+
+
+def test_optional_and_path_fields() -> None:
+    cfg = _parse(
+        ["--num-kv-blocks", "100", "--model-cache-dir", "/tmp/x"], {"PDSERVE_MODEL": "none"}
+    )
+    assert cfg.num_kv_blocks == 100 and cfg.model_cache_dir == Path("/tmp/x") and cfg.model is None
+
+
+def test_bad_env_value_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse([], {"PDSERVE_BLOCK_SIZE": "sixteen"})
+    assert "PDSERVE_BLOCK_SIZE" in capsys.readouterr().err
+
+
+def test_validation_runs_on_the_built_config() -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        _parse(["--block-size", "12"], {})
+    with pytest.raises(ValueError, match="role"):
+        WorkerConfig(role="chef")
+
+
+def test_env_names_cover_every_field() -> None:
+    names = env_var_names(WorkerConfig)
+    assert "PDSERVE_ROLE" in names and "PDSERVE_REDIS_URL" in names
+    assert all(n.startswith("PDSERVE_") and n.isupper() for n in names)
