@@ -29,20 +29,24 @@ class Policy(Protocol):
         ...
 
 
-class BoundedLoadPolicy:
+class _RingWalk:
+    """Candidates in ring order from the key: the affinity order of the hashing policies."""
+
+    name = ""
+    mode = ""
+
+    def order(self, key: int, ring: HashRing) -> list[str]:
+        return list(ring.walk(key))
+
+
+class BoundedLoadPolicy(_RingWalk):
     name = "bounded"
     mode = "bounded"
 
-    def order(self, key: int, ring: HashRing) -> list[str]:
-        return list(ring.walk(key))
 
-
-class ConsistentHashPolicy:
+class ConsistentHashPolicy(_RingWalk):
     name = "consistent"
     mode = "first"
-
-    def order(self, key: int, ring: HashRing) -> list[str]:
-        return list(ring.walk(key))
 
 
 class RoundRobinPolicy:
@@ -53,12 +57,9 @@ class RoundRobinPolicy:
         return sorted(ring.members)
 
 
-class LeastLoadedPolicy:
+class LeastLoadedPolicy(_RingWalk):
     name = "least_loaded"
     mode = "least"
-
-    def order(self, key: int, ring: HashRing) -> list[str]:
-        return list(ring.walk(key))
 
 
 class RandomPolicy:
