@@ -60,6 +60,16 @@ class BlockPool:
         """The block holding the KV for this chained hash, if cached."""
         return self._by_hash.get(block_hash)
 
+    def longest_cached_prefix(self, block_hashes: list[int]) -> list[int]:
+        """Blocks of the longest run of leading hashes that are cached (takes no refs)."""
+        hits: list[int] = []
+        for block_hash in block_hashes:
+            block_id = self._by_hash.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
     def stats(self) -> BlockPoolStats:
         free = self.num_free
         return BlockPoolStats(

@@ -124,13 +124,7 @@ class KvHandoff:
     def _cached_prefix(self, req: Request) -> list[int]:
         eng = self._engine
         eng.scheduler.extend_hashes(req, req.num_prompt_tokens)
-        hits: list[int] = []
-        for h in req.block_hashes:
-            block_id = eng.pool.lookup(h)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        return eng.pool.longest_cached_prefix(req.block_hashes)
 
     def commit_import(self, request_id: str) -> bool:
         """The reserved blocks now hold the prompt's KV: queue the request to decode.

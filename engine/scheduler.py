@@ -138,12 +138,7 @@ class Scheduler:
         """Reuse cached blocks for the longest cached prefix (always computing >= 1 token)."""
         self.extend_hashes(req, req.num_tokens)
         max_hit = (req.num_tokens - 1) // self.config.block_size
-        hits: list[int] = []
-        for block_hash in req.block_hashes[:max_hit]:
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
+        hits = self.pool.longest_cached_prefix(req.block_hashes[:max_hit])
         self.pool.touch(hits)
         req.block_ids = list(hits)
         req.num_computed_tokens = len(hits) * self.config.block_size
