@@ -4,17 +4,31 @@
 -- KEYS[1]  ns:load:<role>   ZSET lease id -> expiry (server ms)
 -- KEYS[2]  ns:count:<role>  HASH worker id -> live lease count
 -- KEYS[3]  ns:rr:<role>     round-robin counter
--- KEYS[4..] ns:worker:<id>  registration of each candidate, in candidate order
--- ARGV[1]  mode: bounded | first | least | round_robin
+-- KEYS[4]  ns:cacheseq:<role>  counter ordering the cache model's uses (cache_aware only)
+-- KEYS[5 .. 4+m]     ns:worker:<id>  registration of each of the m candidates, in order
+-- KEYS[5+m .. 4+2m]  ns:cache:<role>:<id>   ZSET prefix key -> last use seq (cache_aware)
+-- KEYS[5+2m .. 4+3m] ns:cachew:<role>:<id>  HASH prefix key -> weight, "~used" -> sum
+-- ARGV[1]  mode: cache_aware | bounded | first | least | round_robin
 -- ARGV[2]  eps (a float's repr, so Lua and Python compute the same bound)
 -- ARGV[3]  lease id prefix "<role>:<token>:"; the lease id is prefix .. worker id
 -- ARGV[4]  lease TTL in ms
 -- ARGV[5]  most expired leases to purge in this call (bounds the script's run time)
--- ARGV[6..] candidate worker ids, in preference order (the ring walk, client-side)
+-- ARGV[6]  prefix key (hex) of the request (cache_aware only)
+-- ARGV[7]  its weight: full KV blocks of the prompt (cache_aware only)
+-- ARGV[8]  share of a worker's registered KV capacity the cache model assumes
+-- ARGV[9]  cache model TTL in ms (idle models of departed workers expire)
+-- ARGV[10..] the m candidate worker ids, in preference order (the ring walk, client-side)
 --
 -- A candidate counts only if its registration exists and is not draining; total load
 -- and n cover counted candidates only. bound = ceil((1 + eps) * (total + 1) / n): since
 -- the average load is below the bound, "bounded" always finds a worker.
+--
+-- cache_aware is bounded with a model of each worker's prefix cache: which prefix keys
+-- it served recently (LRU order in the ZSET, weights in the HASH). Among candidates
+-- below the bound, the least-loaded one whose model holds the key wins (ties: earlier in the
+-- order); if none holds it, the first below the bound, as in "bounded". The pick's model
+-- then records the key as most recently used and evicts least recently used keys beyond
+-- capacity x share, as an LRU prefix cache would.
 -- Returns {worker, load before, bound, n, total, rank among counted candidates}, or
 -- {"", 0, 0, 0, 0, -1} when no candidate counts.
 
@@ -33,10 +47,14 @@ for _, lease in ipairs(expired) do
   redis.call('ZREM', KEYS[1], lease)
 end
 
-local live = {}
-for i = 6, #ARGV do
-  if redis.call('HGET', KEYS[i - 2], 'draining') == '0' then
-    live[#live + 1] = ARGV[i]
+local m = #ARGV - 9
+local live, slot, capacity = {}, {}, {}
+for j = 1, m do
+  local reg = redis.call('HMGET', KEYS[4 + j], 'draining', 'capacity')
+  if reg[1] == '0' then
+    live[#live + 1] = ARGV[9 + j]
+    slot[#live] = j
+    capacity[#live] = tonumber(reg[2]) or 0
   end
 end
 local n = #live
@@ -54,27 +72,70 @@ end
 local bound = math.ceil((1 + tonumber(ARGV[2])) * (total + 1) / n)
 
 local mode = ARGV[1]
-local pick = 1
-if mode == 'bounded' then
-  pick = nil
+local cached = mode == 'cache_aware'
+if #KEYS ~= 4 + (cached and 3 or 1) * m then
+  return redis.error_reply('bounded_load: KEYS do not match the candidates for mode ' .. mode)
+end
+
+-- The least-loaded candidate below the bound whose cache model holds the key, or nil.
+local function warm_pick()
+  local best = nil
   for i = 1, n do
-    if loads[i] < bound then
-      pick = i
-      break
+    if loads[i] < bound and redis.call('ZSCORE', KEYS[4 + m + slot[i]], ARGV[6]) then
+      if best == nil or loads[i] < loads[best] then best = i end
+    end
+  end
+  return best
+end
+
+-- Record the key as the pick's most recent use; evict least recently used keys until
+-- the model's summed weight fits the worker's capacity x share.
+local function remember(i)
+  local lru, weights = KEYS[4 + m + slot[i]], KEYS[4 + 2 * m + slot[i]]
+  local weight = tonumber(ARGV[7])
+  local old = tonumber(redis.call('HGET', weights, ARGV[6])) or 0
+  redis.call('ZADD', lru, redis.call('INCR', KEYS[4]), ARGV[6])
+  redis.call('HSET', weights, ARGV[6], weight)
+  local used = redis.call('HINCRBY', weights, '~used', weight - old)
+  local cap = math.floor(capacity[i] * tonumber(ARGV[8]))
+  while cap > 0 and used > cap do
+    local oldest = redis.call('ZPOPMIN', lru)
+    if #oldest == 0 then break end
+    local w = tonumber(redis.call('HGET', weights, oldest[1])) or 0
+    redis.call('HDEL', weights, oldest[1])
+    used = redis.call('HINCRBY', weights, '~used', -w)
+  end
+  redis.call('PEXPIRE', lru, ARGV[9])
+  redis.call('PEXPIRE', weights, ARGV[9])
+end
+
+local pick = nil
+if cached then pick = warm_pick() end
+if mode == 'bounded' or mode == 'cache_aware' then
+  if pick == nil then
+    for i = 1, n do
+      if loads[i] < bound then
+        pick = i
+        break
+      end
     end
   end
   if pick == nil then
     return redis.error_reply('bounded_load: no worker below the bound (invariant broken)')
   end
 elseif mode == 'least' then
+  pick = 1
   for i = 2, n do
     if loads[i] < loads[pick] then pick = i end
   end
 elseif mode == 'round_robin' then
   pick = (redis.call('INCR', KEYS[3]) - 1) % n + 1
-elseif mode ~= 'first' then
+elseif mode == 'first' then
+  pick = 1
+else
   return redis.error_reply('bounded_load: unknown mode ' .. mode)
 end
+if cached then remember(pick) end
 
 local worker = live[pick]
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[4]), ARGV[3] .. worker)

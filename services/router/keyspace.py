@@ -8,6 +8,10 @@ Layout (`ns` = namespace, `role` in prefill / decode / mixed):
 - `ns:load:<role>`   ZSET of load lease ids scored by expiry (Redis server ms)
 - `ns:count:<role>`  HASH worker id -> number of live load leases (kept equal to the ZSET)
 - `ns:rr:<role>`     round-robin counter
+- `ns:cache:<role>:<id>`   ZSET prefix key -> last use: the router's model of one worker's
+  prefix cache (policy `bounded`), PX-expiring when idle
+- `ns:cachew:<role>:<id>`  HASH prefix key -> weight in blocks, `~used` -> their sum
+- `ns:cacheseq:<role>`     counter ordering cache-model uses
 - `ns:epoch`         random token; a change means Redis lost its data (restart, flush)
 
 A load lease id is `<role>:<token>:<worker id>`: it names its pool and worker, so release
@@ -47,6 +51,15 @@ class Keyspace:
 
     def round_robin(self, role: str) -> str:
         return f"{self.namespace}:rr:{role}"
+
+    def cache_lru(self, role: str, worker_id: str) -> str:
+        return f"{self.namespace}:cache:{role}:{worker_id}"
+
+    def cache_weights(self, role: str, worker_id: str) -> str:
+        return f"{self.namespace}:cachew:{role}:{worker_id}"
+
+    def cache_seq(self, role: str) -> str:
+        return f"{self.namespace}:cacheseq:{role}"
 
     @property
     def epoch(self) -> str:

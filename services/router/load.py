@@ -7,8 +7,16 @@ in one atomic call. The caller hands the lease id back through `release` (`relea
 removes it and decrements); if the holder dies instead, the next placement or snapshot
 after the TTL purges it. Counts and the ZSET change only inside scripts, so they agree.
 
+Mode `cache_aware` (policy `bounded`, the default) also keeps, per worker, a model of its
+prefix cache: the prefix keys placed there, LRU-evicted at the worker's registered KV
+capacity x `cache_share`. Below the bound it prefers the least-loaded worker whose model
+holds the key, so a hot prefix spreads over workers that already cache it instead of
+spilling to the next ring worker, which would evict that worker's own prefixes. Keys
+nobody holds follow the ring walk as in `bounded`.
+
 `choose` is the same selection in Python: the router's fail-open path uses it on local
-counts, and the tests use it as the oracle for the script.
+counts (without cache models: cache_aware acts as bounded there), and the tests use it
+as the oracle for the script.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ import redis
 
 from services.router.keyspace import Keyspace, parse_lease_id
 
-MODES = ("bounded", "first", "least", "round_robin")
+MODES = ("cache_aware", "bounded", "first", "least", "round_robin")
+# A departed worker's cache model is dropped after this long without a placement.
+CACHE_MODEL_TTL_MS = 3_600_000
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,9 @@ class PlaceRequest:
     mode: str
     eps: float
     ttl_s: float
+    key: int = 0  # the request's prefix key (cache_aware)
+    weight: int = 0  # full KV blocks of its prompt: its footprint in a prefix cache
+    cache_share: float = 1.0  # share of a worker's KV capacity the cache model assumes
 
 
 @dataclass(frozen=True)
@@ -65,18 +78,23 @@ def load_bound(total: int, n: int, eps: float) -> int:
 
 
 def choose(
-    mode: str, loads: Sequence[int], eps: float, rr_counter: int = 0
+    mode: str, loads: Sequence[int], eps: float, rr_counter: int = 0, warm: Sequence[bool] = ()
 ) -> tuple[int, int, int]:
     """(index, bound, total) of the pick among counted candidates with `loads`, in order.
 
     Precondition: `loads` is non-empty. `rr_counter` is the round-robin counter after
-    incrementing (1-based), as the script's INCR returns it.
+    incrementing (1-based), as the script's INCR returns it. `warm[i]` says whether the
+    cache model of candidate i holds the request's key (cache_aware; none warm if empty).
     """
     n = len(loads)
     total = sum(loads)
     bound = load_bound(total, n, eps)
-    if mode == "bounded":
-        pick = next(i for i, load in enumerate(loads) if load < bound)
+    under = [i for i, load in enumerate(loads) if load < bound]
+    warm_under = [i for i in under if mode == "cache_aware" and i < len(warm) and warm[i]]
+    if warm_under:
+        pick = min(warm_under, key=lambda i: (loads[i], i))
+    elif mode in ("bounded", "cache_aware"):
+        pick = under[0]
     elif mode == "least":
         pick = min(range(n), key=lambda i: (loads[i], i))
     elif mode == "round_robin":
@@ -148,10 +166,14 @@ class LoadLedger:
             raise ValueError(f"unknown placement mode {r.mode!r}; expected one of {MODES}")
         lease_prefix = f"{r.role}:{new_token()}:"
         keys = [self.keys.load(r.role), self.keys.count(r.role), self.keys.round_robin(r.role)]
-        keys += [self.keys.worker(w) for w in r.candidates]
+        keys += [self.keys.cache_seq(r.role), *(self.keys.worker(w) for w in r.candidates)]
+        if r.mode == "cache_aware":
+            keys += [self.keys.cache_lru(r.role, w) for w in r.candidates]
+            keys += [self.keys.cache_weights(r.role, w) for w in r.candidates]
         ttl_ms = max(1, round(r.ttl_s * 1000))
         args: list[str | int] = [r.mode, repr(float(r.eps)), lease_prefix, ttl_ms]
-        args += [self.purge_batch, *r.candidates]
+        args += [self.purge_batch, f"{r.key & 0xFFFFFFFFFFFFFFFF:016x}", r.weight]
+        args += [repr(float(r.cache_share)), CACHE_MODEL_TTL_MS, *r.candidates]
         return keys, args, lease_prefix
 
     def release(self, lease_ids: Sequence[str]) -> int:

@@ -5,7 +5,9 @@ from the pool's ring; the mode is the pick rule `bounded_load.lua` (or, failing 
 `LocalLoad`) applies to that order's live workers, atomically with taking a load lease.
 So all policies lease load the same way, and comparing them compares only the choice:
 
-- bounded       ring walk from the key; first worker below the load bound (default)
+- bounded       ring walk from the key; below the load bound, the least-loaded worker the
+                router's cache model says holds the key, else the first on the walk (default)
+- bounded_ring  ring walk; first worker below the load bound (the textbook rule)
 - consistent    ring walk; first live worker (pure affinity, unbounded)
 - round_robin   workers by id; the pool's shared counter picks (across all routers)
 - least_loaded  ring walk; the least-loaded worker, ties to the one nearest the key
@@ -41,6 +43,11 @@ class _RingWalk:
 
 class BoundedLoadPolicy(_RingWalk):
     name = "bounded"
+    mode = "cache_aware"
+
+
+class BoundedRingPolicy(_RingWalk):
+    name = "bounded_ring"
     mode = "bounded"
 
 
@@ -81,6 +88,7 @@ def make_policy(name: str, seed: int | None = None) -> Policy:
         return RandomPolicy(seed)
     simple: dict[str, type[Policy]] = {
         "bounded": BoundedLoadPolicy,
+        "bounded_ring": BoundedRingPolicy,
         "consistent": ConsistentHashPolicy,
         "round_robin": RoundRobinPolicy,
         "least_loaded": LeastLoadedPolicy,

@@ -197,8 +197,12 @@ class Router:
         remote = [r for r in roles if redis_up and not view.is_local_only([r])]
         out: dict[str, Placed | None] = {}
         if remote:
-            mode = self.policy.mode
-            reqs = [PlaceRequest(r, orders[r], mode, cfg.eps, cfg.load_ttl_s) for r in remote]
+            weight = len(prompt_token_ids) // cfg.block_size
+            reqs = [
+                PlaceRequest(r, orders[r], self.policy.mode, cfg.eps, cfg.load_ttl_s, key,
+                             weight, cfg.cache_share)
+                for r in remote
+            ]  # fmt: skip
             try:
                 out.update(zip(remote, self.ledger.place_many(reqs), strict=True))
                 self._redis_ok()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-POLICIES = ("bounded", "consistent", "round_robin", "least_loaded", "random")
+POLICIES = ("bounded", "bounded_ring", "consistent", "round_robin", "least_loaded", "random")
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,13 @@ class RouterConfig:
     policy: str = field(default="bounded", metadata={"help": f"placement policy: {POLICIES}"})
     eps: float = field(
         default=0.25, metadata={"help": "bounded-load slack: cap is ceil((1+eps)*avg load)"}
+    )
+    cache_share: float = field(
+        default=0.75,
+        metadata={
+            "help": "share of a worker's KV blocks the router's prefix-cache model assumes "
+            "(policy bounded; the rest holds running requests)"
+        },
     )
     prefix_blocks: int = field(
         default=4, metadata={"help": "full KV blocks of the prompt hashed into the routing key"}
@@ -63,6 +70,8 @@ class RouterConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.eps <= 0:
             raise ValueError(f"eps must be > 0 (the bound needs slack), got {self.eps}")
+        if not 0 < self.cache_share <= 1:
+            raise ValueError(f"cache_share must be in (0, 1], got {self.cache_share}")
         if self.prefix_blocks < 1:
             raise ValueError(f"prefix_blocks must be >= 1, got {self.prefix_blocks}")
         if self.block_size < 1:

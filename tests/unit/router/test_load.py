@@ -48,6 +48,7 @@ def test_script_matches_model_and_never_exceeds_the_bound(
     registered: dict[str, bool] = {}  # worker -> draining
     loads: dict[str, int] = {}  # live leases per worker, dead or alive
     held: list[str] = []
+    warm: dict[str, set[int]] = {}  # the cache model: keys placed on each worker
     rr = 0
     for op, arg in [("add", w) for w in sorted(initial)] + ops:
         if op == "add":
@@ -65,23 +66,27 @@ def test_script_matches_model_and_never_exceeds_the_bound(
             assert ledger.release([lease]) == 1
             loads[lease.rsplit(":", 1)[1]] -= 1
         elif op == "route":
-            order = list(RING.walk(KEYS[int(str(arg))]))  # includes dead workers on purpose
+            key = KEYS[int(str(arg))]
+            order = list(RING.walk(key))  # includes dead workers on purpose
             live = [w for w in order if w in registered and not registered[w]]
-            placed = ledger.place(PlaceRequest("mixed", order, mode, eps, 30))
+            placed = ledger.place(PlaceRequest("mixed", order, mode, eps, 30, key, 3))
             if not live:
                 assert placed is None
                 continue
             rr += mode == "round_robin"
             before = [loads.get(w, 0) for w in live]
-            pick, bound, total = choose(mode, before, eps, rr)
+            holds = [key in warm.get(w, set()) for w in live]
+            pick, bound, total = choose(mode, before, eps, rr, holds)
             assert placed is not None
             got = (placed.worker_id, placed.load, placed.bound)
             assert got == (live[pick], before[pick], bound)
             assert (placed.n, placed.total, placed.rank) == (len(live), total, pick)
-            if mode == "bounded":
+            if mode in ("bounded", "cache_aware"):
                 assert placed.load < load_bound(total, len(live), eps)
                 if placed.rank:
-                    event("bounded placement overflowed past the key's first worker")
+                    event(f"{mode} placement went past the key's first worker")
+            if mode == "cache_aware":
+                warm.setdefault(placed.worker_id, set()).add(key)
             loads[placed.worker_id] = loads.get(placed.worker_id, 0) + 1
             held.append(placed.lease_id)
     snap = ledger.snapshot("mixed")
@@ -141,3 +146,40 @@ def test_pipelined_pools_and_unknown_mode(client: redis.Redis, namespace: str) -
     assert ledger.release([p.lease_id, d.lease_id]) == 2
     with pytest.raises(ValueError, match="unknown placement mode"):
         ledger.place(PlaceRequest("decode", ["d0"], "nope", 0.25, 30))
+
+
+def test_cache_model_prefers_a_warm_worker_and_evicts_at_capacity(
+    client: redis.Redis, namespace: str
+) -> None:
+    keys = Keyspace(namespace)
+    registry = Registry(client, keys, ttl_s=30)
+    for w in ("m0", "m1", "m2"):
+        registry.register(worker(w, capacity=10))
+    ledger = LoadLedger(client, keys)
+
+    def place(order: list[str], key: int) -> str:
+        placed = ledger.place(PlaceRequest("mixed", order, "cache_aware", 1.0, 30, key, 4, 1.0))
+        assert placed is not None
+        ledger.release([placed.lease_id])
+        return placed.worker_id
+
+    assert place(["m0", "m1", "m2"], 0xA) == "m0"  # cold: the walk's first worker
+    assert place(["m1", "m2", "m0"], 0xA) == "m0"  # warm beats the walk's first
+    assert place(["m0", "m1", "m2"], 0xB) == "m0"
+    assert place(["m0", "m1", "m2"], 0xC) == "m0"  # 12 blocks > capacity 10: A evicted
+    weights = client.hgetall(keys.cache_weights("mixed", "m0"))
+    assert weights == {"~used": "8", f"{0xB:016x}": "4", f"{0xC:016x}": "4"}
+    assert place(["m1", "m2", "m0"], 0xA) == "m1"  # nobody holds A any more
+    assert 0 < client.pttl(keys.cache_lru("mixed", "m0")) <= 3_600_000
+
+
+def test_cache_model_never_beats_the_bound(client: redis.Redis, namespace: str) -> None:
+    register_pool(client, namespace, "mixed", 2)
+    ledger = LoadLedger(client, Keyspace(namespace))
+    held = []
+    for _ in range(6):  # one hot key: its warm worker fills to the bound, then m1 takes over
+        placed = ledger.place(PlaceRequest("mixed", ["m0", "m1"], "cache_aware", 0.25, 30, 7, 1))
+        assert placed is not None and placed.load < placed.bound
+        held.append(placed)
+    assert {p.worker_id for p in held} == {"m0", "m1"}
+    assert ledger.release([p.lease_id for p in held]) == 6
