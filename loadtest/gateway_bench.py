@@ -6,6 +6,12 @@ up, then alternate the two measurements on the same prompt so machine noise hits
 once; (b) a Prefill RPC straight to the same prefill worker, timed to its reply (its
 lease is dropped with Abort). The difference of the medians is what the gateway adds
 (tokenization, validation, placement, the extra hop). Writes JSON; stops the cluster.
+
+Fairness on a small host: after token 1 the gateway starts the decode call, which the
+client then cancels. Each measurement starts only once both workers are idle again
+(polled through their Stats), so neither side is timed against a cancelled stream still
+burning a core; and the order within a pair alternates, so neither side always runs
+first after the pause.
 """
 
 from __future__ import annotations
@@ -61,6 +67,18 @@ async def _direct_prefill(stub: worker_pb2_grpc.WorkerStub, prompt: list[int]) -
     return elapsed
 
 
+async def _until_idle(workers: list[worker_pb2_grpc.WorkerStub], timeout: float = 10.0) -> None:
+    """Wait until no worker runs, queues or holds a request (a cancelled stream is gone)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        stats = [await w.Stats(worker_pb2.StatsRequest()) for w in workers]
+        if all(s.running == 0 and s.waiting == 0 and s.held_blocks == 0 for s in stats):
+            await asyncio.sleep(0.01)  # the workers' own cleanup after the last step
+            return
+        await asyncio.sleep(0.005)
+    raise TimeoutError("workers did not go idle between measurements")
+
+
 async def _measure(cluster: LocalCluster, cfg: BenchConfig) -> dict[str, object]:
     prefill = next(c for c in cluster.children if c.name == "prefill-0")
     async with (
@@ -73,14 +91,26 @@ async def _measure(cluster: LocalCluster, cfg: BenchConfig) -> dict[str, object]
 
         tok = Tokenizer(resolve_model_dir(None, DEFAULT_MODEL_CACHE.expanduser(), progress=False))
         prompt = tok.encode(PROMPT)
+        workers = [
+            worker_pb2_grpc.WorkerStub(grpc.aio.insecure_channel(c.address))
+            for c in cluster.children
+            if c.name != "gateway" and c.address
+        ]
         gw: list[float] = []
         direct: list[float] = []
         for i in range(cfg.warmup + cfg.reps):
-            g, d = await _gateway_ttft(client), await _direct_prefill(stub, prompt)
+            await _until_idle(workers)
+            if i % 2:
+                d = await _direct_prefill(stub, prompt)
+                await _until_idle(workers)
+                g = await _gateway_ttft(client)
+            else:
+                g = await _gateway_ttft(client)
+                await _until_idle(workers)
+                d = await _direct_prefill(stub, prompt)
             if i >= cfg.warmup:
                 gw.append(g)
                 direct.append(d)
-            await asyncio.sleep(0.05)  # let the cancelled stream's cleanup finish
     p50_gw, p50_direct = statistics.median(gw) * 1e3, statistics.median(direct) * 1e3
     # Each rep's pair ran back to back: the median of their differences cancels the slow
     # drift of a shared machine that the difference of two medians still carries.
