@@ -1,0 +1,125 @@
+"""API keys per tenant: who is calling, and what they may do.
+
+Lifecycle: the gateway loads `ApiKeys.from_file(path)` once at start (a bad file stops
+it with the line number). For every call, gRPC or HTTP, the front door pulls the key
+from the `authorization: Bearer <key>` or `x-api-key: <key>` header (`key_from_headers`)
+and `authenticate` turns it into a `Principal`: the tenant whose prefix-cache salt and
+router keys the request gets, whether it may use admin calls, and its token quota. The
+tenant comes only from the key: no request field can name another tenant.
+
+Keys file, one key per line (`#` starts a comment):
+
+    <tenant> <key> [admin] [tpm=<tokens per minute>]
+
+Keys are kept only as SHA-256 digests, so a heap dump does not leak them; a lookup
+hashes the presented key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+MIN_KEY_CHARS = 16
+TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class AuthError(Exception):
+    """A refused call. `denied` False: no valid key (UNAUTHENTICATED / HTTP 401);
+    True: a valid key without the right (PERMISSION_DENIED / HTTP 403)."""
+
+    def __init__(self, message: str, *, denied: bool = False) -> None:
+        super().__init__(message)
+        self.denied = denied
+
+
+@dataclass(frozen=True)
+class Principal:
+    tenant: str
+    admin: bool = False
+    tokens_per_minute: int = 0  # 0: the gateway's default quota
+
+    def require_admin(self, what: str) -> None:
+        if not self.admin:
+            raise AuthError(f"{what} needs an admin key; tenant {self.tenant!r} has none",
+                            denied=True)  # fmt: skip
+
+
+#: The caller when the gateway runs without a keys file: one anonymous tenant.
+ANONYMOUS = Principal(tenant="", admin=True)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def _parse_line(line: str, where: str) -> tuple[bytes, Principal] | None:
+    words = line.split("#", 1)[0].split()
+    if not words:
+        return None
+    if len(words) < 2:
+        raise ValueError(f"{where}: expected '<tenant> <key> [admin] [tpm=N]'")
+    tenant, key, *flags = words
+    if not TENANT_RE.match(tenant):
+        raise ValueError(f"{where}: tenant {tenant!r} must match {TENANT_RE.pattern}")
+    if len(key) < MIN_KEY_CHARS:
+        raise ValueError(f"{where}: key must have at least {MIN_KEY_CHARS} characters")
+    admin, tpm = False, 0
+    for flag in flags:
+        if flag == "admin":
+            admin = True
+        elif flag.startswith("tpm=") and flag[4:].isdigit():
+            tpm = int(flag[4:])
+        else:
+            raise ValueError(f"{where}: unknown option {flag!r} (admin or tpm=N)")
+    return _digest(key), Principal(tenant, admin, tpm)
+
+
+class ApiKeys:
+    """An immutable key table; `authenticate` is safe to call from any task or thread."""
+
+    def __init__(self, entries: Iterable[tuple[bytes, Principal]]) -> None:
+        self._by_digest: dict[bytes, Principal] = {}
+        for digest, principal in entries:
+            if digest in self._by_digest:
+                raise ValueError(f"a key is listed twice (tenant {principal.tenant!r})")
+            self._by_digest[digest] = principal
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ApiKeys:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        entries = [_parse_line(line, f"{path}:{n}") for n, line in enumerate(lines, 1)]
+        keys = cls(e for e in entries if e is not None)
+        if not keys._by_digest:
+            raise ValueError(f"{path}: no keys (remove --api-keys-file to run without auth)")
+        return keys
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    def authenticate(self, key: str | None) -> Principal:
+        if not key:
+            raise AuthError("missing API key: send 'authorization: Bearer <key>'")
+        # A dict lookup by digest: its timing can reveal at most how a guess's SHA-256
+        # compares with a stored one, which says nothing usable about the key.
+        principal = self._by_digest.get(_digest(key))
+        if principal is None:
+            raise AuthError("invalid API key")
+        return principal
+
+
+def key_from_headers(headers: Iterable[tuple[str, str | bytes]]) -> str | None:
+    """The API key in gRPC metadata or HTTP headers (names compared case-insensitively)."""
+    bearer: str | None = None
+    plain: str | None = None
+    for name, raw in headers:
+        value = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        lowered = name.lower()
+        if lowered == "authorization" and value[:7].lower() == "bearer ":
+            bearer = value[7:].strip()
+        elif lowered == "x-api-key":
+            plain = value.strip()
+    return bearer or plain
