@@ -43,6 +43,11 @@ bench: model
 	$(BIN)/python -m loadtest.transfer_bench --out bench-results/transfer.json
 	$(BIN)/python -m loadtest.gateway_bench --out bench-results/gateway.json
 	$(BIN)/python -m loadtest.router_bench --out bench-results/router.json
+	$(BIN)/python -m loadtest.tracing_bench --out bench-results/tracing.json
+	# the headline, short (about 10 minutes); the full sweep is `python -m loadtest.headline`
+	$(BIN)/python -m loadtest.headline --out-dir bench-results --rates 0.1,0.2 \
+		--num-requests 12 --duration-s 60 --long-fraction 0.2 --long-prompt-tokens 1024-2048 \
+		--short-num-requests 20 --short-duration-s 40
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache .mypy_cache .ruff_cache

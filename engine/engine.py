@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -217,6 +218,8 @@ class LLMEngine:
         return self._output(req, [])
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
         req.output_token_ids.append(token)
         status = self.stop_checker.check(req)
         if status is not None:
@@ -237,6 +240,9 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             num_output_tokens=len(req.output_token_ids),
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
         )
 
     # -- observability -----------------------------------------------------------

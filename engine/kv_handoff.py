@@ -13,6 +13,7 @@ the engine lock, so none races a step.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -148,6 +149,7 @@ class KvHandoff:
                 eng.scheduler.release_blocks(req)
                 return False
             eng.requests[request_id] = req
+            req.arrival_time = time.monotonic()  # decode's queue starts now, not at reserve
             eng.scheduler.add(req)
             return True
 

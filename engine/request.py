@@ -47,7 +47,12 @@ class Request:
     sampling: SamplingParams
     hash_seed: int
     hold_kv: bool = False
+    # Phase timestamps (time.monotonic()) for queue vs compute telemetry: `arrival_time`
+    # is when the request joined this engine's queue (an import: when it was committed),
+    # then its first admission to a batch and its first token sampled by this engine.
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
@@ -93,3 +98,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    arrival_time: float = 0.0  # monotonic; see Request
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None

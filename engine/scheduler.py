@@ -13,6 +13,7 @@ when a request stops. Nothing here runs the model or samples.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -111,6 +112,8 @@ class Scheduler:
                 return
             self.waiting.popleft()
             self.count_prefix(req)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._add_to_batch(batch, req, n)

@@ -26,11 +26,12 @@ from engine.engine import LLMEngine
 from engine.kv_cache import KvLayout
 from engine.kv_handoff import HeldKv
 from kvtransfer.backend import ExportBackend
+from kvtransfer.channel import CHANNEL_OPTIONS, PLAINTEXT, ChannelSecurity, bind
 from kvtransfer.config import TransferConfig
 from kvtransfer.handle import PROTOCOL_VERSION
 from kvtransfer.leases import LeaseStats, LeaseTable
 from kvtransfer.service import KvTransferService
-from kvtransfer.tcp_backend import CHANNEL_OPTIONS, TcpExportBackend
+from kvtransfer.tcp_backend import TcpExportBackend
 from pdserve.v1 import common_pb2, kvtransfer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class KvExporter:
         config: TransferConfig,
         *,
         engine_id: str | None = None,
+        security: ChannelSecurity = PLAINTEXT,
     ) -> None:
         self.held = held
         self.config = config
@@ -89,16 +91,24 @@ class KvExporter:
         )
         kvtransfer_pb2_grpc.add_KvTransferServicer_to_server(KvTransferService(self), self._server)
         host = config.kv_transfer_host
-        port = self._server.add_insecure_port(f"{host}:{config.kv_transfer_port}")
+        port = bind(self._server, f"{host}:{config.kv_transfer_port}", security)
         self.address = f"{host}:{port}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._housekeeping, name="kv-exporter", daemon=True)
 
     @classmethod
     def for_engine(
-        cls, engine: LLMEngine, config: TransferConfig, *, engine_id: str | None = None
+        cls,
+        engine: LLMEngine,
+        config: TransferConfig,
+        *,
+        engine_id: str | None = None,
+        security: ChannelSecurity = PLAINTEXT,
     ) -> KvExporter:
-        return cls(engine.layout, engine.kv_cache, engine.handoff, config, engine_id=engine_id)
+        return cls(
+            engine.layout, engine.kv_cache, engine.handoff, config,
+            engine_id=engine_id, security=security,
+        )  # fmt: skip
 
     def start(self) -> KvExporter:
         self._server.start()

@@ -26,6 +26,7 @@ from engine.errors import OutOfBlocksError
 from engine.kv_cache import KvLayout
 from engine.sampling_params import SamplingParams
 from kvtransfer.backend import ImportBackend
+from kvtransfer.channel import PLAINTEXT, ChannelSecurity, dial
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import LeaseExpiredError, NoBlocksError, PeerUnavailableError
 from kvtransfer.grpc_errors import transfer_error_from_rpc
@@ -37,29 +38,37 @@ from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-def make_import_backend(name: str, engine: LLMEngine, agent_name: str) -> ImportBackend:
+def make_import_backend(
+    name: str, engine: LLMEngine, agent_name: str, security: ChannelSecurity = PLAINTEXT
+) -> ImportBackend:
     if name == "nixl":
         from kvtransfer.nixl_backend import NixlImportBackend
 
         return NixlImportBackend(engine.kv_cache, agent_name)
-    return TcpImportBackend(engine.kv_cache)
+    return TcpImportBackend(engine.kv_cache, security)
 
 
 def handshake(
-    address: str, layout: KvLayout, agent_name: str, deadline: float
+    address: str,
+    layout: KvLayout,
+    agent_name: str,
+    deadline: float,
+    metadata: Sequence[tuple[str, str]] = (),
+    security: ChannelSecurity = PLAINTEXT,
 ) -> kvtransfer_pb2.HandshakeResponse:
-    """Ask the exporter at `address` who it is; it refuses a protocol or layout mismatch."""
+    """Ask the exporter at `address` who it is; it refuses a protocol or layout mismatch.
+    `metadata` rides on the call (the request's trace context)."""
     request = kvtransfer_pb2.HandshakeRequest(
         protocol_version=PROTOCOL_VERSION,
         layout_fingerprint=layout.fingerprint(),
         importer_agent_name=agent_name,
     )
     timeout = max(deadline - time.monotonic(), 0.05)
-    with grpc.insecure_channel(address) as channel:
+    with dial(address, security) as channel:
         try:
             response: kvtransfer_pb2.HandshakeResponse = kvtransfer_pb2_grpc.KvTransferStub(
                 channel
-            ).Handshake(request, timeout=timeout)
+            ).Handshake(request, timeout=timeout, metadata=tuple(metadata) or None)
         except grpc.RpcError as exc:
             raise transfer_error_from_rpc(exc, f"KV handshake with {address}") from exc
     return response
@@ -83,13 +92,19 @@ class KvImporter:
     """Moves exported KV into this engine and queues the request for decode."""
 
     def __init__(
-        self, engine: LLMEngine, config: TransferConfig, *, engine_id: str | None = None
+        self,
+        engine: LLMEngine,
+        config: TransferConfig,
+        *,
+        engine_id: str | None = None,
+        security: ChannelSecurity = PLAINTEXT,
     ) -> None:
         self.engine = engine
         self.config = config
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.agent_name = f"{self.engine_id}.{uuid.uuid4().hex[:12]}"
-        self.backend = make_import_backend(config.kv_backend, engine, self.agent_name)
+        self.security = security
+        self.backend = make_import_backend(config.kv_backend, engine, self.agent_name, security)
         self._lock = threading.Lock()
         self._peer_by_address: dict[str, str] = {}  # address -> "address|incarnation"
         self.handshakes = 0
@@ -103,12 +118,14 @@ class KvImporter:
         request_id: str,
         cache_salt: str = "",
         timeout_s: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> ImportResult:
-        """Bring the handle's KV in and queue the request; raises TransferError subclasses."""
+        """Bring the handle's KV in and queue the request; raises TransferError subclasses.
+        `metadata` goes on the gRPC calls to the exporter (W3C trace context)."""
         start = time.monotonic()
         deadline = start + (timeout_s or self.config.kv_transfer_timeout_s)
         validate_handle(handle, self.engine.layout, prompt_token_ids, self.backend.name)
-        peer = self._peer(handle, deadline)
+        peer = self._peer(handle, deadline, metadata)
         try:
             slot = self.engine.handoff.reserve_import(
                 prompt_token_ids,
@@ -143,13 +160,17 @@ class KvImporter:
             queued=queued,
         )
 
-    def _peer(self, handle: common_pb2.KvHandle, deadline: float) -> str:
+    def _peer(
+        self, handle: common_pb2.KvHandle, deadline: float, metadata: Sequence[tuple[str, str]]
+    ) -> str:
         address = handle.transfer_address
         key = f"{address}|{handle.incarnation}"
         with self._lock:
             if self._peer_by_address.get(address) == key:
                 return key
-        response = handshake(address, self.engine.layout, self.agent_name, deadline)
+        response = handshake(
+            address, self.engine.layout, self.agent_name, deadline, metadata, self.security
+        )
         if response.incarnation != handle.incarnation:
             raise LeaseExpiredError(
                 f"KV exporter at {address} restarted (incarnation {response.incarnation}, "

@@ -15,16 +15,10 @@ import grpc
 import torch
 
 from kvtransfer.backend import ExportBackend, ImportBackend, ReadResult
+from kvtransfer.channel import PLAINTEXT, ChannelSecurity, dial
 from kvtransfer.errors import LeaseExpiredError, PeerUnavailableError, TransferError
 from kvtransfer.grpc_errors import transfer_error_from_rpc
 from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
-
-#: One (layer, K/V) slice of a long prompt's blocks can exceed gRPC's 4 MiB default.
-MAX_MESSAGE_BYTES = 256 << 20
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
 
 
 class TcpExportBackend(ExportBackend):
@@ -39,14 +33,15 @@ class TcpImportBackend(ImportBackend):
 
     name = "tcp"
 
-    def __init__(self, kv_cache: torch.Tensor) -> None:
+    def __init__(self, kv_cache: torch.Tensor, security: ChannelSecurity = PLAINTEXT) -> None:
         self._pool = kv_cache
+        self._security = security
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, kvtransfer_pb2_grpc.KvTransferStub]] = {}
 
     def connect(self, peer_key: str, handshake: kvtransfer_pb2.HandshakeResponse) -> None:
         address = peer_key.split("|", 1)[0]
-        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = dial(address, self._security)
         with self._lock:
             old = self._channels.pop(peer_key, None)
             self._channels[peer_key] = (channel, kvtransfer_pb2_grpc.KvTransferStub(channel))

@@ -101,6 +101,24 @@ def zipf_weights(n: int, s: float) -> list[float]:
     return [1.0 / k**s for k in range(1, n + 1)]
 
 
+class ZipfSampler:
+    """Draws ranks 0..n-1 with P(rank r) proportional to 1 / (r + 1)**s (the load tester's
+    system-prompt popularity; `make_workload` draws its ranks the same way, in bulk)."""
+
+    def __init__(self, n: int, s: float) -> None:
+        if n < 1 or s <= 0:
+            raise ValueError(f"need n >= 1 and s > 0, got n={n}, s={s}")
+        self.n = n
+        self._cum = list(itertools.accumulate(zipf_weights(n, s)))
+
+    def probability(self, rank: int) -> float:
+        previous = self._cum[rank - 1] if rank else 0.0
+        return (self._cum[rank] - previous) / self._cum[-1]
+
+    def sample(self, rng: random.Random) -> int:
+        return rng.choices(range(self.n), cum_weights=self._cum, k=1)[0]
+
+
 def make_workload(cfg: WorkloadConfig) -> Workload:
     """Draw the system prompts and the request sequence; deterministic in `cfg.seed`."""
     rng = random.Random(cfg.seed)

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import DEFAULT_MODEL_CACHE
+from services.common.config import config_args
+from services.common.telemetry_config import TelemetryConfig, telemetry_args
+from services.common.tls import TlsConfig
 from services.router.embedded_redis import EmbeddedRedis
 
 _PR_SET_PDEATHSIG = 1
@@ -37,6 +40,13 @@ class ClusterConfig:
         default=1, metadata={"help": "decode workers (mixed workers when num_prefill is 0)"}
     )
     gateway_port: int = field(default=8470, metadata={"help": "gateway gRPC port (0 = any)"})
+    http_port: int | None = field(
+        default=None,
+        metadata={
+            "help": "gateway's OpenAI HTTP port (0 = any, -1 = off; "
+            "default 8471, or any when gateway_port is 0)"
+        },
+    )
     worker_threads: int = field(default=1, metadata={"help": "torch threads per worker"})
     worker_kv_cache_bytes: int = field(
         default=256 << 20, metadata={"help": "KV pool bytes per worker"}
@@ -53,15 +63,59 @@ class ClusterConfig:
         metadata={"help": "redis (embedded Redis + router registry) or static worker lists"},
     )
     max_streams: int = field(default=64, metadata={"help": "gateway's concurrent stream cap"})
+    pin_workers: bool = field(
+        default=False,
+        metadata={"help": "pin worker i (prefill first) to allowed CPU core i mod cores"},
+    )
     startup_timeout_s: float = field(
         default=300.0, metadata={"help": "seconds to wait for every process to be ready"}
     )
+    # Deadlines and lease lengths handed to the children; None keeps each service's own
+    # default. Fault tests shorten them so that deadlines and expiries fire within seconds.
+    prefill_timeout_s: float | None = field(
+        default=None, metadata={"help": "gateway: deadline of one prefill call"}
+    )
+    first_token_timeout_s: float | None = field(
+        default=None, metadata={"help": "gateway: deadline from decode start to its first token"}
+    )
+    token_timeout_s: float | None = field(
+        default=None, metadata={"help": "gateway: longest wait between two streamed tokens"}
+    )
+    heartbeat_ttl_s: float | None = field(
+        default=None, metadata={"help": "workers' registration lease (and the gateway's view)"}
+    )
+    load_ttl_s: float | None = field(
+        default=None, metadata={"help": "gateway: seconds a router load lease lives unreleased"}
+    )
+    kv_lease_ttl_s: float | None = field(
+        default=None, metadata={"help": "prefill workers: seconds exported KV stays pinned"}
+    )
+    api_keys_file: str | None = field(
+        default=None, metadata={"help": "gateway: API keys file (tenants); unset = no auth"}
+    )
+    tokens_per_minute: int | None = field(
+        default=None, metadata={"help": "gateway: per-tenant token quota per minute"}
+    )
 
     def __post_init__(self) -> None:
+        if self.http_port is not None and not -1 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [-1, 65535] (-1 = off), got {self.http_port}")
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError("num_prefill must be >= 0 and num_decode >= 1")
         if self.placement not in ("redis", "static"):
             raise ValueError(f"placement must be redis or static, got {self.placement!r}")
+        for name in _GATEWAY_PASSTHROUGH + _WORKER_PASSTHROUGH:
+            value = getattr(self, name)
+            if isinstance(value, int | float) and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+
+
+# ClusterConfig options passed on as the same-named flags of `pdserve gateway` / `worker`.
+_GATEWAY_PASSTHROUGH = (
+    "prefill_timeout_s", "first_token_timeout_s", "token_timeout_s", "heartbeat_ttl_s",
+    "load_ttl_s", "api_keys_file", "tokens_per_minute",
+)  # fmt: skip
+_WORKER_PASSTHROUGH = ("heartbeat_ttl_s", "kv_lease_ttl_s")
 
 
 def die_with_parent() -> None:
@@ -80,18 +134,46 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def pin_to_cores(cores: set[int]) -> None:
+    """Restrict every thread of this process, and the threads it starts later, to `cores`.
+
+    Called by the worker itself (`pdserve worker --cpu-cores 0`) for the same reason as
+    `die_with_parent`. Threads already running (gRPC, tokenizer pools) are pinned one by
+    one: sched_setaffinity(0) would move only the calling thread.
+    """
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+
+
 @dataclass
 class Child:
     name: str
     proc: subprocess.Popen[str]
     address: str = ""
+    http_address: str = ""  # the gateway's OpenAI HTTP API, when it serves one
+    metrics_port: int | None = None  # its Prometheus /metrics port, when it serves one
 
 
 class LocalCluster:
-    def __init__(self, cfg: ClusterConfig) -> None:
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        telemetry: TelemetryConfig | None = None,
+        tls: TlsConfig | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.telemetry = telemetry or TelemetryConfig()
+        self.tls = tls or TlsConfig()  # every child serves and dials with it
         self.children: list[Child] = []
         self.gateway_address = ""
+        self.http_address = ""
         self.redis: EmbeddedRedis | None = None
 
     def _common(self) -> list[str]:
@@ -100,19 +182,46 @@ class LocalCluster:
 
     def _launch(self, name: str, args: list[str]) -> Child:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli.main", "--die-with-parent", *args],
+            [sys.executable, "-m", "services.cli.main", "--die-with-parent", *args,
+             *self._telemetry_args(name), *config_args(self.tls)],
             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
         )  # fmt: skip
         child = Child(name, proc)
         self.children.append(child)
         return child
 
+    def _telemetry_args(self, name: str) -> list[str]:
+        """The same telemetry flags for every child; a fixed metrics port goes to the
+        gateway only (the workers take any free port and announce it)."""
+        port = self.telemetry.metrics_port
+        own = port if name == "gateway" else min(port, 0)
+        return telemetry_args(self.telemetry, metrics_port=own)
+
     def _worker_args(self, role: str, index: int) -> list[str]:
         return ["worker", "--role", role, "--worker-id", f"{role}-{index}",
                 "--num-threads", str(self.cfg.worker_threads),
                 "--kv-cache-bytes", str(self.cfg.worker_kv_cache_bytes),
                 "--kv-backend", self.cfg.kv_backend,
-                *self._common(), *self._redis_args()]  # fmt: skip
+                *self._pin_args(role, index), *self._common(), *self._redis_args(),
+                *self._passthrough(_WORKER_PASSTHROUGH)]  # fmt: skip
+
+    def _passthrough(self, names: tuple[str, ...]) -> list[str]:
+        """`--flag value` for each of `names` that is set (None keeps the child's default)."""
+        args: list[str] = []
+        for name in names:
+            value = getattr(self.cfg, name)
+            if value is not None:
+                args += ["--" + name.replace("_", "-"), str(value)]
+        return args
+
+    def _pin_args(self, role: str, index: int) -> list[str]:
+        if not self.cfg.pin_workers:
+            return []
+        # One core per worker, prefill workers first: 1 prefill + 1 decode (or 2 mixed)
+        # on a 2-core host get a core each; the gateway and Redis float.
+        slot = index if role == "prefill" else self.cfg.num_prefill + index
+        cores = sorted(os.sched_getaffinity(0))
+        return ["--cpu-cores", str(cores[slot % len(cores)])]
 
     def _gateway_args(self, prefill: list[Child], decode: list[Child]) -> list[str]:
         return [
@@ -125,11 +234,20 @@ class LocalCluster:
             ",".join(f"{c.name}={c.address}" for c in decode),
             "--max-streams",
             str(self.cfg.max_streams),
+            "--http-port",
+            str(self._http_port()),
             "--placement",
             self.cfg.placement,
             *self._common(),
             *self._redis_args(),
+            *self._passthrough(_GATEWAY_PASSTHROUGH),
         ]
+
+    def _http_port(self) -> int:
+        if self.cfg.http_port is not None:
+            return self.cfg.http_port
+        # Tests and demos ask for any gRPC port; a fixed HTTP port would clash there.
+        return 0 if self.cfg.gateway_port == 0 else 8471
 
     def _redis_args(self) -> list[str]:
         return ["--redis-url", self.redis.url] if self.redis is not None else []
@@ -154,6 +272,7 @@ class LocalCluster:
             gateway = self._launch("gateway", self._gateway_args(prefill, decode))
             self.gateway_address = self._await_ready(gateway, deadline)
             gateway.address = self.gateway_address
+            self.http_address = gateway.http_address
             return self.gateway_address
         except BaseException:
             self.stop()
@@ -175,7 +294,26 @@ class LocalCluster:
                     f"{child.name} exited with code {child.proc.wait()} before it was ready"
                 )
             if line.startswith("{"):
-                return str(json.loads(line)["ready"])
+                ready = json.loads(line)
+                child.http_address = str(ready.get("http") or "")
+                child.metrics_port = ready.get("metrics_port")
+                return str(ready["ready"])
+
+    def relaunch(self, name: str, *extra_args: str) -> Child:
+        """Start an exited child (killed by a fault test, say) again with its original
+        arguments plus `extra_args`, and wait until it is ready. A repeated flag's last
+        value wins, so `relaunch("prefill-0", "--port", "41000")` brings the worker back
+        under its old id on a chosen port. `stop()` stops the new process as usual."""
+        index, old = next((i, c) for i, c in enumerate(self.children) if c.name == name)
+        if old.proc.poll() is None:
+            raise RuntimeError(f"{name} is still running (pid {old.proc.pid}); stop it first")
+        proc = subprocess.Popen(
+            [*(str(a) for a in old.proc.args), *extra_args],  # type: ignore[union-attr]
+            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        child = self.children[index] = Child(name, proc)
+        child.address = self._await_ready(child, time.monotonic() + self.cfg.startup_timeout_s)
+        return child
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM the gateway first, then workers; SIGKILL whatever is left."""

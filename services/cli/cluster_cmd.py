@@ -10,9 +10,13 @@ import sys
 import grpc
 
 from pdserve.v1 import common_pb2
+from services.cli import ray_cmd
 from services.cli.cluster import ClusterConfig, LocalCluster
+from services.cli.timeline import format_timeline
 from services.common.config import add_config_args, config_from_args
-from services.gateway.client import GatewayClient, build_request
+from services.common.telemetry_config import TelemetryConfig
+from services.common.tls import TlsConfig
+from services.gateway.client import ClientConfig, GatewayClient, build_request
 
 DEFAULT_GATEWAY = "127.0.0.1:8470"
 
@@ -20,8 +24,12 @@ DEFAULT_GATEWAY = "127.0.0.1:8470"
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up = sub.add_parser("up", help="start a local cluster (workers + gateway) and wait")
     add_config_args(up, ClusterConfig)
+    add_config_args(up, TelemetryConfig)
+    add_config_args(up, TlsConfig)
+    add_config_args(up, ClientConfig)
     up.add_argument("--generate", metavar="PROMPT", help="stream one completion, then stop")
     up.add_argument("--max-tokens", type=int, default=64, help="tokens for --generate")
+    ray_cmd.add_up_args(up)
     up.set_defaults(handler=_up)
     gen = sub.add_parser("generate", help="stream a completion through the gateway")
     gen.add_argument("prompt")
@@ -30,19 +38,40 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--trace", action="store_true", help="print the phase timeline at the end")
+    add_config_args(gen, ClientConfig)
+    add_config_args(gen, TlsConfig)
     gen.set_defaults(handler=_generate)
     status = sub.add_parser("status", help="show workers, KV blocks and load")
     status.add_argument("--gateway", default=DEFAULT_GATEWAY, help="gateway address")
+    add_config_args(status, ClientConfig)
+    add_config_args(status, TlsConfig)
     status.set_defaults(handler=_status)
 
 
-async def stream_completion(address: str, prompt: str, *, raw: bool, **sampling: object) -> int:
+def _client(address: str, args: argparse.Namespace) -> GatewayClient:
+    """A client with the command's --api-key and --tls-* settings."""
+    client_cfg = config_from_args(ClientConfig, args)
+    return GatewayClient(address, api_key=client_cfg.api_key, tls=config_from_args(TlsConfig, args))
+
+
+async def stream_completion(
+    client: GatewayClient | str,
+    prompt: str,
+    *,
+    raw: bool,
+    trace: bool = False,
+    **sampling: object,
+) -> int:
+    """Stream one completion to stdout; `client` may be a plain address (no key, no TLS)."""
+    if isinstance(client, str):
+        client = GatewayClient(client)
     request = build_request(
         prompt=prompt if raw else None,
         messages=None if raw else [("user", prompt)],
         **sampling,  # type: ignore[arg-type]
     )
-    async with GatewayClient(address) as client:
+    async with client:
         try:
             async for msg in client.generate(request):
                 sys.stdout.write(msg.text)
@@ -52,6 +81,8 @@ async def stream_completion(address: str, prompt: str, *, raw: bool, **sampling:
                     u = msg.usage
                     print(f"\n[{reason}; prompt {u.prompt_tokens}, cached {u.cached_tokens}, "
                           f"completion {u.completion_tokens} tokens]", file=sys.stderr)  # fmt: skip
+                    if trace:
+                        print(format_timeline(msg), file=sys.stderr)
         except grpc.aio.AioRpcError as exc:
             print(f"\npdserve: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
@@ -59,7 +90,13 @@ async def stream_completion(address: str, prompt: str, *, raw: bool, **sampling:
 
 
 def _up(args: argparse.Namespace) -> int:
-    cluster = LocalCluster(config_from_args(ClusterConfig, args))
+    if args.ray is not None:
+        return ray_cmd.up_ray(args)
+    cluster = LocalCluster(
+        config_from_args(ClusterConfig, args),
+        config_from_args(TelemetryConfig, args),
+        config_from_args(TlsConfig, args),
+    )
     stop = [False]
 
     def on_signal(signum: int, frame: object) -> None:
@@ -69,10 +106,13 @@ def _up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         address = cluster.start()
-        print(f"pdserve cluster ready: gateway {address}", file=sys.stderr)
+        http = f", OpenAI API http://{cluster.http_address}/v1" if cluster.http_address else ""
+        print(f"pdserve cluster ready: gateway {address}{http}", file=sys.stderr)
         if args.generate:
             return asyncio.run(
-                stream_completion(address, args.generate, raw=False, max_tokens=args.max_tokens)
+                stream_completion(
+                    _client(address, args), args.generate, raw=False, max_tokens=args.max_tokens
+                )
             )
         signal.sigwait({signal.SIGINT, signal.SIGTERM}) if not stop[0] else None
         return 0
@@ -85,14 +125,16 @@ def _up(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     return asyncio.run(
-        stream_completion(args.gateway, args.prompt, raw=args.raw, max_tokens=args.max_tokens,
-                          temperature=args.temperature, seed=args.seed)
+        stream_completion(_client(args.gateway, args), args.prompt, raw=args.raw,
+                          trace=args.trace,
+                          max_tokens=args.max_tokens, temperature=args.temperature,
+                          seed=args.seed)
     )  # fmt: skip
 
 
 def _status(args: argparse.Namespace) -> int:
     async def fetch() -> int:
-        async with GatewayClient(args.gateway) as client:
+        async with _client(args.gateway, args) as client:
             status = await client.cluster_status()
         print(f"streams: {status.active_streams}/{status.max_streams}")
         print(f"{'worker':<14}{'role':<10}{'address':<22}{'blocks used/total':>18}{'held':>6}"

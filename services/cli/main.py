@@ -12,7 +12,7 @@ import logging
 import sys
 
 from engine.errors import EngineError
-from services.cli import cluster_cmd, model_cmd, run_cmd, serve_cmd
+from services.cli import bench_cmd, cluster_cmd, model_cmd, ray_cmd, run_cmd, serve_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_cmd.register(sub)
     serve_cmd.register(sub)
     cluster_cmd.register(sub)
+    bench_cmd.register(sub)
+    ray_cmd.register(sub)
     return parser
 
 

@@ -9,6 +9,8 @@ from engine.config import EngineConfig
 from kvtransfer.config import TransferConfig
 from services.cli.model_cmd import ModelConfig
 from services.common.config import add_config_args, config_from_args
+from services.common.telemetry_config import TelemetryConfig
+from services.common.tls import TlsConfig
 from services.common.worker_config import WorkerConfig
 from services.gateway.config import GatewayConfig
 from services.router.router_config import RouterConfig
@@ -19,27 +21,40 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_config_args(worker, WorkerConfig)
     add_config_args(worker, EngineConfig)
     add_config_args(worker, TransferConfig)
+    add_config_args(worker, TelemetryConfig)
+    add_config_args(worker, TlsConfig)
     worker.set_defaults(handler=_worker)
     gateway = sub.add_parser("gateway", help="run the gateway")
     add_config_args(gateway, GatewayConfig)
     add_config_args(gateway, ModelConfig)
     add_config_args(gateway, RouterConfig)
+    add_config_args(gateway, TelemetryConfig)
+    add_config_args(gateway, TlsConfig)
     gateway.set_defaults(handler=_gateway)
     router = sub.add_parser("router", help="run a Router service replica (Route/Release)")
     router.add_argument("--router-host", default="127.0.0.1", help="address to bind")
     router.add_argument("--router-port", type=int, default=0, help="port (0 = any free port)")
     add_config_args(router, RouterConfig)
+    add_config_args(router, TelemetryConfig)
+    add_config_args(router, TlsConfig)
     router.set_defaults(handler=_router)
 
 
 def _worker(args: argparse.Namespace) -> int:
     from services.common.worker_server import serve_worker
 
+    worker_cfg = config_from_args(WorkerConfig, args)
+    if worker_cfg.cpu_core_ids:
+        from services.cli.cluster import pin_to_cores
+
+        pin_to_cores(worker_cfg.cpu_core_ids)  # before the engine starts its threads
     asyncio.run(
         serve_worker(
-            config_from_args(WorkerConfig, args),
+            worker_cfg,
             config_from_args(EngineConfig, args),
             config_from_args(TransferConfig, args),
+            config_from_args(TelemetryConfig, args),
+            config_from_args(TlsConfig, args),
         )
     )
     return 0
@@ -53,6 +68,8 @@ def _gateway(args: argparse.Namespace) -> int:
             config_from_args(GatewayConfig, args),
             config_from_args(ModelConfig, args),
             config_from_args(RouterConfig, args),
+            config_from_args(TelemetryConfig, args),
+            config_from_args(TlsConfig, args),
         )
     )
     return 0
@@ -62,6 +79,12 @@ def _router(args: argparse.Namespace) -> int:
     from services.router.service import serve_router
 
     asyncio.run(
-        serve_router(args.router_host, args.router_port, config_from_args(RouterConfig, args))
+        serve_router(
+            args.router_host,
+            args.router_port,
+            config_from_args(RouterConfig, args),
+            config_from_args(TelemetryConfig, args),
+            config_from_args(TlsConfig, args),
+        )
     )
     return 0

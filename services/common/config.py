@@ -102,3 +102,15 @@ def config_from_args(cls: type[T], namespace: argparse.Namespace) -> T:
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     values = {n: getattr(namespace, n) for n in names if hasattr(namespace, n)}
     return cls(**values)
+
+
+def config_args(cfg: object, **overrides: object) -> list[str]:
+    """Flags that reproduce a config dataclass for a child process: one `--flag value` per
+    field that differs from its default (after `overrides`), so children inherit only
+    what the launcher was told."""
+    args: list[str] = []
+    for f in dataclasses.fields(cfg):  # type: ignore[arg-type]
+        value = overrides.get(f.name, getattr(cfg, f.name))
+        if value != f.default:
+            args += [flag(f.name), str(value)]
+    return args

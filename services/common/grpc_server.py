@@ -18,14 +18,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-#: KV transfer and prompts of thousands of token ids exceed gRPC's 4 MiB default.
-MAX_MESSAGE_BYTES = 64 << 20
-SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),
-]
-CHANNEL_OPTIONS = SERVER_OPTIONS[:2]
+from kvtransfer.channel import CHANNEL_OPTIONS
+from services.common.serve_control import current_control
+from services.common.tls import TlsConfig, add_port
+
+# Message-size limits are kvtransfer's (the largest messages): one definition for both.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 @dataclass
@@ -41,14 +39,17 @@ class BuiltServer:
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-def build_server(host: str, port: int, service_names: list[str]) -> BuiltServer:
+def build_server(
+    host: str, port: int, service_names: list[str], tls: TlsConfig | None = None
+) -> BuiltServer:
+    """`tls`: serve TLS (or mutual TLS) when it names a certificate; plaintext otherwise."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls or TlsConfig())
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     return BuiltServer(server, bound, health_servicer)
@@ -56,11 +57,19 @@ def build_server(host: str, port: int, service_names: list[str]) -> BuiltServer:
 
 def announce_ready(**fields: object) -> None:
     """The one JSON line on stdout that tells a launcher (`pdserve up`, tests) we serve."""
+    control = current_control()
+    if control is not None:  # hosted in-process (a Ray actor): hand the fields over
+        control.announce(fields)
     print(json.dumps(fields), flush=True)
 
 
 async def wait_for_shutdown_signal() -> None:
-    """Return once SIGTERM or SIGINT arrives (installed on the running event loop)."""
+    """Return once SIGTERM or SIGINT arrives (installed on the running event loop), or,
+    for a service hosted in-process, once its host calls `ServeControl.request_stop`."""
+    control = current_control()
+    if control is not None:
+        await control.wait_stop()
+        return
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -20,10 +20,13 @@ use `--kv-backend tcp`, which runs over the TLS channel.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+
+from kvtransfer.channel import ChannelSecurity
 
 
 @dataclass(frozen=True)
@@ -108,3 +111,21 @@ def add_port(server: grpc.aio.Server | grpc.Server, address: str, cfg: TlsConfig
     if creds is None:
         return server.add_insecure_port(address)
     return server.add_secure_port(address, creds)
+
+
+def channel_security(cfg: TlsConfig) -> ChannelSecurity:
+    """Both ends of a worker's KV transfer service, for kvtransfer's exporter/importer."""
+    return ChannelSecurity(server_credentials(cfg), channel_credentials(cfg), cfg.tls_server_name)
+
+
+def server_ssl_context(cfg: TlsConfig) -> ssl.SSLContext | None:
+    """The same certificate for the gateway's HTTP API (HTTPS; client certs under mTLS)."""
+    if not cfg.enabled:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    if cfg.tls_ca:
+        context.load_verify_locations(cfg.tls_ca)
+    if cfg.tls_client_auth:
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

@@ -24,9 +24,19 @@ class WorkerConfig:
     heartbeat_ttl_s: float = field(
         default=10.0, metadata={"help": "registration lease; renewed every third of it"}
     )
+    cpu_cores: str = field(
+        default="",
+        metadata={"help": "pin every thread to these CPU core ids, comma-separated (empty: no)"},
+    )
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.cpu_cores and not all(c.strip().isdigit() for c in self.cpu_cores.split(",")):
+            raise ValueError(f"cpu_cores must be comma-separated core ids, got {self.cpu_cores!r}")
+
+    @property
+    def cpu_core_ids(self) -> set[int]:
+        return {int(c) for c in self.cpu_cores.split(",")} if self.cpu_cores else set()

@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 
 import grpc
 
@@ -29,9 +30,15 @@ from kvtransfer.importer import KvImporter
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.engine_loop import EngineLoop
 from services.common.grpc_server import announce_ready, build_server, wait_for_shutdown_signal
+from services.common.log_format import log_context
 from services.common.registration import WorkerRegistration
-from services.common.status import abort_with
+from services.common.status import abort_with, status_for
+from services.common.telemetry import Telemetry
+from services.common.telemetry_config import TelemetryConfig
+from services.common.tls import TlsConfig, channel_security
+from services.common.tracing import trace_id_from_metadata
 from services.common.worker_config import WorkerConfig
+from services.common.worker_telemetry import WorkerTelemetry
 from services.decode.handler import DecodeHandler
 from services.prefill.handler import PrefillHandler
 from services.router.registry import WorkerInfo
@@ -50,7 +57,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         decode: DecodeHandler | None,
         exporter: KvExporter | None,
         address: str,
+        telemetry: WorkerTelemetry | None = None,
     ) -> None:
+        self.telemetry = telemetry or WorkerTelemetry.disabled(config.worker_id)
         self.config = config
         self.loop = loop
         self.prefill_handler = prefill
@@ -68,10 +77,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             )
         assert self.prefill_handler is not None
         try:
-            return await self.prefill_handler.prefill(request, context)
+            with _log_context(request.request_id, context):
+                return await self.prefill_handler.prefill(request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
+            self.telemetry.count_error(status_for(exc)[0])
             await abort_with(context, exc)
             raise
 
@@ -89,6 +100,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
+            self.telemetry.count_error(status_for(exc)[0])
             await abort_with(context, exc)
 
     async def Abort(
@@ -106,6 +118,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return worker_stats(self)
 
 
+def _log_context(
+    request_id: str, context: grpc.aio.ServicerContext
+) -> AbstractContextManager[None]:
+    """Log records inside carry the request id and the caller's trace id."""
+    return log_context(request_id, trace_id_from_metadata(context.invocation_metadata()))
+
+
 def worker_stats(svc: WorkerService) -> worker_pb2.WorkerStats:
     s = svc.loop.engine.stats()
     leases = svc.exporter.stats().leases if svc.exporter else None
@@ -121,29 +140,45 @@ def worker_stats(svc: WorkerService) -> worker_pb2.WorkerStats:
 
 
 async def serve_worker(
-    config: WorkerConfig, engine_cfg: EngineConfig, transfer: TransferConfig
+    config: WorkerConfig,
+    engine_cfg: EngineConfig,
+    transfer: TransferConfig,
+    telemetry_cfg: TelemetryConfig | None = None,
+    tls: TlsConfig | None = None,
 ) -> None:
+    tls = tls or TlsConfig()
+    security = channel_security(tls)
     if not config.worker_id:
         config = WorkerConfig(**{**config.__dict__, "worker_id": f"{config.role}-{os.getpid()}"})
+    telemetry = Telemetry.start(
+        telemetry_cfg or TelemetryConfig(), f"pdserve-{config.role}", config.worker_id
+    )
     engine = LLMEngine(engine_cfg, progress=False)
+    observe = WorkerTelemetry.on(telemetry, engine, config.worker_id)
     loop = EngineLoop(engine).start(asyncio.get_running_loop())
     exporter = importer = None
     if config.role == "prefill":
-        exporter = KvExporter.for_engine(engine, transfer, engine_id=config.worker_id).start()
+        exporter = KvExporter.for_engine(
+            engine, transfer, engine_id=config.worker_id, security=security
+        ).start()
     if config.role == "decode":
-        importer = KvImporter(engine, transfer, engine_id=config.worker_id)
+        importer = KvImporter(engine, transfer, engine_id=config.worker_id, security=security)
     built = build_server(
-        config.host, config.port, [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name]
+        config.host,
+        config.port,
+        [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
+        tls=tls,
     )
     address = f"{config.host}:{built.port}"
-    prefill = PrefillHandler(loop, exporter, config.worker_id) if exporter else None
-    decode = DecodeHandler(loop, importer) if config.role != "prefill" else None
-    service = WorkerService(config, loop, prefill, decode, exporter, address)
+    prefill = PrefillHandler(loop, exporter, config.worker_id, observe) if exporter else None
+    decode = DecodeHandler(loop, importer, observe) if config.role != "prefill" else None
+    service = WorkerService(config, loop, prefill, decode, exporter, address, observe)
     worker_pb2_grpc.add_WorkerServicer_to_server(service, built.server)
     await built.server.start()
     registration = await _register(config, engine, address)
     await built.mark_serving()
-    announce_ready(ready=address, worker_id=config.worker_id, role=config.role)
+    announce_ready(ready=address, worker_id=config.worker_id, role=config.role,
+                   **telemetry.ready_fields())  # fmt: skip
     await wait_for_shutdown_signal()
     log.info("worker %s draining", config.worker_id)
     if registration is not None:
@@ -158,6 +193,7 @@ async def serve_worker(
         exporter.close()
     if importer:
         importer.close()
+    telemetry.close()
     sys.stdout.flush()
 
 

@@ -5,7 +5,9 @@ Lifecycle of one stream: open an output queue first; import the KvHandle in a wo
 thread (the import commits the request into the engine's batch) or add the whole
 request to the engine (mixed); yield one chunk per engine step's tokens; when the client
 closes the stream the handler is cancelled and `EngineLoop.close` aborts the request,
-which frees its blocks at the next step.
+which frees its blocks at the next step. `DecodeTrace` records the request's phases
+(kv.transfer, decode.queue, decode.first_token, decode.stream) as spans and as timings on
+the first and last chunks.
 """
 
 from __future__ import annotations
@@ -21,13 +23,21 @@ from kvtransfer.importer import KvImporter
 from pdserve.v1 import common_pb2, worker_pb2
 from services.common import sampling
 from services.common.engine_loop import EngineLoop
+from services.common.worker_telemetry import WorkerTelemetry
+from services.decode.decode_trace import DecodeTrace
 
 
 class DecodeHandler:
-    def __init__(self, loop: EngineLoop, importer: KvImporter | None) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        importer: KvImporter | None,
+        telemetry: WorkerTelemetry | None = None,
+    ) -> None:
         self.loop = loop
         self.engine = loop.engine
         self.importer = importer
+        self.telemetry = telemetry or WorkerTelemetry.disabled()
 
     async def decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -35,15 +45,18 @@ class DecodeHandler:
         params = sampling.from_proto(request.sampling)
         rid = request.request_id
         prompt = list(request.prompt_token_ids)
+        trace = DecodeTrace(self.telemetry, request, self.telemetry.parent(context))
         queue = self.loop.open(rid)
         finished = False
         try:
-            kv_bytes, queued = await self._start(request, prompt, params)
+            kv_bytes, queued = await self._start(request, prompt, params, trace)
             if not queued:
                 finished = True
-                yield worker_pb2.DecodeChunk(
+                chunk = worker_pb2.DecodeChunk(
                     finished=True, finish_reason=common_pb2.FINISH_REASON_STOP
                 )
+                chunk.phases.extend(trace.take())
+                yield chunk
                 return
             first = True
             while not finished:
@@ -51,28 +64,52 @@ class DecodeHandler:
                 if out.error:
                     raise RuntimeError(out.error)
                 finished = out.finished
-                yield self._chunk(out, kv_bytes if first else 0)
+                chunk = self._chunk(out, kv_bytes if first else 0)
+                trace.on_output(out, first, chunk)
+                yield chunk
                 first = False
+        except (asyncio.CancelledError, GeneratorExit):
+            self.telemetry.count_cancelled()
+            raise
         finally:
             self.loop.close(rid, finished=finished)
 
     async def _start(
-        self, request: worker_pb2.DecodeRequest, prompt: list[int], params: SamplingParams
+        self,
+        request: worker_pb2.DecodeRequest,
+        prompt: list[int],
+        params: SamplingParams,
+        trace: DecodeTrace,
     ) -> tuple[int, bool]:
         """Get the request into the batch; returns (KV bytes imported, queued?)."""
         rid = request.request_id
         if request.HasField("kv_handle"):
             if self.importer is None:
                 raise ValueError("this worker has no KV importer (role prefill)")
-            result = await asyncio.to_thread(
-                self.importer.import_kv, request.kv_handle, prompt, params,
-                request_id=rid, cache_salt=request.cache_salt,
-            )  # fmt: skip
+            with trace.transfer(request.kv_handle) as span:
+                importing = asyncio.ensure_future(asyncio.to_thread(
+                    self.importer.import_kv, request.kv_handle, prompt, params,
+                    request_id=rid, cache_salt=request.cache_salt, metadata=span.metadata,
+                ))  # fmt: skip
+                try:
+                    result = await asyncio.shield(importing)
+                except asyncio.CancelledError:
+                    # The stream closed mid-import. The thread cannot be stopped and may
+                    # not have reserved the request yet (an abort now would find no such
+                    # id and be dropped), so abort it once the import is over: a
+                    # committed import would otherwise decode to max_tokens unread.
+                    importing.add_done_callback(lambda _: self._abort(rid))
+                    raise
+                span.done(result)
             self.loop.wake()
             return result.bytes, result.queued
         self.engine.add_request(prompt, params, request_id=rid, cache_salt=request.cache_salt)
         self.loop.wake()
         return 0, True
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)  # a no-op for an id the engine no longer holds
+        self.loop.wake()
 
     @staticmethod
     def _chunk(out: RequestOutput, kv_bytes: int) -> worker_pb2.DecodeChunk:

@@ -100,6 +100,10 @@ class ApiKeys:
     def __len__(self) -> int:
         return len(self._by_digest)
 
+    def any_quota(self) -> bool:
+        """Whether some key carries its own tokens-per-minute limit."""
+        return any(p.tokens_per_minute > 0 for p in self._by_digest.values())
+
     def authenticate(self, key: str | None) -> Principal:
         if not key:
             raise AuthError("missing API key: send 'authorization: Bearer <key>'")

@@ -8,12 +8,14 @@ iteration early cancels the request everywhere); `complete` returns the whole an
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
 
 import grpc
 
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.tls import TlsConfig, open_aio_channel
 
 
 def build_request(
@@ -46,11 +48,23 @@ def build_request(
     return req
 
 
+@dataclass(frozen=True)
+class ClientConfig:
+    api_key: str = field(
+        default="",
+        metadata={"help": "API key, sent as 'authorization: Bearer' (prefer the env var)"},
+    )
+
+
 class GatewayClient:
-    def __init__(self, address: str) -> None:
+    """`api_key` is sent as `authorization: Bearer <key>` on every call; `tls` verifies
+    the gateway (and presents a client certificate under mutual TLS)."""
+
+    def __init__(self, address: str, *, api_key: str = "", tls: TlsConfig | None = None) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_aio_channel(address, tls or TlsConfig(), CHANNEL_OPTIONS)
         self.stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     async def __aenter__(self) -> GatewayClient:
         return self
@@ -69,22 +83,24 @@ class GatewayClient:
     def generate(
         self, request: gateway_pb2.GenerateRequest, *, timeout: float | None = None
     ) -> grpc.aio.UnaryStreamCall:
-        return self.stub.Generate(request, timeout=timeout)
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
     async def complete(
         self, request: gateway_pb2.GenerateRequest, *, timeout: float | None = None
     ) -> gateway_pb2.GenerateResponse:
-        response: gateway_pb2.GenerateResponse = await self.stub.Complete(request, timeout=timeout)
+        response: gateway_pb2.GenerateResponse = await self.stub.Complete(
+            request, timeout=timeout, metadata=self.metadata
+        )
         return response
 
     async def list_models(self) -> gateway_pb2.ListModelsResponse:
         response: gateway_pb2.ListModelsResponse = await self.stub.ListModels(
-            gateway_pb2.ListModelsRequest()
+            gateway_pb2.ListModelsRequest(), metadata=self.metadata
         )
         return response
 
     async def cluster_status(self) -> gateway_pb2.ClusterStatusResponse:
         response: gateway_pb2.ClusterStatusResponse = await self.stub.ClusterStatus(
-            gateway_pb2.ClusterStatusRequest()
+            gateway_pb2.ClusterStatusRequest(), metadata=self.metadata
         )
         return response

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     gateway_host: str = field(default="127.0.0.1", metadata={"help": "address the gateway binds"})
     gateway_port: int = field(default=8470, metadata={"help": "gateway gRPC port (0 = any)"})
+    http_host: str = field(
+        default="", metadata={"help": "address the OpenAI HTTP API binds (empty: gateway_host)"}
+    )
+    http_port: int = field(
+        default=8471,
+        metadata={"help": "OpenAI-compatible HTTP port (0 = any, -1 = no HTTP API)"},
+    )
     prefill_workers: str = field(
         default="",
         metadata={
@@ -42,7 +50,25 @@ class GatewayConfig:
         default=1, metadata={"help": "prefill retries on another worker before the first token"}
     )
 
+    api_keys_file: str = field(
+        default="",
+        metadata={
+            "help": "file of '<tenant> <key> [admin] [tpm=N]' lines; callers must send a key "
+            "(empty: no auth, one anonymous tenant)"
+        },
+    )
+    tokens_per_minute: int = field(
+        default=0,
+        metadata={"help": "per-tenant token quota per minute, kept in Redis (0 = unlimited)"},
+    )
+
     def __post_init__(self) -> None:
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [-1, 65535] (-1 = off), got {self.http_port}")
+        if self.tokens_per_minute < 0:
+            raise ValueError(f"tokens_per_minute must be >= 0, got {self.tokens_per_minute}")
+        if self.api_keys_file and not Path(self.api_keys_file).is_file():
+            raise ValueError(f"api_keys_file: no such file {self.api_keys_file!r}")
         if self.max_streams <= 0:
             raise ValueError(f"max_streams must be > 0, got {self.max_streams}")
         if min(self.prefill_timeout_s, self.first_token_timeout_s, self.token_timeout_s) <= 0:
@@ -51,6 +77,10 @@ class GatewayConfig:
             raise ValueError(f"placement must be static or redis, got {self.placement!r}")
         if self.placement == "static" and not self.decode_workers:
             raise ValueError("decode_workers: static placement needs at least one worker address")
+
+    @property
+    def http_bind_host(self) -> str:
+        return self.http_host or self.gateway_host
 
     @property
     def prefill_list(self) -> list[str]:

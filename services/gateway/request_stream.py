@@ -7,7 +7,8 @@ Lifecycle: `RequestStream(...).run()` is an async generator of GenerateResponse.
    excluding it and retried once; token 1 is streamed (TTFT ends here);
 3. decode: the decode worker imports the KV and streams the rest; the first decode
    token has its own deadline (it includes the transfer), later tokens an idle deadline;
-4. the last message carries usage and the finish reason.
+4. the last message carries usage and the finish reason (and the trace id and phase
+   timeline: `StreamTelemetry` traces and measures every step above).
 After token 1 a failure ends the stream with a typed status (never a hang). If the
 client goes away, the generator is closed: the decode stream is cancelled (the decode
 worker aborts the request) and an un-pulled prefill lease is dropped with Abort.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,9 +28,11 @@ from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2
 from services.common import sampling
 from services.common.detokenizer import IncrementalDetokenizer
+from services.common.log_format import log_context
 from services.gateway.config import GatewayConfig
 from services.gateway.stop_text import StopTrimmer
-from services.router.placement import Placement, RouteDecision
+from services.gateway.stream_telemetry import GatewayTelemetry
+from services.router.placement import NoWorkerError, Placement, RouteDecision
 
 if TYPE_CHECKING:
     from services.gateway.service import WorkerStubs
@@ -61,6 +64,7 @@ class RequestStream:
         placement: Placement,
         stubs: WorkerStubs,
         detok: IncrementalDetokenizer,
+        telemetry: GatewayTelemetry | None = None,
     ) -> None:
         self.req = req
         self.config = config
@@ -72,10 +76,15 @@ class RequestStream:
         self.cached_tokens = 0
         self._decisions: list[RouteDecision] = []
         self._unpulled: tuple[str, str] | None = None  # (prefill address, request id)
+        self.tel = (telemetry or GatewayTelemetry.disabled()).stream(
+            req.request_id, req.tenant, len(req.prompt)
+        )
 
-    async def run(self) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    async def run(self) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
+        self.tel.begin()
         try:
-            decision, first = await self._prefill_with_retry()
+            with log_context(self.req.request_id, self.tel.trace_id):
+                decision, first = await self._prefill_with_retry()
             if first is None:
                 async for msg in self._decode(decision, None):
                     yield msg
@@ -86,15 +95,26 @@ class RequestStream:
                 return
             async for msg in self._decode(decision, first.kv_handle):
                 yield msg
+        except (StreamError, NoWorkerError) as exc:
+            self.tel.failed(exc.code, str(exc))
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            self.tel.cancelled()
+            raise
+        except Exception as exc:
+            self.tel.failed(grpc.StatusCode.INTERNAL, str(exc))
+            raise
         finally:
             await self._cleanup()
+            self.tel.end()
 
     # -- prefill -----------------------------------------------------------------
     async def _prefill_with_retry(self) -> tuple[RouteDecision, worker_pb2.PrefillResponse | None]:
         failed: list[str] = []
         for attempt in range(self.config.prefill_retries + 1):
-            decision = await self.placement.route(
-                self.req.request_id, self.req.prompt, self.req.tenant, failed
+            decision = await self.tel.route(
+                self.placement.route(self.req.request_id, self.req.prompt, self.req.tenant, failed),
+                attempt,
             )
             self._decisions.append(decision)
             if decision.prefill is None:
@@ -118,11 +138,12 @@ class RequestStream:
         stub = self.stubs[decision.prefill.address]
         self._unpulled = (decision.prefill.address, self.req.request_id)
         response: worker_pb2.PrefillResponse = await stub.Prefill(
-            request, timeout=self.config.prefill_timeout_s
+            request, timeout=self.config.prefill_timeout_s, metadata=self.tel.metadata()
         )
         if response.finished:
             self._unpulled = None
         self.cached_tokens = response.cached_tokens
+        self.tel.add_phases(response.phases)
         return response
 
     # -- decode ------------------------------------------------------------------
@@ -135,7 +156,7 @@ class RequestStream:
         )  # fmt: skip
         if handle is not None:
             request.kv_handle.CopyFrom(handle)
-        call = self.stubs[decision.decode.address].Decode(request)
+        call = self.stubs[decision.decode.address].Decode(request, metadata=self.tel.metadata())
         self._unpulled = None  # the decode worker owns the lease from here
         timeout = self.config.first_token_timeout_s
         first = handle is None
@@ -150,6 +171,8 @@ class RequestStream:
                     )
                 if handle is None and chunk.cached_tokens:
                     self.cached_tokens = chunk.cached_tokens
+                if chunk.phases:
+                    self.tel.add_phases(chunk.phases)
                 if chunk.token_ids:
                     yield self._delta(
                         list(chunk.token_ids), prefill=decision if first else None, decode=decision
@@ -189,6 +212,7 @@ class RequestStream:
         decode: RouteDecision | None = None,
     ) -> gateway_pb2.GenerateResponse:
         self.completion_tokens += len(tokens)
+        self.tel.on_tokens(len(tokens))
         text = self.trim.push(self.detok.push(tokens))
         msg = gateway_pb2.GenerateResponse(
             request_id=self.req.request_id, text=text, token_ids=tokens
@@ -203,13 +227,15 @@ class RequestStream:
 
     def _final(self, reason: int) -> gateway_pb2.GenerateResponse:
         text = self.trim.push(self.detok.flush()) + self.trim.flush()
-        return gateway_pb2.GenerateResponse(
+        msg = gateway_pb2.GenerateResponse(
             request_id=self.req.request_id, text=text, finished=True, finish_reason=reason,
             usage=common_pb2.Usage(
                 prompt_tokens=len(self.req.prompt), cached_tokens=self.cached_tokens,
                 completion_tokens=self.completion_tokens,
             ),
         )  # fmt: skip
+        self.tel.finish(msg)  # trace id and phase timeline; latency and goodput metrics
+        return msg
 
     async def _cleanup(self) -> None:
         if self._unpulled is not None:

@@ -8,8 +8,10 @@ gRPC statuses naming the field; the slot is always given back.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
 
 import grpc
 
@@ -20,24 +22,34 @@ from services.common import sampling
 from services.common.detokenizer import IncrementalDetokenizer
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.status import status_for
+from services.common.tls import TlsConfig, open_aio_channel
+from services.gateway.access import Access
+from services.gateway.auth import ANONYMOUS, AuthError, Principal
 from services.gateway.config import GatewayConfig
+from services.gateway.quota import QuotaExceeded
 from services.gateway.request_stream import Prepared, RequestStream, StreamError
+from services.gateway.stream_telemetry import GatewayTelemetry
 from services.router.placement import NoWorkerError, Placement
 
 MAX_PROMPT_CHARS = 1_000_000
 
 
+class UnknownModelError(LookupError):
+    """The request names a model this gateway does not serve (NOT_FOUND, HTTP 404)."""
+
+
 class WorkerStubs:
     """One channel per worker address, opened on first use (membership changes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TlsConfig | None = None) -> None:
+        self.tls = tls or TlsConfig()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
 
     def __getitem__(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = open_aio_channel(address, self.tls, CHANNEL_OPTIONS)
             self._channels[address] = channel
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub
@@ -58,15 +70,20 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         model_name: str,
         max_model_len: int,
         vocab_size: int,
+        telemetry: GatewayTelemetry | None = None,
+        access: Access | None = None,
+        stubs: WorkerStubs | None = None,
     ) -> None:
         self.config = config
+        self.access = access or Access.open()
+        self.telemetry = telemetry or GatewayTelemetry.disabled()
         self.placement = placement
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.active = 0
-        self.stubs = WorkerStubs()
+        self.stubs = stubs or WorkerStubs()
 
     async def close(self) -> None:
         await self.stubs.close()
@@ -74,7 +91,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     # -- validation --------------------------------------------------------------
     def prepare(self, request: gateway_pb2.GenerateRequest) -> Prepared:
         if request.model and request.model != self.model_name:
-            raise LookupError(
+            raise UnknownModelError(
                 f"model: {request.model!r} is not served here (serving {self.model_name!r})"
             )
         params = sampling.from_proto(request.sampling)
@@ -112,31 +129,77 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             return self.tokenizer.encode_chat(msgs)
         raise InvalidRequestError("input", "set prompt or messages")
 
-    # -- RPCs --------------------------------------------------------------------
-    async def Generate(
-        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        prepared = await self._prepare_or_abort(request, context)
+    # -- the one path of both front doors (gRPC Generate, OpenAI HTTP) -------------
+    async def stream(
+        self, request: gateway_pb2.GenerateRequest, principal: Principal = ANONYMOUS
+    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
+        """Validate, charge the tenant's quota, take a stream slot, relay a RequestStream.
+
+        `principal` (from `access.authenticate`) names the tenant: its prefix-cache salt
+        and routing key. Raises before the first message: UnknownModelError,
+        InvalidRequestError (naming the field), QuotaExceeded, StreamError
+        RESOURCE_EXHAUSTED (stream cap) or NoWorkerError; after it, StreamError with the
+        status. Closing the generator early cancels the request on both workers; the slot
+        is always given back and the unused quota refunded.
+        """
+        try:
+            prepared = replace(self.prepare(request), tenant=principal.tenant)
+        except Exception as exc:
+            self.telemetry.count_refusal(exc)
+            raise
         if self.active >= self.config.max_streams:
-            await context.abort(
+            self.telemetry.count_error(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            raise StreamError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"max_streams: {self.config.max_streams} streams already running; retry later",
             )
+        try:
+            grant = await self.access.admit(
+                principal, len(prepared.prompt), prepared.params.max_tokens
+            )
+        except QuotaExceeded:
+            self.telemetry.count_error(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            raise
         self.active += 1
-        stream = RequestStream(
+        relay = RequestStream(
             prepared,
             self.config,
             self.placement,
             self.stubs,
             IncrementalDetokenizer(self.tokenizer),
+            self.telemetry,
         )
         try:
-            async for msg in stream.run():
-                yield msg
-        except (StreamError, NoWorkerError) as exc:
-            await context.abort(exc.code, str(exc))
+            # aclosing: an early close reaches RequestStream's cleanup now, not at GC.
+            async with contextlib.aclosing(relay.run()) as messages:
+                async for msg in messages:
+                    yield msg
         finally:
             self.active -= 1
+            await self.access.settle(grant, relay.completion_tokens)
+
+    # -- RPCs --------------------------------------------------------------------
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        try:
+            principal = self.access.authenticate(context.invocation_metadata() or ())
+            async with contextlib.aclosing(self.stream(request, principal)) as messages:
+                async for msg in messages:
+                    yield msg
+        except AuthError as exc:
+            await context.abort(auth_status(exc), str(exc))
+        except QuotaExceeded as exc:
+            retry_ms = str(round(exc.retry_after_s * 1000))
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), (("retry-after-ms", retry_ms),)
+            )
+        except UnknownModelError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except InvalidRequestError as exc:
+            await context.abort(*status_for(exc))
+        except (StreamError, NoWorkerError) as exc:
+            await context.abort(exc.code, str(exc))
 
     async def Complete(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -151,11 +214,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             if msg.finished:
                 whole.finished, whole.finish_reason = True, msg.finish_reason
                 whole.usage.CopyFrom(msg.usage)
+                whole.trace_id = msg.trace_id
+                whole.phases.extend(msg.phases)
         return whole
 
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.ListModelsResponse:
+        await self._authorize(context)
         return gateway_pb2.ListModelsResponse(
             models=[gateway_pb2.ModelInfo(id=self.model_name, max_model_len=self.max_model_len)]
         )
@@ -163,6 +229,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     async def ClusterStatus(
         self, request: gateway_pb2.ClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.ClusterStatusResponse:
+        principal = await self._authorize(context)
+        try:
+            principal.require_admin("ClusterStatus")
+        except AuthError as exc:
+            await context.abort(auth_status(exc), str(exc))
         reply = gateway_pb2.ClusterStatusResponse(
             active_streams=self.active, max_streams=self.config.max_streams
         )
@@ -178,14 +249,13 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             reply.workers.append(stats)
         return reply
 
-    async def _prepare_or_abort(
-        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> Prepared:
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> Principal:
         try:
-            return self.prepare(request)
-        except LookupError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except InvalidRequestError as exc:
-            code, message = status_for(exc)
-            await context.abort(code, message)
-        raise AssertionError("unreachable")
+            return self.access.authenticate(context.invocation_metadata() or ())
+        except AuthError as exc:
+            await context.abort(auth_status(exc), str(exc))
+            raise  # abort raises; this keeps the type checker honest
+
+
+def auth_status(exc: AuthError) -> grpc.StatusCode:
+    return grpc.StatusCode.PERMISSION_DENIED if exc.denied else grpc.StatusCode.UNAUTHENTICATED

@@ -4,29 +4,40 @@ Lifecycle of one call: the request joins the engine with `max_tokens=1` and
 `hold_kv=True` (chunked prefill and prefix-cache hits apply as usual); when its one
 token is sampled, either the request is already over (the token is EOS or a stop, or
 the client asked for one token) and its blocks are released at once, or the exporter
-leases the held blocks and the handle goes back. A cancelled call aborts the request
-and drops any lease.
+leases the held blocks and the handle goes back, with the engine-measured phases
+(prefill.queue, prefill.compute), which are also recorded as spans in the caller's trace.
+A cancelled call aborts the request and drops any lease.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import grpc
+from opentelemetry.context import Context
 
 from engine.request import RequestOutput
 from kvtransfer.exporter import KvExporter
-from pdserve.v1 import worker_pb2
+from pdserve.v1 import common_pb2, worker_pb2
 from services.common import sampling
 from services.common.engine_loop import EngineLoop
+from services.common.worker_telemetry import WorkerTelemetry
 
 
 class PrefillHandler:
-    def __init__(self, loop: EngineLoop, exporter: KvExporter, worker_id: str) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        exporter: KvExporter,
+        worker_id: str,
+        telemetry: WorkerTelemetry | None = None,
+    ) -> None:
         self.loop = loop
         self.engine = loop.engine
         self.exporter = exporter
         self.worker_id = worker_id
+        self.telemetry = telemetry or WorkerTelemetry.disabled(worker_id)
 
     async def prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -34,6 +45,7 @@ class PrefillHandler:
         params = sampling.from_proto(request.sampling)
         first_only = dataclasses.replace(params, max_tokens=1)
         rid = request.request_id
+        parent = self.telemetry.parent(context)
         queue = self.loop.open(rid)
         finished = False
         try:
@@ -46,11 +58,26 @@ class PrefillHandler:
             if out.error:
                 raise RuntimeError(out.error)
             finished = True
-            return self._respond(rid, out, params.max_tokens)
+            response = self._respond(rid, out, params.max_tokens)
+            response.phases.extend(self._phases(request, out, parent))
+            return response
+        except asyncio.CancelledError:
+            self.telemetry.count_cancelled()
+            raise
         finally:
             self.loop.close(rid, finished=finished)
             if not finished:
                 self.exporter.cancel(rid)
+
+    def _phases(
+        self, request: worker_pb2.PrefillRequest, out: RequestOutput, parent: Context | None
+    ) -> list[common_pb2.PhaseTiming]:
+        """prefill.queue and prefill.compute, as spans under the caller's and as timings."""
+        phases = self.telemetry.engine_phases("prefill", out)
+        attrs = {"pdserve.request_id": request.request_id, "pdserve.tenant": request.cache_salt,
+                 "pdserve.prompt_tokens": out.num_prompt_tokens,
+                 "pdserve.cached_tokens": out.num_cached_tokens}  # fmt: skip
+        return self.telemetry.emit(phases, parent, attrs)
 
     def _respond(self, rid: str, out: RequestOutput, max_tokens: int) -> worker_pb2.PrefillResponse:
         response = worker_pb2.PrefillResponse(

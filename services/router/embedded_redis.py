@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import quote
 
 import redis
 
@@ -68,8 +69,12 @@ _LAUNCHER = (
 class EmbeddedRedis:
     """One private redis-server process. Not thread-safe: start/stop from one thread."""
 
-    def __init__(self, *, tcp: bool = False, executable: str | None = None) -> None:
+    def __init__(
+        self, *, tcp: bool = False, executable: str | None = None, password: str = ""
+    ) -> None:
+        """`password`: require AUTH (the URL then carries it, as an external one would)."""
         self.tcp = tcp
+        self.password = password
         self.executable = executable or redis_server_executable()
         self._dir: Path | None = None
         self._port = 0
@@ -79,9 +84,12 @@ class EmbeddedRedis:
     def url(self) -> str:
         if self._dir is None:
             raise RuntimeError("EmbeddedRedis was never started")
+        secret = quote(self.password, safe="")
         if self.tcp:
-            return f"redis://127.0.0.1:{self._port}/0"
-        return f"unix://{self._dir / 'redis.sock'}"
+            auth = f":{secret}@" if secret else ""
+            return f"redis://{auth}127.0.0.1:{self._port}/0"
+        query = f"?password={secret}" if secret else ""
+        return f"unix://{self._dir / 'redis.sock'}{query}"
 
     @property
     def pid(self) -> int | None:
@@ -107,6 +115,8 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--logfile", str(self._dir / "redis.log"),
         ]  # fmt: skip
+        if self.password:
+            args += ["--requirepass", self.password]
         if not self.tcp:
             args += ["--unixsocket", str(self._dir / "redis.sock"), "--unixsocketperm", "700"]
         on_main = threading.current_thread() is threading.main_thread()

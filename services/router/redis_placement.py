@@ -66,10 +66,29 @@ class RedisPlacement:
         tenant: str,
         exclude: Sequence[str] = (),
     ) -> RouteDecision:
-        """Pick workers and lease their load; raises NoWorkerError (UNAVAILABLE)."""
-        return await asyncio.to_thread(
-            self.router.route, request_id, list(prompt_token_ids), tenant, tuple(exclude)
+        """Pick workers and lease their load; raises NoWorkerError (UNAVAILABLE).
+
+        If the caller is cancelled meanwhile (its client went away), the router thread
+        still finishes the placement, and its load leases are given back as soon as it
+        does: the caller never sees the decision, so nobody else would release them.
+        """
+        placing = asyncio.ensure_future(
+            asyncio.to_thread(
+                self.router.route, request_id, list(prompt_token_ids), tenant, tuple(exclude)
+            )
         )
+        try:
+            return await asyncio.shield(placing)
+        except asyncio.CancelledError:
+            placing.add_done_callback(self._release_orphan)
+            raise
+
+    def _release_orphan(self, placing: asyncio.Future[RouteDecision]) -> None:
+        if placing.cancelled() or placing.exception() is not None:
+            return
+        leases = placing.result().load_lease_ids
+        if leases:  # in a thread: a Redis round trip must not block the event loop
+            asyncio.get_running_loop().run_in_executor(None, self.router.release, leases)
 
     async def release(self, decision: RouteDecision) -> None:
         """Give back the decision's load leases; never raises on a dead Redis."""

@@ -14,9 +14,15 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from opentelemetry.trace import SpanKind
 
 from pdserve.v1 import router_pb2, router_pb2_grpc
 from services.common.grpc_server import announce_ready, build_server, wait_for_shutdown_signal
+from services.common.metrics import RouterCollector
+from services.common.telemetry import Telemetry
+from services.common.telemetry_config import TelemetryConfig
+from services.common.tls import TlsConfig
+from services.common.tracing import Tracing
 from services.router.placement import NoWorkerError, WorkerRef
 from services.router.redis_placement import RedisPlacement
 from services.router.router_config import RouterConfig
@@ -29,12 +35,21 @@ def _ref(ref: WorkerRef | None) -> router_pb2.WorkerRef | None:
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
-    def __init__(self, placement: RedisPlacement) -> None:
+    def __init__(self, placement: RedisPlacement, tracing: Tracing | None = None) -> None:
         self.placement = placement
+        self.tracing = tracing or Tracing.disabled("pdserve-router")
 
     async def Route(
         self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.RouteResponse:
+        span = None
+        if self.tracing.enabled:  # a router.route span under the caller's trace
+            span = self.tracing.start(
+                "router.route",
+                self.tracing.extract(context.invocation_metadata()),
+                {"pdserve.request_id": request.request_id, "pdserve.tenant": request.tenant},
+                kind=SpanKind.SERVER,
+            )
         try:
             decision = await self.placement.route(
                 request.request_id,
@@ -43,8 +58,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 list(request.exclude_workers),
             )
         except NoWorkerError as exc:
+            if span is not None:
+                Tracing.fail(span, exc.code.name, str(exc))
+                span.end()
             await context.abort(exc.code, str(exc))
             raise
+        if span is not None:
+            if decision.prefill is not None:
+                span.set_attribute("pdserve.prefill_worker", decision.prefill.worker_id)
+            span.set_attribute("pdserve.decode_worker", decision.decode.worker_id)
+            span.end()
         return router_pb2.RouteResponse(
             prefill=_ref(decision.prefill),
             decode=_ref(decision.decode),
@@ -59,14 +82,27 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return router_pb2.ReleaseLoadResponse(released=len(ids))
 
 
-async def serve_router(host: str, port: int, config: RouterConfig) -> None:
+async def serve_router(
+    host: str,
+    port: int,
+    config: RouterConfig,
+    telemetry_cfg: TelemetryConfig | None = None,
+    tls: TlsConfig | None = None,
+) -> None:
+    telemetry = Telemetry.start(telemetry_cfg or TelemetryConfig(), "pdserve-router")
     placement = RedisPlacement.from_config(config)
-    built = build_server(host, port, [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name])
-    router_pb2_grpc.add_RouterServicer_to_server(RouterService(placement), built.server)
+    router = placement.router
+    telemetry.registry.register(RouterCollector(lambda: router.stats))
+    names = [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name]
+    built = build_server(host, port, names, tls=tls)
+    service = RouterService(placement, telemetry.tracing)
+    router_pb2_grpc.add_RouterServicer_to_server(service, built.server)
     await built.server.start()
     await built.mark_serving()
-    announce_ready(ready=f"{host}:{built.port}", role="router", redis_url=placement.redis_url)
+    announce_ready(ready=f"{host}:{built.port}", role="router", redis_url=placement.redis_url,
+                   **telemetry.ready_fields())  # fmt: skip
     await wait_for_shutdown_signal()
     await built.mark_not_serving()
     await built.server.stop(grace=2.0)
     placement.close()
+    telemetry.close()

@@ -107,3 +107,15 @@ class KvHandle(_message.Message):
     first_token_id: int
     request_id: str
     def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., transfer_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix_ms: _Optional[int] = ..., backend: _Optional[str] = ..., first_token_id: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class PhaseTiming(_message.Message):
+    __slots__ = ("name", "start_unix_nano", "end_unix_nano", "worker_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    START_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    END_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    start_unix_nano: int
+    end_unix_nano: int
+    worker_id: str
+    def __init__(self, name: _Optional[str] = ..., start_unix_nano: _Optional[int] = ..., end_unix_nano: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...

@@ -20,20 +20,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "finished", "finish_reason", "kv_handle", "cached_tokens", "worker_id")
+    __slots__ = ("first_token_id", "finished", "finish_reason", "kv_handle", "cached_tokens", "worker_id", "phases")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     finished: bool
     finish_reason: _common_pb2.FinishReason
     kv_handle: _common_pb2.KvHandle
     cached_tokens: int
     worker_id: str
-    def __init__(self, first_token_id: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., kv_handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    phases: _containers.RepeatedCompositeFieldContainer[_common_pb2.PhaseTiming]
+    def __init__(self, first_token_id: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., kv_handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[_common_pb2.PhaseTiming, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "kv_handle")
@@ -50,18 +52,20 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., kv_handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "finished", "finish_reason", "cached_tokens", "kv_bytes")
+    __slots__ = ("token_ids", "finished", "finish_reason", "cached_tokens", "kv_bytes", "phases")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
     finish_reason: _common_pb2.FinishReason
     cached_tokens: int
     kv_bytes: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    phases: _containers.RepeatedCompositeFieldContainer[_common_pb2.PhaseTiming]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[_common_pb2.PhaseTiming, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

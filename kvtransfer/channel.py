@@ -1,0 +1,50 @@
+"""gRPC channels and ports of the KV transfer service, plaintext or TLS.
+
+Lifecycle: the worker that owns an exporter or importer builds one `ChannelSecurity`
+from its TLS settings (`services.common.tls.channel_security`) and passes it in; the
+exporter binds its port with `bind`, and every channel an importer opens to an exporter
+(handshake, the TCP backend's reads and releases) comes from `dial`. kvtransfer itself
+reads no certificate files and no config beyond this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+#: One (layer, K/V) slice of a long prompt's blocks can exceed gRPC's 4 MiB default.
+MAX_MESSAGE_BYTES = 256 << 20
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """Credentials for both ends; all None (the default) means plaintext."""
+
+    server: grpc.ServerCredentials | None = None
+    channel: grpc.ChannelCredentials | None = None
+    target_name: str = ""  # name to verify in the server's certificate, if not the host
+
+
+PLAINTEXT = ChannelSecurity()
+
+
+def dial(address: str, security: ChannelSecurity = PLAINTEXT) -> grpc.Channel:
+    """A synchronous channel to a KV exporter at `address`."""
+    options: list[tuple[str, object]] = list(CHANNEL_OPTIONS)
+    if security.target_name:
+        options.append(("grpc.ssl_target_name_override", security.target_name))
+    if security.channel is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, security.channel, options=options)
+
+
+def bind(server: grpc.Server, address: str, security: ChannelSecurity = PLAINTEXT) -> int:
+    """Add `address` to `server`; returns the bound port (0 if it could not bind)."""
+    if security.server is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, security.server)

@@ -1,0 +1,94 @@
+"""Settings of the headline benchmark: disaggregated 1 prefill + 1 decode against 2 mixed.
+
+The defaults are the full run; `make bench` passes a shorter sweep. SLOs (chosen for
+SmolLM2-135M in float32 on one CPU core per worker, measured on the 2-core development
+host: a prompt's own prefill costs about 4.5 ms/token at 512 tokens and 10.6 ms/token at
+4k (attention grows with the context); a decode step at small batch takes 60-90 ms):
+
+- TTFT <= 2 s + 12 ms per prompt token: a chat prompt (200-450 tokens) gets 4.4-7.4 s,
+  a few times its own prefill; a 4k-token prompt gets 51 s, about 1.2x its prefill
+  alone, so it may wait behind little else.
+- p90 of each request's inter-token gaps <= 250 ms: about 3x an unloaded decode step,
+  headroom for a shared machine, and far below one 512-token prefill chunk step
+  (1.5-5 s), which is what a colocated decode waits through when a long prompt lands on
+  its worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadtest.bench_config import parse_numbers
+from loadtest.metrics import Slo
+
+
+@dataclass(frozen=True)
+class HeadlineConfig:
+    rates: str = field(
+        default="0.05,0.1,0.15,0.2,0.25,0.3",
+        metadata={"help": "arrival rates of the long-prompt mix (req/s), comma-separated"},
+    )
+    num_requests: int = field(default=60, metadata={"help": "most requests per rate"})
+    duration_s: float = field(default=300.0, metadata={"help": "stop issuing a rate after"})
+    request_timeout_s: float = field(
+        default=120.0, metadata={"help": "client deadline of one stream (a miss when hit)"}
+    )
+    warmup_requests: int = field(
+        default=3, metadata={"help": "unmeasured requests before each deployment's sweep"}
+    )
+    stop_below_attainment: float = field(
+        default=0.5, metadata={"help": "skip a deployment's higher rates once below this"}
+    )
+    short_rate: float = field(
+        default=0.5, metadata={"help": "arrival rate of the short-prompt-only (chat) point"}
+    )
+    short_num_requests: int = field(default=60, metadata={"help": "requests of that point"})
+    short_duration_s: float = field(default=120.0, metadata={"help": "its time bound"})
+    ttft_slo_ms: float = field(default=2000.0, metadata={"help": "TTFT SLO, fixed part"})
+    ttft_slo_ms_per_token: float = field(
+        default=12.0, metadata={"help": "TTFT SLO allowance per prompt token"}
+    )
+    itl_slo_ms: float = field(default=250.0, metadata={"help": "inter-token latency SLO"})
+    itl_slo_quantile: float = field(
+        default=0.9, metadata={"help": "quantile of a request's own gaps held to the ITL SLO"}
+    )
+    attainment_target: float = field(
+        default=0.9, metadata={"help": "attainment that defines a deployment's capacity"}
+    )
+    target_ratio: float = field(
+        default=1.5, metadata={"help": "capacity ratio disaggregated/colocated to meet"}
+    )
+    pin_workers: bool = field(default=True, metadata={"help": "one CPU core per worker"})
+    kv_backend: str = field(default="nixl", metadata={"help": "KV transfer backend"})
+    worker_kv_cache_bytes: int = field(
+        default=1 << 30, metadata={"help": "KV pool per worker (a 4k prompt needs 180 MiB)"}
+    )
+    out_dir: Path = field(
+        default=Path("bench-results"),
+        metadata={"help": "headline.json, headline.md and headline_*.png go here"},
+    )
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+
+    def __post_init__(self) -> None:
+        parse_numbers(self.rates, float, "rates")
+        if min(self.num_requests, self.short_num_requests) < 1 or self.warmup_requests < 0:
+            raise ValueError("request counts must be >= 1 (warmup_requests >= 0)")
+        if min(self.duration_s, self.short_duration_s, self.request_timeout_s) <= 0:
+            raise ValueError("durations and request_timeout_s must be > 0")
+        if self.short_rate <= 0 or self.target_ratio <= 0:
+            raise ValueError("short_rate and target_ratio must be > 0")
+        for name in ("stop_below_attainment", "attainment_target"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1]")
+        _ = self.slo  # builds (and so validates) the SLO
+
+    @property
+    def rate_list(self) -> list[float]:
+        return sorted(parse_numbers(self.rates, float, "rates"))
+
+    @property
+    def slo(self) -> Slo:
+        return Slo(
+            self.ttft_slo_ms, self.ttft_slo_ms_per_token, self.itl_slo_ms, self.itl_slo_quantile
+        )

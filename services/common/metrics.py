@@ -1,0 +1,239 @@
+"""Prometheus metrics of one service process and their `/metrics` HTTP endpoint.
+
+Lifecycle: a service makes one `CollectorRegistry` (never the library's global one, so
+tests and several services in one process never share counters), builds its role's
+metric set on it (`GatewayMetrics`, `WorkerMetrics`, plus scrape-time collectors over
+state that already exists: `EngineCollector` reads the engine's stats, `RouterCollector`
+the router's counters), and starts `MetricsServer` on the configured port, whose bound
+port goes into the service's JSON ready line. Request paths only observe histograms and
+bump counters (a few microseconds); gauges derived from engine state cost nothing until
+a scrape. `close()` stops the HTTP server.
+
+Names (all prefixed `pdserve_`): see docs/observability.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.stats import EngineStats
+from services.router.router import RouterStats
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class GatewayMetrics:
+    """Per-request latency, goodput against the SLOs, outcomes and the stream count."""
+
+    def __init__(self, registry: CollectorRegistry, slo_ttft_s: float, slo_itl_s: float) -> None:
+        self.slo_ttft_s = slo_ttft_s
+        self.slo_itl_s = slo_itl_s
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Time from the gateway receiving a request to its first token",
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds",
+            "Time between successive tokens of a stream, per token",
+            buckets=ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "Time from the gateway receiving a request to its last message",
+            buckets=E2E_BUCKETS,
+            registry=registry,
+        )
+        self.finished = Counter(
+            "pdserve_requests",
+            "Requests that ended normally, by finish reason",
+            ["finish_reason"],
+            registry=registry,
+        )
+        self.goodput = Counter(
+            "pdserve_goodput_requests",
+            "Finished requests that met both the TTFT and the ITL SLO",
+            registry=registry,
+        )
+        self.slo_missed = Counter(
+            "pdserve_slo_violations",
+            "Finished requests that missed an SLO, by SLO (ttft or itl)",
+            ["slo"],
+            registry=registry,
+        )
+        self.errors = Counter(
+            "pdserve_request_errors",
+            "Requests ended with an error, by gRPC status code",
+            ["code"],
+            registry=registry,
+        )
+        self.cancelled = Counter(
+            "pdserve_requests_cancelled",
+            "Requests the client cancelled (closed the stream) before the end",
+            registry=registry,
+        )
+        self.active = Gauge(
+            "pdserve_active_streams", "Streams running in the gateway now", registry=registry
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=registry
+        )
+        self.cached_tokens = Counter(
+            "pdserve_cached_prompt_tokens",
+            "Prompt tokens of finished requests served from a prefix cache",
+            registry=registry,
+        )
+        self.output_tokens = Counter(
+            "pdserve_output_tokens", "Tokens streamed to clients", registry=registry
+        )
+
+    def record_finished(self, reason: str, ttft_s: float, e2e_s: float, output_tokens: int) -> None:
+        """Count a normal end and judge it against the SLOs (ITL: mean after token 1)."""
+        self.finished.labels(reason).inc()
+        self.e2e.observe(e2e_s)
+        itl = (e2e_s - ttft_s) / (output_tokens - 1) if output_tokens > 1 else 0.0
+        ttft_ok = ttft_s <= self.slo_ttft_s
+        itl_ok = itl <= self.slo_itl_s
+        if not ttft_ok:
+            self.slo_missed.labels("ttft").inc()
+        if not itl_ok:
+            self.slo_missed.labels("itl").inc()
+        if ttft_ok and itl_ok:
+            self.goodput.inc()
+
+
+class WorkerMetrics:
+    """Queue and compute phases, KV transfers and outcomes of one worker."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.queue = Histogram(
+            "pdserve_queue_time_seconds",
+            "Time a request waited in the engine queue before its first batch, by phase",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=registry,
+        )
+        self.compute = Histogram(
+            "pdserve_first_token_compute_seconds",
+            "Time from first batch to this engine's first token, by phase",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=registry,
+        )
+        self.transfer_bytes = Counter(
+            "pdserve_kv_transfer_bytes", "KV bytes read from prefill workers", registry=registry
+        )
+        self.transfer_blocks = Counter(
+            "pdserve_kv_transfer_blocks", "KV blocks read from prefill workers", registry=registry
+        )
+        self.transfer_seconds = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "Duration of one KV import (handshake if any, read, release, commit)",
+            buckets=PHASE_BUCKETS,
+            registry=registry,
+        )
+        self.errors = Counter(
+            "pdserve_request_errors",
+            "RPCs ended with an error, by gRPC status code",
+            ["code"],
+            registry=registry,
+        )
+        self.cancelled = Counter(
+            "pdserve_requests_cancelled",
+            "Requests whose caller went away before they finished",
+            registry=registry,
+        )
+
+
+class EngineCollector(Collector):
+    """Gauges and counters read from `EngineStats` at scrape time."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self._stats()
+        util = s.used_blocks / s.total_blocks if s.total_blocks else 0.0
+        yield GaugeMetricFamily(
+            "pdserve_kv_block_utilization",
+            "Fraction of KV blocks in use (running, held for export, importing)",
+            value=util,
+        )
+        blocks = GaugeMetricFamily("pdserve_kv_blocks", "KV blocks by state", labels=["state"])
+        for state, n in (
+            ("total", s.total_blocks),
+            ("used", s.used_blocks),
+            ("free", s.free_blocks),
+            ("cached", s.cached_blocks),
+            ("held", s.held_blocks),
+            ("importing", s.importing_blocks),
+        ):
+            blocks.add_metric([state], n)
+        yield blocks
+        yield GaugeMetricFamily(
+            "pdserve_num_requests_waiting", "Requests queued in the engine", value=s.waiting
+        )
+        yield GaugeMetricFamily(
+            "pdserve_num_requests_running", "Requests in the engine's batch", value=s.running
+        )
+        yield CounterMetricFamily(
+            "pdserve_prefix_cached_tokens",
+            "Prompt tokens found in the prefix cache (hit ratio = this / prompt tokens)",
+            value=s.prefix_hit_tokens,
+        )
+        yield CounterMetricFamily(
+            "pdserve_prefix_prompt_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            value=s.prefix_query_tokens,
+        )
+        yield GaugeMetricFamily(
+            "pdserve_prefix_hit_ratio",
+            "Cached / prompt tokens since start",
+            value=s.prefix_hit_ratio,
+        )
+        yield CounterMetricFamily(
+            "pdserve_preemptions", "Requests preempted by recompute", value=s.num_preemptions
+        )
+
+
+class RouterCollector(Collector):
+    """The router's own counters (kept by `Router`) exposed at scrape time."""
+
+    def __init__(self, stats: Callable[[], RouterStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        s = self._stats()
+        for name, value, text in (
+            ("decisions", s.decisions, "Successful placements"),
+            ("overflow", s.overflow, "Placements that skipped the key's first worker (load bound)"),
+            ("fail_open", s.fail_open, "Pool placements made locally because Redis was down"),
+            ("redis_errors", s.redis_errors, "Redis calls that failed"),
+            ("release_failures", s.release_failures, "Load releases Redis never got"),
+        ):
+            yield CounterMetricFamily(f"pdserve_router_{name}", text, value=value)
+
+
+class MetricsServer:
+    """`/metrics` over HTTP for one registry, on its own daemon thread."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self._server: WSGIServer | None
+        self._server, _ = start_http_server(port, addr=host, registry=registry)
+        self.port: int = self._server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,252 @@
+"""The OpenAI-compatible HTTP front door, served by the gateway process beside gRPC.
+
+Lifecycle: `HttpApi(service).start(host, port)` binds an aiohttp server on the gateway's
+event loop and returns the bound address. Each /v1/completions or /v1/chat/completions
+body is parsed by `openai_schema` into the gateway's GenerateRequest and goes down the
+same path as gRPC Generate (`GatewayService.stream`: validation, tokenization, the
+stream cap, placement, `RequestStream`). The handler waits for the first message before
+it answers, so every failure before token 1 gets its own HTTP status; a streamed answer
+then writes SSE chunks and `data: [DONE]`, and a failure after that is sent as one last
+`data: {"error": ...}` event. A client that disconnects gets its handler task cancelled
+(`handler_cancellation`), and the stream's generator is always closed, which cancels
+the decode stream and aborts an un-pulled prefill lease. `stop()` stops accepting and
+gives open requests the drain time to finish.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import ssl
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable
+
+import grpc
+from aiohttp import web
+
+from engine.errors import InvalidRequestError
+from pdserve.v1 import gateway_pb2
+from services.gateway import openai_schema as oa
+from services.gateway.auth import AuthError
+from services.gateway.quota import QuotaExceeded
+from services.gateway.request_stream import StreamError
+from services.gateway.service import GatewayService, UnknownModelError
+from services.router.placement import NoWorkerError
+
+log = logging.getLogger(__name__)
+
+#: The gateway takes prompts up to 1M characters; JSON escaping can double their bytes.
+MAX_BODY_BYTES = 8 << 20
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Messages = AsyncGenerator[gateway_pb2.GenerateResponse, None]
+
+
+def _dumps(body: oa.Json) -> str:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
+
+def _json(status: int, body: oa.Json) -> web.Response:
+    return web.json_response(body, status=status, dumps=_dumps)
+
+
+def _failure(exc: Exception, req: oa.OpenAIRequest) -> tuple[int, oa.Json]:
+    """The HTTP status and OpenAI error body of a failed request; re-raises the unknown."""
+    if isinstance(exc, oa.SchemaError):
+        return 400, oa.error_body(str(exc), "invalid_request_error", exc.param)
+    if isinstance(exc, UnknownModelError):
+        status, kind = oa.http_for_status(grpc.StatusCode.NOT_FOUND)
+        return status, oa.error_body(str(exc), kind, "model", "model_not_found")
+    if isinstance(exc, InvalidRequestError):
+        # The gateway's field names become the OpenAI parameter the client sent.
+        param = oa.param_for(req, exc.field)
+        shown = exc.field if exc.field.startswith(param) else param  # keep "messages.role"
+        message = shown + str(exc)[len(exc.field) :]
+        return 400, oa.error_body(message, "invalid_request_error", param)
+    if isinstance(exc, StreamError | NoWorkerError):
+        status, kind = oa.http_for_status(exc.code)
+        return status, oa.error_body(str(exc), kind, None, exc.code.name.lower())
+    raise exc
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Unknown routes, wrong methods, oversized bodies and bugs, in OpenAI's error shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        message = f"{request.method} {request.path}: {exc.reason}"
+        code = exc.reason.lower().replace(" ", "_")
+        return _json(exc.status, oa.error_body(message, kind, None, code))
+    except ConnectionResetError:
+        raise  # the client is gone; nobody to answer
+    except Exception as exc:
+        log.exception("HTTP %s %s failed", request.method, request.path)
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        return _json(500, oa.error_body(message, "server_error"))
+
+
+def _auth_middleware(service: GatewayService) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Every route needs a valid API key when the gateway has a keys file: the same
+    `Access` as gRPC, from `Authorization: Bearer <key>` (what the openai client sends)."""
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            request["principal"] = service.access.authenticate(request.headers.items())
+        except AuthError as exc:
+            denied = (403, "permission_error")
+            status, kind = denied if exc.denied else (401, "authentication_error")
+            return _json(status, oa.error_body(str(exc), kind, None, "invalid_api_key"))
+        return await handler(request)
+
+    return authenticate
+
+
+def _quota_response(exc: QuotaExceeded) -> web.Response:
+    body = oa.error_body(str(exc), "rate_limit_error", None, "rate_limit_exceeded")
+    response = _json(429, body)
+    response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    return response
+
+
+class HttpApi:
+    def __init__(self, service: GatewayService, drain_s: float) -> None:
+        self.service = service
+        self.started = int(time.time())
+        app = web.Application(
+            middlewares=[_openai_errors, _auth_middleware(service)],
+            client_max_size=MAX_BODY_BYTES,
+        )
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model:.+}", self._model)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        # handler_cancellation: a disconnect cancels the handler even while it waits for
+        # prefill, so the request is cancelled on the workers, not just at the next write.
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, shutdown_timeout=drain_s, access_log=None
+        )
+
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> str:
+        """Bind and serve; returns "host:port" with the port actually bound."""
+        await self._runner.setup()
+        site = web.TCPSite(
+            self._runner, host, port, ssl_context=ssl_context, reuse_address=False,
+            reuse_port=False,
+        )  # fmt: skip
+        await site.start()
+        bound = self._runner.addresses[0]
+        return f"{host}:{bound[1]}"
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    # -- routes ------------------------------------------------------------------------
+    def _card(self) -> oa.Json:
+        return {
+            "id": self.service.model_name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "pdserve",
+            "max_model_len": self.service.max_model_len,
+        }
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        return _json(200, {"object": "list", "data": [self._card()]})
+
+    async def _model(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["model"]
+        if name != self.service.model_name:
+            message = f"model: {name!r} is not served here (serving {self.service.model_name!r})"
+            return _json(404, oa.error_body(message, "not_found_error", "model", "model_not_found"))
+        return _json(200, self._card())
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, oa.parse_completion)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, oa.parse_chat)
+
+    # -- one request -------------------------------------------------------------------
+    async def _serve(
+        self, request: web.Request, parse: Callable[[object], oa.OpenAIRequest]
+    ) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            message = f"the request body is not valid JSON: {exc}"
+            return _json(400, oa.error_body(message, "invalid_request_error"))
+        try:
+            req = parse(body)
+        except oa.SchemaError as exc:
+            return _json(400, oa.error_body(str(exc), "invalid_request_error", exc.param))
+        request_id = uuid.uuid4().hex
+        answer = oa.Answer(req, req.model or self.service.model_name, request_id)
+        # Closing the generator (on return, error or cancellation) cancels the request on
+        # both workers and gives back the stream slot.
+        async with contextlib.aclosing(
+            self.service.stream(oa.to_generate_request(req, request_id), request["principal"])
+        ) as messages:
+            try:
+                first = await anext(messages)
+                if not req.stream:
+                    return _json(200, await self._whole(answer, first, messages))
+            except (InvalidRequestError, UnknownModelError, StreamError, NoWorkerError) as exc:
+                return _json(*_failure(exc, req))
+            except QuotaExceeded as exc:
+                return _quota_response(exc)
+            return await self._sse(request, answer, first, messages)
+
+    async def _whole(
+        self, answer: oa.Answer, first: gateway_pb2.GenerateResponse, messages: Messages
+    ) -> oa.Json:
+        parts, last = [first.text], first
+        while not last.finished:
+            last = await anext(messages)
+            parts.append(last.text)
+        return answer.whole("".join(parts), last.finish_reason, last.usage)
+
+    async def _sse(
+        self,
+        request: web.Request,
+        answer: oa.Answer,
+        first: gateway_pb2.GenerateResponse,
+        messages: Messages,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        msg, opening = first, True
+        try:
+            while True:
+                if msg.finished:
+                    await _event(response, answer.chunk(msg.text, msg.finish_reason, first=opening))
+                    if answer.req.include_usage:
+                        await _event(response, answer.usage_chunk(msg.usage))
+                    break
+                # Deltas held back by the detokenizer or a possible stop string are empty.
+                if msg.text or opening:
+                    await _event(response, answer.chunk(msg.text, first=opening))
+                    opening = False
+                msg = await anext(messages)
+        except (StreamError, NoWorkerError) as exc:
+            await _event(response, _failure(exc, answer.req)[1])
+        except ConnectionResetError:
+            raise
+        except Exception as exc:  # the 200 is sent: say so in the stream, not in a new response
+            log.exception("SSE stream %s failed", answer.id)
+            await _event(response, oa.error_body(f"internal error: {exc}", "server_error"))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+async def _event(response: web.StreamResponse, body: oa.Json) -> None:
+    await response.write(f"data: {_dumps(body)}\n\n".encode())

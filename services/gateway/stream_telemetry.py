@@ -1,0 +1,208 @@
+"""The gateway's per-request telemetry: the root span, the phase timeline, and metrics.
+
+Lifecycle: the service owns one `GatewayTelemetry` (tracer + `GatewayMetrics`, or neither
+in tests). Each `RequestStream` makes a `StreamTelemetry`; its `begin` opens the root
+span `gateway.generate` (when tracing is on), whose context travels in the metadata of
+every worker call (`metadata()`), so the workers' spans join this trace as its children.
+The stream reports each placement (`route`, one `router.route` span per attempt), the
+phase timings workers send back (`add_phases`), every token delta (`on_tokens`: TTFT and
+inter-token latency), and its final message (`finish`, which fills the message's trace id
+and timeline and records end-to-end latency and goodput). `end` runs last, whatever
+happened: it counts an error by status code or a cancel, and ends the root span.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Iterable
+
+import grpc
+from opentelemetry.trace import Span, SpanKind
+
+from engine.errors import InvalidRequestError
+from pdserve.v1 import common_pb2, gateway_pb2
+from services.common.metrics import GatewayMetrics, RouterCollector
+from services.common.telemetry import Telemetry
+from services.common.tracing import Metadata, Phase, Tracing, trace_id_hex
+from services.router.placement import Placement, RouteDecision
+from services.router.redis_placement import RedisPlacement
+
+
+class GatewayTelemetry:
+    """One per gateway process."""
+
+    def __init__(self, tracing: Tracing, metrics: GatewayMetrics | None) -> None:
+        self.tracing = tracing
+        self.metrics = metrics
+
+    @classmethod
+    def disabled(cls) -> GatewayTelemetry:
+        return cls(Tracing.disabled("pdserve-gateway"), None)
+
+    @classmethod
+    def on(cls, telemetry: Telemetry, placement: Placement) -> GatewayTelemetry:
+        """Register the gateway's metrics (and the embedded router's counters, when the
+        placement is the Redis router) on the process's registry."""
+        cfg = telemetry.config
+        metrics = GatewayMetrics(telemetry.registry, cfg.slo_ttft_s, cfg.slo_itl_s)
+        if isinstance(placement, RedisPlacement):
+            router = placement.router
+            telemetry.registry.register(RouterCollector(lambda: router.stats))
+        return cls(telemetry.tracing, metrics)
+
+    def stream(self, request_id: str, tenant: str, prompt_tokens: int) -> StreamTelemetry:
+        return StreamTelemetry(self, request_id, tenant, prompt_tokens)
+
+    def count_error(self, code: grpc.StatusCode) -> None:
+        """A request refused before it had a stream (bad input, stream cap)."""
+        if self.metrics is not None:
+            self.metrics.errors.labels(code.name).inc()
+
+    def count_refusal(self, exc: BaseException) -> None:
+        """`count_error` for an exception raised while validating a request."""
+        if isinstance(exc, InvalidRequestError):
+            self.count_error(grpc.StatusCode.INVALID_ARGUMENT)
+        elif isinstance(exc, LookupError):
+            self.count_error(grpc.StatusCode.NOT_FOUND)
+        else:
+            self.count_error(grpc.StatusCode.INTERNAL)
+
+
+class StreamTelemetry:
+    def __init__(
+        self, owner: GatewayTelemetry, request_id: str, tenant: str, prompt_tokens: int
+    ) -> None:
+        self._tracing = owner.tracing
+        self._metrics = owner.metrics
+        self._request_id = request_id
+        self._tenant = tenant
+        self._prompt_tokens = prompt_tokens
+        self.start = time.monotonic()
+        self._first_at: float | None = None
+        self._last_at = 0.0
+        self._tokens = 0
+        self._outcome = ""  # "finished", "cancelled" or a status code name
+        self._phases: list[common_pb2.PhaseTiming] = []
+        self._routes: list[Phase] = []
+        self.root: Span | None = None
+        self._metadata: Metadata = ()
+
+    def begin(self) -> None:
+        """The stream starts: open the root span and count it as active."""
+        self.start = time.monotonic()
+        if self._tracing.enabled:
+            self.root = self._tracing.start(
+                "gateway.generate",
+                attributes={
+                    "pdserve.request_id": self._request_id,
+                    "pdserve.tenant": self._tenant,
+                    "pdserve.prompt_tokens": self._prompt_tokens,
+                },
+                kind=SpanKind.SERVER,
+            )
+            self._metadata = self._tracing.metadata(self.root)
+        if self._metrics is not None:
+            self._metrics.active.inc()
+
+    @property
+    def trace_id(self) -> str:
+        return trace_id_hex(self.root) if self.root is not None else ""
+
+    def metadata(self) -> Metadata:
+        """gRPC metadata for calls made on behalf of this request (empty if not traced)."""
+        return self._metadata
+
+    async def route(self, call: Awaitable[RouteDecision], attempt: int) -> RouteDecision:
+        """Await a placement, recording it as `router.route`."""
+        start = time.monotonic()
+        attrs: dict[str, str | int] = {"pdserve.attempt": attempt}
+        try:
+            decision = await call
+        except Exception as exc:
+            self._route_phase(start, {**attrs, "error": str(exc)}, failed=True)
+            raise
+        if decision.prefill is not None:
+            attrs["pdserve.prefill_worker"] = decision.prefill.worker_id
+        attrs["pdserve.decode_worker"] = decision.decode.worker_id
+        if self.root is not None:
+            self.root.set_attributes(attrs)
+        self._route_phase(start, attrs, failed=False)
+        return decision
+
+    def _route_phase(self, start: float, attrs: dict[str, str | int], *, failed: bool) -> None:
+        phase = Phase("router.route", start, time.monotonic(), attrs)
+        self._routes.append(phase)
+        if self.root is None:
+            return
+        span = self._tracing.start(
+            "router.route",
+            Tracing.context_of(self.root),
+            attrs,
+            start_ns=phase.timing("").start_unix_nano,
+        )
+        if failed:
+            Tracing.fail(span, "UNAVAILABLE", str(attrs.get("error", "")))
+        span.end()
+
+    def add_phases(self, phases: Iterable[common_pb2.PhaseTiming]) -> None:
+        self._phases.extend(phases)
+
+    def on_tokens(self, n: int) -> None:
+        now = time.monotonic()
+        if self._first_at is None:
+            self._first_at = now
+            if self._metrics is not None:
+                self._metrics.ttft.observe(now - self.start)
+        elif self._metrics is not None and n > 0:
+            self._metrics.itl.observe((now - self._last_at) / n)
+        self._last_at = now
+        self._tokens += n
+
+    def finish(self, msg: gateway_pb2.GenerateResponse, *, with_timeline: bool = True) -> None:
+        """Fill the final message's trace id and timeline; record latency and goodput."""
+        now = time.monotonic()
+        self._outcome = "finished"
+        reason = common_pb2.FinishReason.Name(msg.finish_reason)
+        if self.root is not None:
+            self.root.set_attributes(
+                {
+                    "pdserve.cached_tokens": msg.usage.cached_tokens,
+                    "pdserve.output_tokens": msg.usage.completion_tokens,
+                    "pdserve.finish_reason": reason,
+                    "rpc.grpc.status_code": "OK",
+                }
+            )
+            msg.trace_id = self.trace_id
+        if with_timeline:
+            msg.phases.append(Phase("gateway.generate", self.start, now).timing(""))
+            msg.phases.extend(p.timing("") for p in self._routes)
+            msg.phases.extend(sorted(self._phases, key=lambda p: p.start_unix_nano))
+        m = self._metrics
+        if m is not None:
+            ttft = (self._first_at or now) - self.start
+            m.record_finished(reason, ttft, now - self.start, self._tokens)
+            m.prompt_tokens.inc(msg.usage.prompt_tokens)
+            m.cached_tokens.inc(msg.usage.cached_tokens)
+            m.output_tokens.inc(self._tokens)
+
+    def cancelled(self) -> None:
+        if not self._outcome:
+            self._outcome = "cancelled"
+            if self.root is not None:
+                Tracing.fail(self.root, "CANCELLED", "the client went away")
+            if self._metrics is not None:
+                self._metrics.cancelled.inc()
+
+    def failed(self, code: grpc.StatusCode, message: str) -> None:
+        if not self._outcome:
+            self._outcome = code.name
+            if self.root is not None:
+                Tracing.fail(self.root, code.name, message)
+            if self._metrics is not None:
+                self._metrics.errors.labels(code.name).inc()
+
+    def end(self) -> None:
+        if self._metrics is not None:
+            self._metrics.active.dec()
+        if self.root is not None:
+            self.root.end()

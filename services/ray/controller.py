@@ -1,0 +1,241 @@
+"""The cluster's controller: one named Ray actor that owns every pdserve actor.
+
+Lifecycle: the launcher creates `ClusterController` as the named actor
+`pdserve-controller` in the cluster's Ray namespace and calls `start()`: it starts (or
+uses) the router's Redis, the Router service actors, both worker pools, waits until every
+worker serves (each has registered with Redis by then), then starts the gateway, which
+places through the router library on the same Redis, and returns the gateway address.
+`scale(pool, n)` adds workers (new actors, waited on until they serve) or removes the
+newest ones (drained first, like SIGTERM, then killed). `shutdown()` stops the gateway,
+drains the workers and routers, and stops the embedded Redis. The controller owns the
+actors it creates, so if it dies Ray tears them down with it; it is itself owned by the
+`pdserve up --ray` process (or the test) that created it.
+
+Actor names: `pdserve-gateway`, `pdserve-router-<i>`, `pdserve-<role>-<i>`; a worker's
+id is `<role>-<i>`, kept across restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from engine.config import EngineConfig
+from kvtransfer.config import TransferConfig
+from services.cli.cluster import ClusterConfig
+from services.cli.model_cmd import ModelConfig
+from services.common.telemetry_config import TelemetryConfig
+from services.common.worker_config import WorkerConfig
+from services.gateway.config import GatewayConfig
+from services.ray.actors import ServiceActor, ServiceSpec
+from services.ray.config import RayConfig, parse_resources
+from services.router.embedded_redis import EmbeddedRedis
+from services.router.router_config import RouterConfig
+
+log = logging.getLogger(__name__)
+
+CONTROLLER_NAME = "pdserve-controller"
+STOP_TIMEOUT_S = 60.0
+
+
+def actor_name(service: str) -> str:
+    return f"pdserve-{service}"
+
+
+@dataclass
+class Pool:
+    role: str  # prefill, decode or mixed
+    gpus: float
+    resources: dict[str, float]
+    actors: dict[int, Any] = field(default_factory=dict)  # index -> actor handle
+
+
+class ClusterController:
+    def __init__(
+        self, cluster: ClusterConfig, ray_cfg: RayConfig, telemetry: TelemetryConfig
+    ) -> None:
+        self.cluster = cluster
+        self.ray_cfg = ray_cfg
+        # Every service picks its own metrics port: several may share a node.
+        self.telemetry = telemetry
+        if telemetry.metrics_port > 0:
+            self.telemetry = TelemetryConfig(**{**telemetry.__dict__, "metrics_port": 0})
+        self.redis: EmbeddedRedis | None = None
+        self.redis_url = ray_cfg.redis_url
+        decode_role = "decode" if cluster.num_prefill else "mixed"
+        self.pools = {
+            "prefill": Pool("prefill", ray_cfg.prefill_gpus,
+                            parse_resources(ray_cfg.prefill_resources)),
+            "decode": Pool(decode_role, ray_cfg.decode_gpus,
+                           parse_resources(ray_cfg.decode_resources)),
+        }  # fmt: skip
+        self.routers: list[Any] = []
+        self.gateway: Any = None
+        self.gateway_address = ""
+        self.http_address = ""
+
+    # -- start ---------------------------------------------------------------------
+
+    def start(self) -> str:
+        """Start every service; returns the gateway address. Stops all on failure."""
+        try:
+            self._start_redis()
+            routers = range(self.ray_cfg.num_routers)
+            self.routers = [self._spawn(self._router_spec(i)) for i in routers]
+            self.scale("prefill", self.cluster.num_prefill)
+            self.scale("decode", self.cluster.num_decode)
+            self._wait(self.routers)
+            self.gateway = self._spawn(self._gateway_spec())
+            self.gateway_address = self._wait([self.gateway])[0]
+            fields = ray.get(self.gateway.ready_fields.remote(self.cluster.startup_timeout_s))
+            self.http_address = str(fields.get("http", ""))
+            return self.gateway_address
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_redis(self) -> None:
+        if self.redis_url:
+            return
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if len(nodes) > 1:
+            raise ValueError(
+                f"redis_url: the embedded Redis listens on 127.0.0.1 of one node and this Ray "
+                f"cluster has {len(nodes)}; give --redis-url of a Redis every node reaches"
+            )
+        self.redis = EmbeddedRedis(tcp=True).start()
+        self.redis_url = self.redis.url
+
+    def _options(self, name: str, *, cpus: float, gpus: float = 0.0,
+                 resources: dict[str, float] | None = None) -> dict[str, Any]:  # fmt: skip
+        return {
+            "name": actor_name(name),
+            "namespace": self.ray_cfg.ray_namespace,
+            "num_cpus": cpus,
+            "num_gpus": gpus,
+            "resources": resources or {},
+            "max_restarts": self.ray_cfg.max_restarts,
+            "max_task_retries": 0,
+        }
+
+    def _spawn(self, spec: ServiceSpec) -> Any:
+        if spec.kind == "worker":
+            pool = self.pools["prefill" if spec.name.startswith("prefill") else "decode"]
+            opts = self._options(spec.name, cpus=self.ray_cfg.worker_cpus, gpus=pool.gpus,
+                                 resources=pool.resources)  # fmt: skip
+        else:
+            opts = self._options(spec.name, cpus=self.ray_cfg.service_cpus)
+        return ray.remote(ServiceActor).options(**opts).remote(spec)
+
+    def _wait(self, actors: list[Any]) -> list[str]:
+        timeout = self.cluster.startup_timeout_s
+        return list(ray.get([a.address.remote(timeout) for a in actors], timeout=timeout + 30))
+
+    # -- specs ---------------------------------------------------------------------
+
+    def _router_cfg(self) -> RouterConfig:
+        return RouterConfig(redis_url=self.redis_url, namespace=self.ray_cfg.ray_namespace)
+
+    def _router_spec(self, index: int) -> ServiceSpec:
+        return ServiceSpec(f"router-{index}", "router", (self._router_cfg(), self.telemetry))
+
+    def _gateway_spec(self) -> ServiceSpec:
+        c = self.cluster
+        # As `pdserve up`: a fixed HTTP port only beside a fixed gRPC port.
+        http_port = c.http_port if c.http_port is not None else 8471 if c.gateway_port else 0
+        gateway = GatewayConfig(gateway_port=c.gateway_port, placement="redis",
+                                max_streams=c.max_streams, http_port=http_port)  # fmt: skip
+        model = ModelConfig(model=c.model, model_cache_dir=c.model_cache_dir)
+        return ServiceSpec("gateway", "gateway", (gateway, model, self._router_cfg(),
+                                                  self.telemetry))  # fmt: skip
+
+    def _worker_spec(self, pool: Pool, index: int) -> ServiceSpec:
+        c = self.cluster
+        name = f"{pool.role}-{index}"
+        worker = WorkerConfig(role=pool.role, worker_id=name, redis_url=self.redis_url,
+                              namespace=self.ray_cfg.ray_namespace)  # fmt: skip
+        engine = EngineConfig(model=c.model, model_cache_dir=c.model_cache_dir,
+                              kv_cache_bytes=c.worker_kv_cache_bytes,
+                              num_threads=c.worker_threads,
+                              device="cuda" if pool.gpus > 0 else "cpu")  # fmt: skip
+        transfer = TransferConfig(kv_backend=c.kv_backend)
+        return ServiceSpec(name, "worker", (worker, engine, transfer, self.telemetry))
+
+    # -- scale ---------------------------------------------------------------------
+
+    def scale(self, pool_name: str, replicas: int) -> list[str]:
+        """Resize a pool to `replicas` workers; returns its worker ids once they serve."""
+        pool = self._pool(pool_name, replicas)
+        current = sorted(pool.actors)
+        if replicas > len(current):
+            free = [i for i in range(replicas + len(current)) if i not in pool.actors]
+            new = free[: replicas - len(current)]
+            added = {i: self._spawn(self._worker_spec(pool, i)) for i in new}
+            pool.actors.update(added)
+            try:
+                self._wait(list(added.values()))
+            except BaseException:
+                self._remove(pool, list(added))
+                raise
+        elif replicas < len(current):
+            self._remove(pool, current[replicas:])
+        return self._ids(pool)
+
+    @staticmethod
+    def _ids(pool: Pool) -> list[str]:
+        return [f"{pool.role}-{i}" for i in sorted(pool.actors)]
+
+    def _pool(self, name: str, replicas: int) -> Pool:
+        key = "decode" if name == "mixed" else name
+        if key not in self.pools:
+            raise ValueError(f"pool must be prefill or decode, got {name!r}")
+        if replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {replicas}")
+        mixed = self.pools["decode"].role == "mixed"
+        if key == "prefill" and mixed and replicas:
+            raise ValueError("prefill: this cluster runs mixed workers (--num-prefill 0)")
+        if self.gateway is not None and replicas == 0 and not (key == "prefill" and mixed):
+            raise ValueError(f"replicas: the {key} pool needs at least 1 worker while serving")
+        return self.pools[key]
+
+    def _remove(self, pool: Pool, indexes: list[int]) -> None:
+        """Drain then kill; the worker deregisters itself while draining."""
+        actors = [pool.actors.pop(i) for i in indexes if i in pool.actors]
+        self._stop(actors)
+
+    @staticmethod
+    def _stop(actors: list[Any]) -> None:
+        pending = [a.stop.remote(STOP_TIMEOUT_S) for a in actors]
+        try:
+            ray.get(pending, timeout=STOP_TIMEOUT_S + 10)
+        except Exception as exc:  # a dead or stuck actor: killing it is what is left
+            log.warning("stopping actors: %s", exc)
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+
+    # -- status and shutdown -------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "gateway": self.gateway_address,
+            "http": self.http_address,
+            "redis_url": self.redis_url,
+            "routers": len(self.routers),
+            "pools": {k: self._ids(p) for k, p in self.pools.items()},
+        }
+
+    def shutdown(self) -> None:
+        """Gateway first (no new requests), then workers (drained), routers, Redis."""
+        if self.gateway is not None:
+            self._stop([self.gateway])
+            self.gateway = None
+        for pool in self.pools.values():
+            self._remove(pool, sorted(pool.actors))
+        self._stop(self.routers)
+        self.routers = []
+        if self.redis is not None:
+            self.redis.close()
+            self.redis = None

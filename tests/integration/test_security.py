@@ -1,0 +1,188 @@
+"""Auth, tenants, quotas and mutual TLS through real processes on 127.0.0.1.
+
+One cluster (1 prefill + 1 decode, embedded Redis) runs with mutual TLS on every gRPC
+hop (client → gateway → workers, and the decode worker's KV reads from the prefill
+worker over the TCP backend, so the KV bytes cross TLS too), HTTPS on the OpenAI API,
+and an API keys file with three tenants and an admin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+
+from engine.model_store import DEFAULT_MODEL_NAME
+from services.cli.cluster import ClusterConfig, LocalCluster
+from services.common.tls import TlsConfig
+from services.gateway.client import GatewayClient, build_request
+from tests.certs import TestCA
+from tests.conftest import MODEL_CACHE
+from tests.prompts import long_prompt
+
+KEY_A = "tenant-a-key-000000000001"
+KEY_B = "tenant-b-key-000000000002"
+KEY_C = "tenant-c-key-000000000003"
+KEY_ADMIN = "ops-admin-key-00000000004"
+TPM_C = 50
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> tuple[TlsConfig, TlsConfig]:
+    """(the cluster's TLS settings, a client's); one CA signs both."""
+    directory = tmp_path_factory.mktemp("pki")
+    ca = TestCA(directory)
+    server, client = ca.issue("pdserve"), ca.issue("client")
+    serve = TlsConfig(str(server.cert), str(server.key), str(ca.ca_file), tls_client_auth=True)
+    dial = TlsConfig(str(client.cert), str(client.key), str(ca.ca_file), tls_client_auth=True)
+    return serve, dial
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    pki: tuple[TlsConfig, TlsConfig], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    keys = tmp_path_factory.mktemp("auth") / "keys"
+    keys.write_text(
+        f"tenant-a {KEY_A}\ntenant-b {KEY_B}\ntenant-c {KEY_C} tpm={TPM_C}\nops {KEY_ADMIN} admin\n"
+    )
+    cfg = ClusterConfig(
+        gateway_port=0, model_cache_dir=MODEL_CACHE, worker_kv_cache_bytes=96 << 20,
+        kv_backend="tcp", api_keys_file=str(keys),
+    )  # fmt: skip
+    c = LocalCluster(cfg, tls=pki[0])
+    c.start()
+    yield c
+    c.stop()
+
+
+def run(coro: object) -> object:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def _client(cluster: LocalCluster, pki: tuple[TlsConfig, TlsConfig], key: str) -> GatewayClient:
+    return GatewayClient(cluster.gateway_address, api_key=key, tls=pki[1])
+
+
+async def _final(client: Callable[[], GatewayClient], prompt: str, max_tokens: int = 4) -> object:
+    """The last message of a completion; the client is built inside the running loop."""
+    async with client() as client:
+        msgs = [
+            m async for m in client.generate(build_request(prompt=prompt, max_tokens=max_tokens))
+        ]
+    return msgs[-1]
+
+
+def test_mutual_tls_every_hop(cluster: LocalCluster, pki: tuple[TlsConfig, TlsConfig]) -> None:
+    last = run(_final(lambda: _client(cluster, pki, KEY_A), "Name three colours."))
+    assert last.finished and last.usage.completion_tokens == 4  # type: ignore[attr-defined]
+    for tls in (TlsConfig(), TlsConfig(tls_ca=pki[1].tls_ca)):  # plaintext; TLS without a cert
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            run(
+                _final(
+                    lambda t=tls: GatewayClient(cluster.gateway_address, api_key=KEY_A, tls=t), "hi"
+                )
+            )
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("key", ["", "not-a-real-key-0000000000"])
+def test_missing_or_wrong_key_is_unauthenticated(
+    cluster: LocalCluster, pki: tuple[TlsConfig, TlsConfig], key: str
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(_final(lambda: _client(cluster, pki, key), "hi"))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "API key" in (err.value.details() or "")
+
+
+def test_cluster_status_needs_an_admin_key(
+    cluster: LocalCluster, pki: tuple[TlsConfig, TlsConfig]
+) -> None:
+    async def status(key: str) -> object:
+        async with _client(cluster, pki, key) as client:
+            return await client.cluster_status()
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(status(KEY_A))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert len(run(status(KEY_ADMIN)).workers) == 2  # type: ignore[attr-defined]
+
+
+def test_tenants_never_share_prefix_cache_hits(
+    cluster: LocalCluster, pki: tuple[TlsConfig, TlsConfig]
+) -> None:
+    prompt = long_prompt(1)[:600]  # several full KV blocks
+    first_a = run(_final(lambda: _client(cluster, pki, KEY_A), prompt))
+    again_a = run(_final(lambda: _client(cluster, pki, KEY_A), prompt))
+    first_b = run(_final(lambda: _client(cluster, pki, KEY_B), prompt))
+    again_b = run(_final(lambda: _client(cluster, pki, KEY_B), prompt))
+    assert first_a.usage.cached_tokens == 0  # type: ignore[attr-defined]
+    assert again_a.usage.cached_tokens >= 16  # type: ignore[attr-defined]
+    assert first_b.usage.cached_tokens == 0  # B never hits A's blocks...  # type: ignore[attr-defined]
+    assert again_b.usage.cached_tokens >= 16  # ...but does hit its own  # type: ignore[attr-defined]
+
+
+def test_quota_refuses_with_a_retry_hint(
+    cluster: LocalCluster, pki: tuple[TlsConfig, TlsConfig]
+) -> None:
+    async def scenario() -> grpc.aio.AioRpcError:
+        async with _client(cluster, pki, KEY_C) as holder, _client(cluster, pki, KEY_C) as other:
+            # Charged prompt + max_tokens > TPM_C while it streams: the next is refused.
+            call = holder.generate(build_request(prompt="Count to fifty.", max_tokens=60))
+            await anext(aiter(call))
+            try:
+                await other.complete(build_request(prompt="hi", max_tokens=2))
+            except grpc.aio.AioRpcError as exc:
+                return exc
+            finally:
+                call.cancel()
+        raise AssertionError("the second request was admitted")
+
+    err = run(scenario())
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+    assert "tokens_per_minute" in (err.details() or "")  # type: ignore[attr-defined]
+    hint = dict(err.trailing_metadata() or ())  # type: ignore[attr-defined]
+    assert 0 < int(hint["retry-after-ms"]) <= 60_000
+    # Other tenants are not affected.
+    assert run(_final(lambda: _client(cluster, pki, KEY_B), "hi", 2)).finished  # type: ignore[attr-defined]
+
+
+def test_https_openai_api_with_keys(
+    cluster: LocalCluster, pki: tuple[TlsConfig, TlsConfig], tmp_path: Path
+) -> None:
+    tls = pki[1]
+    context = ssl.create_default_context(cafile=tls.tls_ca)
+    context.load_cert_chain(tls.tls_cert, tls.tls_key)  # mutual TLS: the client's certificate
+    http = openai.DefaultHttpx2Client(verify=context)
+    base = f"https://{cluster.http_address}/v1"
+    good = openai.OpenAI(base_url=base, api_key=KEY_A, http_client=http, max_retries=0)
+    reply = good.completions.create(
+        model=DEFAULT_MODEL_NAME, prompt="Say hi.", max_tokens=3, temperature=0
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens == 3
+    bad = openai.OpenAI(base_url=base, api_key="wrong-key-000000000000", http_client=http,
+                        max_retries=0)  # fmt: skip
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=DEFAULT_MODEL_NAME, prompt="Say hi.", max_tokens=3)
+
+
+def test_nothing_leaks(cluster: LocalCluster, pki: tuple[TlsConfig, TlsConfig]) -> None:
+    async def idle() -> list[object]:
+        end = time.monotonic() + 5
+        async with _client(cluster, pki, KEY_ADMIN) as client:
+            while True:
+                workers = list((await client.cluster_status()).workers)
+                done = all(w.used_blocks == 0 and w.held_blocks == 0 for w in workers)
+                if done or time.monotonic() > end:
+                    return workers
+                await asyncio.sleep(0.05)
+
+    workers = run(idle())
+    assert all(w.used_blocks == 0 and w.held_blocks == 0 for w in workers), workers  # type: ignore[attr-defined]
