@@ -2,13 +2,16 @@
 
 Lifecycle of one step: `schedule()` first gives every RUNNING request its next tokens (one
 for a decode, up to the remaining token budget for a prefill chunk), growing its block
-table as needed; if the pool runs dry it preempts the lowest-priority running request
-(the most recently admitted) by recompute: its blocks are freed and it goes back to the
-head of the queue, keeping its output tokens. Then, if nothing was preempted, it admits
-WAITING requests in arrival order while the budget, `max_num_seqs` and free blocks allow,
-reusing cached prefix blocks. After the model runs, the engine calls `advance` for each
-scheduled request (which publishes newly full blocks to the prefix cache) and `finish`
-when a request stops. Nothing here runs the model or samples.
+table as needed; decodes are served before any prefill chunk takes the rest, and while
+requests wait a chunk gets at most half the budget, so a long prompt starves neither the
+running streams nor the short prompts behind it. If the pool runs dry it preempts the
+lowest-priority running request (the most recently admitted) by recompute: its blocks
+are freed and it goes back to the head of the queue, keeping its output tokens. Then, if
+nothing was preempted, it admits WAITING requests in arrival order while the budget,
+`max_num_seqs` and free blocks allow, reusing cached prefix blocks. After the model runs,
+the engine calls `advance` for each scheduled request (which publishes newly full blocks
+to the prefix cache) and `finish` when a request stops. Nothing here runs the model or
+samples.
 """
 
 from __future__ import annotations
@@ -83,10 +86,27 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        # While requests wait, one running prefill chunk may take at most half the budget:
+        # otherwise a long prompt holds the whole budget step after step and a short
+        # prompt behind it waits for all of it (its TTFT would include the long prefill).
+        admissible = self.waiting and len(self.running) < self.config.max_num_seqs
+        chunk_cap = max(1, self.config.max_num_batched_tokens // 2) if admissible else budget
+        # Decodes come first whatever their place in the list: a prefill chunk ahead of
+        # them takes only what their single tokens leave, so running streams never stall
+        # behind a long prompt (their inter-token latency would include all of it).
+        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            remaining = req.num_tokens - req.num_computed_tokens
+            if remaining == 1:
+                decodes_left -= 1
+                n = 1
+            else:
+                n = min(remaining, budget - decodes_left, chunk_cap)
+                if n <= 0:
+                    i += 1
+                    continue
             while not self._grow(req, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)

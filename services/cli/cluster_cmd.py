@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import signal
 import sys
+from collections.abc import Callable
 
 import grpc
 
@@ -49,31 +51,33 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     status.set_defaults(handler=_status)
 
 
-def _client(address: str, args: argparse.Namespace) -> GatewayClient:
-    """A client with the command's --api-key and --tls-* settings."""
+def _client(address: str, args: argparse.Namespace) -> Callable[[], GatewayClient]:
+    """Builds a client with the command's --api-key and --tls-* settings. A factory: a
+    grpc.aio channel belongs to the event loop it is created in, so the client must be
+    made inside `asyncio.run`, not before it."""
     client_cfg = config_from_args(ClientConfig, args)
-    return GatewayClient(address, api_key=client_cfg.api_key, tls=config_from_args(TlsConfig, args))
+    tls = config_from_args(TlsConfig, args)
+    return functools.partial(GatewayClient, address, api_key=client_cfg.api_key, tls=tls)
 
 
 async def stream_completion(
-    client: GatewayClient | str,
+    client: Callable[[], GatewayClient] | str,
     prompt: str,
     *,
     raw: bool,
     trace: bool = False,
     **sampling: object,
 ) -> int:
-    """Stream one completion to stdout; `client` may be a plain address (no key, no TLS)."""
-    if isinstance(client, str):
-        client = GatewayClient(client)
+    """Stream one completion to stdout; `client` is a client factory, or a plain address
+    (no key, no TLS)."""
     request = build_request(
         prompt=prompt if raw else None,
         messages=None if raw else [("user", prompt)],
         **sampling,  # type: ignore[arg-type]
     )
-    async with client:
+    async with GatewayClient(client) if isinstance(client, str) else client() as gateway:
         try:
-            async for msg in client.generate(request):
+            async for msg in gateway.generate(request):
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
                 if msg.finished:
@@ -134,7 +138,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     async def fetch() -> int:
-        async with _client(args.gateway, args) as client:
+        async with _client(args.gateway, args)() as client:
             status = await client.cluster_status()
         print(f"streams: {status.active_streams}/{status.max_streams}")
         print(f"{'worker':<14}{'role':<10}{'address':<22}{'blocks used/total':>18}{'held':>6}"

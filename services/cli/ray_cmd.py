@@ -51,7 +51,11 @@ def _scale(args: argparse.Namespace) -> int:
     from services.ray.launcher import connect, scale_pool
 
     target = config_from_args(RayTarget, args)
-    connect(target.ray_address, target.ray_namespace)
+    try:
+        connect(target.ray_address, target.ray_namespace)
+    except ConnectionError as exc:
+        print(f"pdserve: error: ray_address {target.ray_address!r}: {exc}", file=sys.stderr)
+        return 2
     ids = scale_pool(target.ray_namespace, args.pool, args.replicas)
     print(f"{args.pool}: {len(ids)} worker(s): {', '.join(ids)}")
     return 0

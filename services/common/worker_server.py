@@ -9,6 +9,8 @@ its model or KV layout differs from the cluster's); prints one JSON line
 SIGINT. Then it drains: marks itself draining in the registry (no new requests), reports
 NOT_SERVING, lets running streams finish and exported KV be pulled for up to
 `drain_timeout_s`, deregisters, and stops everything (remaining leases released).
+Telemetry (`Telemetry`, `WorkerTelemetry`) starts first and stops last: the metrics
+endpoint's port goes into the ready line, and queued spans are flushed at exit.
 """
 
 from __future__ import annotations

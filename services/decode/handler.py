@@ -19,7 +19,7 @@ import grpc
 
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from kvtransfer.importer import KvImporter
+from kvtransfer.importer import ImportResult, KvImporter
 from pdserve.v1 import common_pb2, worker_pb2
 from services.common import sampling
 from services.common.engine_loop import EngineLoop
@@ -69,7 +69,8 @@ class DecodeHandler:
                 yield chunk
                 first = False
         except (asyncio.CancelledError, GeneratorExit):
-            self.telemetry.count_cancelled()
+            if not finished:  # the caller may close the stream after the last chunk
+                self.telemetry.count_cancelled()
             raise
         finally:
             self.loop.close(rid, finished=finished)
@@ -98,7 +99,7 @@ class DecodeHandler:
                     # not have reserved the request yet (an abort now would find no such
                     # id and be dropped), so abort it once the import is over: a
                     # committed import would otherwise decode to max_tokens unread.
-                    importing.add_done_callback(lambda _: self._abort(rid))
+                    importing.add_done_callback(lambda done: self._abort_after(rid, done))
                     raise
                 span.done(result)
             self.loop.wake()
@@ -107,7 +108,9 @@ class DecodeHandler:
         self.loop.wake()
         return 0, True
 
-    def _abort(self, request_id: str) -> None:
+    def _abort_after(self, request_id: str, importing: asyncio.Future[ImportResult]) -> None:
+        if not importing.cancelled():
+            importing.exception()  # retrieved: a failed import has already cleaned up
         self.engine.abort(request_id)  # a no-op for an id the engine no longer holds
         self.loop.wake()
 

@@ -160,9 +160,15 @@ class RequestStream:
         self._unpulled = None  # the decode worker owns the lease from here
         timeout = self.config.first_token_timeout_s
         first = handle is None
+        first_read: asyncio.Future[worker_pb2.DecodeChunk | None] | None = None
         try:
             while True:
-                chunk = await self._read(call, timeout, decision)
+                if handle is not None and first_read is None:
+                    # Shielded: see the `finally` below.
+                    first_read = asyncio.ensure_future(self._read(call, timeout, decision))
+                    chunk = await asyncio.shield(first_read)
+                else:
+                    chunk = await self._read(call, timeout, decision)
                 timeout = self.config.token_timeout_s
                 if chunk is None:
                     raise StreamError(
@@ -182,7 +188,15 @@ class RequestStream:
                     yield self._final(chunk.finish_reason)
                     return
         finally:
-            call.cancel()
+            if first_read is not None and not first_read.done():
+                # The client left before the first chunk. A decode call cancelled before
+                # the worker's handler runs never starts the KV import, so nobody would
+                # release the prefill worker's lease (its blocks would stay pinned for
+                # kv_lease_ttl_s). Let the read finish in the background instead (a
+                # chunk means the import is over) and cancel the call then.
+                self.stubs.linger(first_read, call)
+            else:
+                call.cancel()
 
     async def _read(
         self, call: grpc.aio.UnaryStreamCall, timeout: float, decision: RouteDecision

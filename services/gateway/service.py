@@ -8,10 +8,12 @@ gRPC statuses naming the field; the slot is always given back.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
+from typing import Any
 
 import grpc
 
@@ -32,6 +34,16 @@ from services.gateway.stream_telemetry import GatewayTelemetry
 from services.router.placement import NoWorkerError, Placement
 
 MAX_PROMPT_CHARS = 1_000_000
+#: Worker channels retry a lost connection at least once a second. gRPC's default
+#: reconnect backoff grows towards two minutes while a worker is down, so a worker that
+#: restarts on its old address would get no calls from this gateway (they fail fast
+#: with UNAVAILABLE) until the channel's next attempt.
+WORKER_CHANNEL_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 class UnknownModelError(LookupError):
@@ -45,6 +57,7 @@ class WorkerStubs:
         self.tls = tls or TlsConfig()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+        self._lingering: set[asyncio.Future[Any]] = set()
 
     def __getitem__(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
@@ -54,7 +67,23 @@ class WorkerStubs:
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub
 
+    def linger(self, read: asyncio.Future[Any], call: grpc.aio.Call) -> None:
+        """Keep a read whose reader left alive until it ends, then cancel its call
+        (`RequestStream._decode` says why). Held here: the loop keeps only weak references
+        to tasks."""
+        self._lingering.add(read)
+
+        def done(future: asyncio.Future[Any]) -> None:
+            self._lingering.discard(future)
+            if not future.cancelled():
+                future.exception()  # retrieved: the stream it belonged to is gone
+            call.cancel()
+
+        read.add_done_callback(done)
+
     async def close(self) -> None:
+        for read in list(self._lingering):
+            read.cancel()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

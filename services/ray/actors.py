@@ -81,8 +81,13 @@ def serve_coroutine(spec: ServiceSpec, host: str) -> Coroutine[Any, Any, None]:
 
 
 def node_ip() -> str:
+    """The address Ray knows this actor's node by (127.0.0.1 for a local cluster)."""
     import ray
 
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return str(node["NodeManagerAddress"])
     return str(ray.util.get_node_ip_address())
 
 

@@ -85,9 +85,10 @@ class ClusterController:
             self._start_redis()
             routers = range(self.ray_cfg.num_routers)
             self.routers = [self._spawn(self._router_spec(i)) for i in routers]
-            self.scale("prefill", self.cluster.num_prefill)
-            self.scale("decode", self.cluster.num_decode)
-            self._wait(self.routers)
+            # Both pools load their models at once; the gateway starts when all serve.
+            workers = self._grow(self.pools["prefill"], self.cluster.num_prefill)
+            workers += self._grow(self.pools["decode"], self.cluster.num_decode)
+            self._wait([*self.routers, *workers])
             self.gateway = self._spawn(self._gateway_spec())
             self.gateway_address = self._wait([self.gateway])[0]
             fields = ray.get(self.gateway.ready_fields.remote(self.cluster.startup_timeout_s))
@@ -171,18 +172,25 @@ class ClusterController:
         pool = self._pool(pool_name, replicas)
         current = sorted(pool.actors)
         if replicas > len(current):
-            free = [i for i in range(replicas + len(current)) if i not in pool.actors]
-            new = free[: replicas - len(current)]
-            added = {i: self._spawn(self._worker_spec(pool, i)) for i in new}
-            pool.actors.update(added)
+            added = self._grow(pool, replicas)
             try:
-                self._wait(list(added.values()))
+                self._wait(added)
             except BaseException:
-                self._remove(pool, list(added))
+                self._remove(pool, [i for i, a in pool.actors.items() if a in added])
                 raise
         elif replicas < len(current):
             self._remove(pool, current[replicas:])
         return self._ids(pool)
+
+    def _grow(self, pool: Pool, replicas: int) -> list[Any]:
+        """Start actors for the lowest free indexes up to `replicas`; returns them."""
+        free = [i for i in range(replicas + len(pool.actors)) if i not in pool.actors]
+        added = {
+            i: self._spawn(self._worker_spec(pool, i))
+            for i in free[: max(0, replicas - len(pool.actors))]
+        }
+        pool.actors.update(added)
+        return list(added.values())
 
     @staticmethod
     def _ids(pool: Pool) -> list[str]:
@@ -223,9 +231,16 @@ class ClusterController:
             "gateway": self.gateway_address,
             "http": self.http_address,
             "redis_url": self.redis_url,
+            "redis_pid": self.redis.pid if self.redis is not None else None,
             "routers": len(self.routers),
             "pools": {k: self._ids(p) for k, p in self.pools.items()},
         }
+
+    def pids(self) -> list[int]:
+        """Process ids of every service actor (the embedded Redis excluded)."""
+        actors = [*self.routers, *([self.gateway] if self.gateway else [])]
+        actors += [a for pool in self.pools.values() for a in pool.actors.values()]
+        return list(ray.get([a.pid.remote() for a in actors]))
 
     def shutdown(self) -> None:
         """Gateway first (no new requests), then workers (drained), routers, Redis."""

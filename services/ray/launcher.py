@@ -1,8 +1,8 @@
 """The driver's side of a pdserve cluster on Ray: connect, start, scale, stop.
 
 Lifecycle: `connect(address, namespace, ...)` joins a Ray cluster (or starts a local one
-on 127.0.0.1 when no address is given, with enough logical CPUs for the actors asked
-for). `RayCluster(cluster, ray_cfg, telemetry).start()` creates the named controller
+bound to 127.0.0.1 when no address is given, with enough logical CPUs for the actors
+asked for). `RayCluster(cluster, ray_cfg, telemetry).start()` creates the named controller
 actor (`pdserve-controller`, owned by this process) and has it start every service;
 it returns the gateway address. `scale_pool(namespace, pool, n)` finds the controller by
 name from any process connected to the same Ray cluster (`pdserve scale`). `stop()`
@@ -31,21 +31,42 @@ def local_cpus(cluster: ClusterConfig, ray_cfg: RayConfig) -> int:
     return max(os.cpu_count() or 1, math.ceil(workers + services))
 
 
-def connect(address: str, namespace: str, *, num_cpus: int | None = None) -> None:
+def connect(
+    address: str,
+    namespace: str,
+    *,
+    num_cpus: int | None = None,
+    resources: dict[str, float] | None = None,
+    object_store_memory: int | None = None,
+) -> None:
     """Join the Ray cluster at `address`, or start a local one when it is empty."""
     if ray.is_initialized():
         return
     if address:
         ray.init(address=address, namespace=namespace, log_to_driver=False)
         return
-    # A local cluster only talks over loopback; nothing outside this machine joins it.
+    _loopback_only()
     ray.init(
         namespace=namespace,
         num_cpus=num_cpus,
+        resources=resources,
+        object_store_memory=object_store_memory,
         include_dashboard=False,
         log_to_driver=False,
         _node_ip_address="127.0.0.1",
     )
+
+
+def _loopback_only() -> None:
+    """Keep a local Ray, and the services in it, on 127.0.0.1.
+
+    On Linux Ray swaps a loopback node address for the machine's outward IP, so that other
+    nodes could join; a local cluster has none, and its services should not listen on an
+    outside interface. Ray reads this switch when it picks the node address: its child
+    processes inherit the variable, this process reads the constant.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def _controller(namespace: str) -> Any:

@@ -8,22 +8,24 @@ which registers again under the same worker id and serves the next request.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from services.cli.cluster import ClusterConfig
-from services.gateway.client import GatewayClient, build_request
-from services.ray.config import RayConfig
-from services.ray.launcher import RayCluster, scale_pool
-from services.router.keyspace import Keyspace
-from services.router.redis_client import connect
-from services.router.registry import Registry
-from tests.conftest import MODEL_CACHE
+ray = pytest.importorskip("ray")  # the `ray` extra (part of `test`)
 
-ray = pytest.importorskip("ray")
+from services.cli.cluster import ClusterConfig  # noqa: E402
+from services.gateway.client import GatewayClient, build_request  # noqa: E402
+from services.ray import launcher  # noqa: E402
+from services.ray.config import RayConfig  # noqa: E402
+from services.ray.launcher import RayCluster, scale_pool  # noqa: E402
+from services.router.keyspace import Keyspace  # noqa: E402
+from services.router.redis_client import connect  # noqa: E402
+from services.router.registry import Registry  # noqa: E402
+from tests.conftest import MODEL_CACHE  # noqa: E402
 
 NAMESPACE = "pdserve-test"
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -31,29 +33,36 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RayCluster]:
-    ray.init(
-        num_cpus=4,
-        resources={"pdserve_slot": 4},
-        namespace=NAMESPACE,
-        include_dashboard=False,
-        log_to_driver=False,
-        object_store_memory=80 << 20,
-        _node_ip_address="127.0.0.1",
-    )
+    # A local Ray on 127.0.0.1 only, with 4 logical CPUs and 4 custom slots to account.
+    launcher.connect("", NAMESPACE, num_cpus=4, resources={"pdserve_slot": 4},
+                     object_store_memory=80 << 20)  # fmt: skip
     c = RayCluster(
         ClusterConfig(num_prefill=1, num_decode=1, gateway_port=0, model_cache_dir=MODEL_CACHE,
                       worker_kv_cache_bytes=64 << 20, startup_timeout_s=180),
         RayConfig(ray_namespace=NAMESPACE, worker_cpus=1, service_cpus=0.25, max_restarts=2,
                   prefill_resources="pdserve_slot=1", decode_resources="pdserve_slot=1"),
     )  # fmt: skip
+    pids: list[int] = []
     try:
         c.start()
         yield c
+        status = c.status()
+        pids = [status["redis_pid"], *ray.get(c.controller.pids.remote())]
     finally:
         try:
             c.stop()
         finally:
             ray.shutdown()
+    # Nothing outlives the cluster: service actors, the embedded Redis.
+    _until(lambda: not [p for p in pids if _alive(p)], 30, "cluster processes to exit")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _generate(address: str, max_tokens: int = 8) -> list[Any]:
@@ -105,7 +114,11 @@ def test_generation_through_the_gateway_actor(cluster: RayCluster) -> None:
     assert sum(len(m.token_ids) for m in msgs) == 8
     status = cluster.status()
     assert status["pools"] == {"prefill": ["prefill-0"], "decode": ["decode-0"]}
-    assert set(_registered(status)) == {"prefill-0", "decode-0"}
+    registered = _registered(status)
+    assert set(registered) == {"prefill-0", "decode-0"}
+    # Every service bound the node's address: loopback, for a local Ray.
+    for address in [cluster.gateway_address, *registered.values()]:
+        assert address.startswith("127.0.0.1:"), address
     # Resource requests: 2 workers x (1 CPU, 1 slot), gateway and router 0.25 CPU each.
     free = ray.available_resources()
     assert free["CPU"] == pytest.approx(1.5) and free["pdserve_slot"] == pytest.approx(2)
@@ -115,9 +128,10 @@ def test_killed_worker_actor_restarts_registers_again_and_serves(cluster: RayClu
     actor = ray.get_actor("pdserve-decode-0", namespace=NAMESPACE)
     old_pid = ray.get(actor.pid.remote())
     old_address = _registered(cluster.status())["decode-0"]
-    ray.kill(actor, no_restart=False)
+    ray.kill(actor, no_restart=False)  # asynchronous: the old instance may answer a while
+    _until(lambda: _after_restart(lambda: ray.get(actor.pid.remote(), timeout=60)) != old_pid,
+           240, "Ray to restart decode-0 in a new process")  # fmt: skip
     new_address = _after_restart(lambda: ray.get(actor.address.remote(180), timeout=240))
-    assert ray.get(actor.pid.remote()) != old_pid
     assert new_address != old_address  # a new process on a new port
     _until(lambda: _registered(cluster.status()).get("decode-0") == new_address, 30,
            "decode-0 to register its new address")  # fmt: skip

@@ -34,10 +34,10 @@ def redis_server() -> Iterator[EmbeddedRedis]:
         yield server
 
 
-def _start_router(url: str) -> tuple[subprocess.Popen[str], str]:
+def _start_router(url: str, *extra: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli.main", "--die-with-parent", "router",
-         "--redis-url", url, "--membership-refresh-s", "0"],
+         "--redis-url", url, "--membership-refresh-s", "0", *extra],
         cwd=REPO, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     assert proc.stdout is not None

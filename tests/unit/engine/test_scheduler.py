@@ -670,3 +670,23 @@ def test_random_workload_completes_without_leaks(
     s = sim.sched
     assert 0 <= s.prefix_hit_tokens <= s.prefix_query_tokens
     sim.assert_no_leaks()
+
+
+def test_a_long_prefill_neither_starves_new_prompts_nor_running_decodes() -> None:
+    sim = make_sim(num_blocks=200, budget=512)
+    long = make_req("long", range(2000), max_tokens=2)
+    sim.add(long)
+    assert sim.step().prefills == [(long, 512)]  # alone: the whole budget
+    short = make_req("short", range(5000, 5100), max_tokens=2)
+    sim.add(short)
+    batch = sim.step()
+    # The short prompt is admitted at once next to a half-budget chunk of the long one.
+    assert batch.prefills == [(long, 256), (short, 100)]
+    # Nobody waits: the long prompt gets the budget again, less the short one's decode,
+    # which runs although it sits behind the long prefill in the running list.
+    third = sim.step()
+    assert third.decodes == [short] and third.prefills == [(long, 511)]
+    sim.run()
+    assert_complete(long)
+    assert_complete(short)
+    sim.assert_no_leaks()

@@ -1,0 +1,457 @@
+"""Fault injection on real processes: workers killed (-9) or frozen (SIGSTOP) mid-request,
+a prefill worker restarted on its old ports, Redis restarted, a router replica killed.
+
+One module-scoped cluster (2 prefill + 2 decode workers, Redis placement) runs with short
+deadlines and leases so that every bound fires within seconds. Each test injects one
+fault and checks that (1) the client sees the documented typed outcome within the stated
+bound, (2) requests the fault does not touch complete, and (3) after recovery every
+worker holds no block, request or KV lease and Redis holds no load lease. A test that
+kills a worker brings it back before it ends, so the next one starts from a whole
+cluster. RELIABILITY.md states the same bounds as the constants below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import cast
+
+import grpc
+import pytest
+import redis
+
+from loadtest.soak import wait_clean, worker_stats
+from pdserve.v1 import (
+    common_pb2,
+    gateway_pb2,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from services.cli.cluster import Child, LocalCluster
+from services.gateway.client import GatewayClient, build_request
+from services.router.embedded_redis import EmbeddedRedis
+from services.router.keyspace import Keyspace
+from services.router.load import LoadLedger
+from services.router.redis_client import connect
+from services.router.registry import Registry, WorkerInfo
+from tests.integration.test_cluster import _cluster, _collect
+from tests.integration.test_router_service import _start_router
+from tests.prompts import long_prompt
+
+HEARTBEAT_TTL_S = 4.0  # a dead or frozen worker leaves the registry within this
+FIRST_TOKEN_TIMEOUT_S = 4.0  # gateway: decode start -> first decode token
+TOKEN_TIMEOUT_S = 3.0  # gateway: longest gap between two tokens
+KV_LEASE_TTL_S = 5.0  # prefill: un-pulled KV is unpinned after this
+FAIL_FAST_S = 2.0  # a peer's death reaches the client within this
+RECONNECT_S = 1.2  # gateway -> restarted worker: reconnect backoff cap (1 s) + jitter
+SLACK_S = 2.0  # scheduling noise on a loaded 2-core host
+
+Ends = list[tuple[str, grpc.StatusCode, float]]  # per stream: decode worker, status, seconds
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    c = _cluster(
+        num_prefill=2, num_decode=2, http_port=-1, heartbeat_ttl_s=HEARTBEAT_TTL_S,
+        first_token_timeout_s=FIRST_TOKEN_TIMEOUT_S, token_timeout_s=TOKEN_TIMEOUT_S,
+        kv_lease_ttl_s=KV_LEASE_TTL_S,
+    )  # fmt: skip
+    try:
+        yield c
+    finally:
+        for child in c.children:  # a failed test may have left a worker frozen
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.proc.pid, signal.SIGCONT)
+        c.stop()
+
+
+# -- helpers --------------------------------------------------------------------------
+
+
+def _child(cluster: LocalCluster, name: str) -> Child:
+    return next(c for c in cluster.children if c.name == name)
+
+
+def _role(cluster: LocalCluster, role: str) -> list[Child]:
+    return [c for c in cluster.children if c.name.startswith(f"{role}-")]
+
+
+def _kill(child: Child) -> float:
+    os.kill(child.proc.pid, signal.SIGKILL)
+    child.proc.wait(timeout=10)
+    return time.monotonic()
+
+
+def _prompt(tag: str) -> str:
+    return f"Fault drill {tag}: name one fact about the sea, in one sentence."
+
+
+def _unique_long_prompt() -> str:
+    # A fresh opening: no prefix-cache hit anywhere, so prefill takes a while on CPU.
+    # About 1,800 tokens: what the test cluster's 96 MiB KV pools (2,176 tokens) fit.
+    return f"Ticket {uuid.uuid4().hex}. " + long_prompt(15)
+
+
+def _registered(cluster: LocalCluster) -> set[str]:
+    assert cluster.redis is not None
+    client = connect(cluster.redis.url, 2.0)
+    try:
+        return {w.worker_id for w in Registry(client, Keyspace()).list()}
+    finally:
+        client.close()
+
+
+def _wait_registry(
+    cluster: LocalCluster, present: set[str], absent: frozenset[str] = frozenset()
+) -> None:
+    end = time.monotonic() + HEARTBEAT_TTL_S + SLACK_S
+    while True:
+        ids = _registered(cluster)
+        if present <= ids and not absent & ids:
+            return
+        assert time.monotonic() < end, f"registry {ids}: want {present}, not {absent}"
+        time.sleep(0.1)
+
+
+def _assert_clean(cluster: LocalCluster, timeout: float = KV_LEASE_TTL_S + SLACK_S) -> None:
+    leaks = asyncio.run(wait_clean(cluster, timeout))
+    assert leaks.clean, leaks
+
+
+@dataclass
+class Stream:
+    """A live Generate stream and what it has delivered so far."""
+
+    call: grpc.aio.UnaryStreamCall
+    msgs: list[gateway_pb2.GenerateResponse] = field(default_factory=list)
+
+    @classmethod
+    async def open(
+        cls, client: GatewayClient, prompt: str, max_tokens: int, first: int = 2
+    ) -> Stream:
+        request = build_request(prompt=prompt, max_tokens=max_tokens, ignore_eos=True)
+        stream = cls(client.generate(request))
+        while len(stream.msgs) < first:
+            stream.msgs.append(await stream.call.read())
+        return stream
+
+    @property
+    def decode_worker(self) -> str:
+        return next(m.decode_worker for m in self.msgs if m.decode_worker)
+
+    async def finish(self) -> tuple[grpc.StatusCode, float]:
+        """Read to the end: (OK or the error status, monotonic time it ended)."""
+        try:
+            while (msg := await self.call.read()) is not grpc.aio.EOF:
+                self.msgs.append(msg)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), time.monotonic()
+        assert self.msgs[-1].finished
+        return grpc.StatusCode.OK, time.monotonic()
+
+
+async def _serve(cluster: LocalCluster, n: int, tag: str) -> set[tuple[str, str]]:
+    """n short requests, each must finish; the (prefill, decode) worker pairs that served."""
+    pairs = set()
+    for i in range(n):
+        got = await _collect(
+            cluster.gateway_address, prompt=_prompt(f"{tag}-{i}"), max_tokens=3, ignore_eos=True
+        )
+        msgs = cast(list[gateway_pb2.GenerateResponse], got)
+        assert msgs[-1].finished
+        decode = next(m.decode_worker for m in msgs if m.decode_worker)
+        pairs.add((msgs[0].prefill_worker, decode))
+    return pairs
+
+
+async def _busy_prefill(cluster: LocalCluster, timeout: float = 30.0) -> Child:
+    """The prefill worker that is computing a prompt right now. (Stats waits for the
+    engine step in progress, so a poll can take as long as one prefill chunk.)"""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        live = [c for c in _role(cluster, "prefill") if c.proc.poll() is None]
+        stats = await asyncio.gather(*(worker_stats(c.address, timeout=10) for c in live))
+        for child, s in zip(live, stats, strict=True):
+            if s.running or s.waiting:
+                return child
+        await asyncio.sleep(0.01)
+    raise TimeoutError("no prefill worker picked the long prompt up")
+
+
+async def _kv_transfer_port(address: str) -> int:
+    """The worker's KvTransfer port, read off a handle from a direct Prefill call."""
+    rid = uuid.uuid4().hex
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        reply = await stub.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id=rid, prompt_token_ids=list(range(100, 140)),
+                sampling=common_pb2.SamplingParams(max_tokens=4),
+            ), timeout=60,
+        )  # fmt: skip
+        await stub.Abort(worker_pb2.AbortRequest(request_id=rid))
+    return int(reply.kv_handle.transfer_address.rsplit(":", 1)[1])
+
+
+def _restart_on_same_ports(cluster: LocalCluster, name: str, kv_port: int) -> None:
+    grpc_port = _child(cluster, name).address.rsplit(":", 1)[1]
+    cluster.relaunch(name, "--port", grpc_port, "--kv-transfer-port", str(kv_port))
+
+
+# -- workers killed or frozen ---------------------------------------------------------
+
+
+def test_kill9_decode_mid_stream(cluster: LocalCluster) -> None:
+    async def scenario() -> tuple[str, Ends]:
+        async with GatewayClient(cluster.gateway_address) as client:
+            # Four streams in flight: bounded load puts at least one on each decode worker.
+            streams = [await Stream.open(client, _prompt(f"kd{i}"), 120) for i in range(4)]
+            victim = streams[0].decode_worker
+            killed = _kill(_child(cluster, victim))
+            ends = await asyncio.gather(*(s.finish() for s in streams))
+        return victim, [
+            (s.decode_worker, c, t - killed) for s, (c, t) in zip(streams, ends, strict=True)
+        ]
+
+    victim, ends = asyncio.run(scenario())
+    try:
+        hit = [(code, dt) for worker, code, dt in ends if worker == victim]
+        spared = [code for worker, code, _ in ends if worker != victim]
+        assert hit and spared
+        assert all(code == grpc.StatusCode.UNAVAILABLE and dt < FAIL_FAST_S for code, dt in hit)
+        assert spared == [grpc.StatusCode.OK] * len(spared)
+        # Its registration lapses; from then on new requests avoid it.
+        _wait_registry(cluster, present=set(), absent=frozenset({victim}))
+        pairs = asyncio.run(_serve(cluster, 3, "kd-after"))
+        assert all(decode != victim for _, decode in pairs)
+        _assert_clean(cluster)
+    finally:
+        cluster.relaunch(victim)
+        _wait_registry(cluster, present={victim})
+
+
+def test_sigstop_decode_fires_deadlines_then_recovers(cluster: LocalCluster) -> None:
+    frozen: list[Child] = []
+
+    def freeze(name: str) -> float:
+        frozen.append(_child(cluster, name))
+        os.kill(frozen[-1].proc.pid, signal.SIGSTOP)
+        return time.monotonic()
+
+    async def scenario() -> tuple[str, Ends, tuple[grpc.StatusCode, float]]:
+        async with GatewayClient(cluster.gateway_address) as client:
+            streams = [await Stream.open(client, _prompt(f"ss{i}"), 120) for i in range(4)]
+            victim = streams[0].decode_worker
+            stopped = freeze(victim)
+            ends = await asyncio.gather(*(s.finish() for s in streams))
+            # Both decode workers frozen: token 1 still comes from prefill, then the
+            # decode call misses its first-token deadline.
+            freeze(next(c.name for c in _role(cluster, "decode") if c.name != victim))
+            late = await Stream.open(client, _prompt("ss-late"), 40, first=1)
+            first_token = time.monotonic()
+            code, ended = await late.finish()
+        per_stream = [
+            (s.decode_worker, c, t - stopped) for s, (c, t) in zip(streams, ends, strict=True)
+        ]
+        return victim, per_stream, (code, ended - first_token)
+
+    try:
+        victim, ends, (late_code, late_wait) = asyncio.run(scenario())
+    finally:
+        for child in frozen:
+            os.kill(child.proc.pid, signal.SIGCONT)
+    hit = [(code, dt) for worker, code, dt in ends if worker == victim]
+    spared = [code for worker, code, _ in ends if worker != victim]
+    assert hit and spared == [grpc.StatusCode.OK] * len(spared)
+    for code, dt in hit:
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and dt < TOKEN_TIMEOUT_S + SLACK_S
+    assert late_code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert FIRST_TOKEN_TIMEOUT_S - 0.5 < late_wait < FIRST_TOKEN_TIMEOUT_S + SLACK_S
+    # Thawed, the workers drop the cancelled streams, heartbeat back into the registry,
+    # and the un-pulled KV of the late request is unpinned by its lease expiry.
+    _wait_registry(cluster, present={c.name for c in frozen})
+    _assert_clean(cluster)
+    assert asyncio.run(_serve(cluster, 3, "ss-after"))
+
+
+def test_kill9_prefill_mid_prefill_is_retried_then_restart_rehandshakes(
+    cluster: LocalCluster,
+) -> None:
+    before = asyncio.run(_serve(cluster, 8, "kp-before"))  # decode workers meet both
+    kv_ports = {
+        c.name: asyncio.run(_kv_transfer_port(c.address)) for c in _role(cluster, "prefill")
+    }
+
+    async def scenario() -> tuple[str, list[gateway_pb2.GenerateResponse], list[list[object]]]:
+        long = asyncio.ensure_future(
+            _collect(cluster.gateway_address, prompt=_unique_long_prompt(), max_tokens=4)
+        )
+        victim = await _busy_prefill(cluster)
+        _kill(victim)
+        others = [_collect(cluster.gateway_address, prompt=_prompt(f"kp{i}"), max_tokens=3)
+                  for i in range(3)]  # fmt: skip
+        done = await asyncio.gather(long, *others)
+        async with GatewayClient(cluster.gateway_address) as client:
+            st = await client.cluster_status()
+        assert victim.name not in await _reachable(cluster), (victim.name, victim.proc.poll(), st)
+        return victim.name, cast(list[gateway_pb2.GenerateResponse], done[0]), done[1:]
+
+    victim, msgs, others = asyncio.run(scenario())
+    try:
+        # Retried before token 1 on the other worker: the client sees no error at all.
+        assert msgs[0].prefill_worker != victim and msgs[-1].finished
+        assert all(o[-1].finished for o in others)  # type: ignore[attr-defined]
+    finally:
+        # Same id, same gRPC and KV-transfer ports, new incarnation: the decode workers'
+        # NIXL metadata for that address is stale and must be replaced by a handshake.
+        # Meanwhile the gateway keeps failing to reach it (ClusterStatus polls), which
+        # is what grows a gRPC channel's reconnect backoff.
+        restart = threading.Thread(
+            target=_restart_on_same_ports, args=(cluster, victim, kv_ports[victim])
+        )
+        restart.start()
+        while restart.is_alive():
+            asyncio.run(_reachable(cluster))
+            time.sleep(0.2)
+    ready = time.monotonic()
+    while victim not in asyncio.run(_reachable(cluster)):  # the gateway reconnects
+        assert time.monotonic() - ready < RECONNECT_S + SLACK_S
+        time.sleep(0.1)
+    stale = {decode for prefill, decode in before if prefill == victim}
+    served: set[str] = set()
+    for i in range(20):  # until a decode worker that knew the old incarnation is hit
+        pairs = asyncio.run(_serve(cluster, 1, f"kp-after{i}"))
+        served |= {decode for prefill, decode in pairs if prefill == victim}
+        if served & stale:
+            break
+    assert stale and served & stale, (before, served)
+    _assert_clean(cluster)
+
+
+async def _reachable(cluster: LocalCluster) -> set[str]:
+    """Workers the gateway itself reaches now (ClusterStatus asks each over its channel)."""
+    async with GatewayClient(cluster.gateway_address) as client:
+        status = await client.cluster_status()
+    return {w.worker_id for w in status.workers if not w.role.startswith("unreachable")}
+
+
+def test_kill9_last_prefill_worker_mid_prefill_is_unavailable(cluster: LocalCluster) -> None:
+    first, second = _role(cluster, "prefill")
+    kv_ports = {c.name: asyncio.run(_kv_transfer_port(c.address)) for c in (first, second)}
+    _kill(first)
+    _wait_registry(cluster, present=set(), absent=frozenset({first.name}))
+
+    async def scenario() -> tuple[grpc.aio.AioRpcError, float, grpc.StatusCode]:
+        async with GatewayClient(cluster.gateway_address) as client:
+            decoding = await Stream.open(client, _prompt("lp-decoding"), 100)
+            long = client.complete(build_request(prompt=_unique_long_prompt(), max_tokens=4))
+            long_call = asyncio.ensure_future(long)
+            killed = _kill(await _busy_prefill(cluster))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await long_call
+            failed = time.monotonic() - killed
+            code, _ = await decoding.finish()  # already past prefill: unaffected
+        return info.value, failed, code
+
+    try:
+        error, failed, decoding_code = asyncio.run(scenario())
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "prefill" in (error.details() or "")
+        assert failed < FAIL_FAST_S
+        assert decoding_code == grpc.StatusCode.OK
+    finally:
+        for child in (first, second):
+            _restart_on_same_ports(cluster, child.name, kv_ports[child.name])
+    _wait_registry(cluster, present={first.name, second.name})
+    assert asyncio.run(_serve(cluster, 4, "lp-after"))
+    _assert_clean(cluster)
+
+
+# -- Redis and the router -------------------------------------------------------------
+
+
+def test_redis_restart_fails_open_then_resyncs_from_heartbeats(cluster: LocalCluster) -> None:
+    assert cluster.redis is not None
+    workers = {c.name for c in cluster.children if c.name != "gateway"}
+
+    async def scenario() -> tuple[grpc.StatusCode, int]:
+        assert cluster.redis is not None
+        async with GatewayClient(cluster.gateway_address) as client:
+            spanning = await Stream.open(client, _prompt("rr-spanning"), 100)
+            cluster.redis.stop()  # its data is gone with it
+            await _serve(cluster, 3, "rr-down")  # fail open on the last known workers
+            cluster.redis.start()  # same port, empty
+            await asyncio.to_thread(_wait_registry, cluster, workers)  # heartbeats refill it
+            placed = 0
+            end = time.monotonic() + HEARTBEAT_TTL_S + SLACK_S
+            while not placed and time.monotonic() < end:  # until routing uses Redis again
+                probe = await Stream.open(client, _prompt("rr-probe"), 20)
+                placed = LoadLedger(connect(cluster.redis.url), Keyspace()).snapshot("decode").total
+                assert (await probe.finish())[0] == grpc.StatusCode.OK
+            code, _ = await spanning.finish()
+        return code, placed
+
+    code, placed = asyncio.run(scenario())
+    assert code == grpc.StatusCode.OK and placed >= 1
+    _assert_clean(cluster)
+
+
+def test_killed_router_replica_load_expires_and_others_route() -> None:
+    ttl = 3.0
+    with EmbeddedRedis(tcp=True) as server:
+        client = connect(server.url, 2.0)
+        registry = Registry(client, Keyspace(), ttl_s=60)
+        for i in range(2):
+            for role in ("prefill", "decode"):
+                registry.register(WorkerInfo(f"{role}{i}", role, "m", "l", f"127.0.0.1:{4100 + i}"))
+        routers = [_start_router(server.url, "--load-ttl-s", str(ttl)) for _ in range(2)]
+        try:
+            asyncio.run(_replicas_scenario([a for _, a in routers], routers[0][0], ttl, client))
+        finally:
+            for proc, _ in routers:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=10)
+            client.close()
+
+
+async def _replicas_scenario(
+    addresses: list[str], doomed: subprocess.Popen[str], ttl: float, client: redis.Redis
+) -> None:
+    ledger = LoadLedger(client, Keyspace())
+
+    async def route(address: str, n: int, tag: str) -> list[str]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            leases = []
+            for i in range(n):
+                reply = await stub.Route(router_pb2.RouteRequest(
+                    request_id=f"{tag}{i}", prompt_token_ids=[i] * 40), timeout=5)  # fmt: skip
+                leases += list(reply.load_lease_ids)
+            return leases
+
+    await route(addresses[0], 6, "a")  # placed by the replica about to die, never released
+    placed_at = time.monotonic()
+    doomed.kill()
+    doomed.wait(timeout=10)
+    kept = await route(addresses[1], 6, "b")  # the other replica keeps routing
+    async with grpc.aio.insecure_channel(addresses[1]) as channel:
+        await router_pb2_grpc.RouterStub(channel).Release(
+            router_pb2.ReleaseLoadRequest(load_lease_ids=kept), timeout=5
+        )
+    orphans = ledger.snapshot("prefill").total + ledger.snapshot("decode").total
+    assert orphans == 12  # the dead replica's 6 decisions, one lease per pool each
+    await asyncio.sleep(max(0.0, placed_at + ttl + 0.2 - time.monotonic()))
+    assert ledger.snapshot("prefill").total == ledger.snapshot("decode").total == 0
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await route(addresses[0], 1, "dead")
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
