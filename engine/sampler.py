@@ -34,7 +34,13 @@ def sample(
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    scaled = logits.cpu() / p.temperature
+    # Shift the top logit to 0 before scaling: with a tiny temperature (a denormal float
+    # is a valid request) logits / T overflows to inf, softmax of inf is nan, and
+    # multinomial raises inside the engine step, failing every request in the batch.
+    # Shifted, the rest go to -inf at worst and the top token keeps the mass; softmax,
+    # top-k and top-p are unchanged by the shift.
+    row = logits.cpu()
+    scaled = (row - row.max()) / p.temperature
     if 0 < p.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -28,7 +28,12 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.backend import ImportBackend
 from kvtransfer.channel import PLAINTEXT, ChannelSecurity, dial
 from kvtransfer.config import TransferConfig
-from kvtransfer.errors import LeaseExpiredError, NoBlocksError, PeerUnavailableError
+from kvtransfer.errors import (
+    InvalidHandleError,
+    LeaseExpiredError,
+    NoBlocksError,
+    PeerUnavailableError,
+)
 from kvtransfer.grpc_errors import transfer_error_from_rpc
 from kvtransfer.handle import PROTOCOL_VERSION, validate_handle
 from kvtransfer.layout import check_layout
@@ -107,6 +112,7 @@ class KvImporter:
         self.backend = make_import_backend(config.kv_backend, engine, self.agent_name, security)
         self._lock = threading.Lock()
         self._peer_by_address: dict[str, str] = {}  # address -> "address|incarnation"
+        self._peer_blocks: dict[str, int] = {}  # peer key -> blocks in its pool
         self.handshakes = 0
 
     def import_kv(
@@ -126,6 +132,7 @@ class KvImporter:
         deadline = start + (timeout_s or self.config.kv_transfer_timeout_s)
         validate_handle(handle, self.engine.layout, prompt_token_ids, self.backend.name)
         peer = self._peer(handle, deadline, metadata)
+        self._check_block_ids(handle, peer)
         try:
             slot = self.engine.handoff.reserve_import(
                 prompt_token_ids,
@@ -181,16 +188,29 @@ class KvImporter:
             old = self._peer_by_address.get(address)
             if old is not None and old != key:
                 log.info("KV exporter at %s has a new incarnation; re-handshaking", address)
+                self._peer_blocks.pop(old, None)
                 self.backend.forget(old)
             self.backend.connect(key, response)
             self._peer_by_address[address] = key
+            self._peer_blocks[key] = response.num_blocks
             self.handshakes += 1
         return key
+
+    def _check_block_ids(self, handle: common_pb2.KvHandle, peer: str) -> None:
+        """Every id must name a block of the exporter's pool: a larger one would address
+        another layer's block (a silent wrong read) or past the pool (a NIXL error)."""
+        with self._lock:
+            pool = self._peer_blocks.get(peer, 0)
+        if pool and any(b >= pool for b in handle.block_ids):
+            raise InvalidHandleError(
+                f"kv_handle.block_ids: every id must be < {pool}, the exporter's pool size"
+            )
 
     def _drop_peer(self, address: str, key: str) -> None:
         with self._lock:
             if self._peer_by_address.get(address) == key:
                 del self._peer_by_address[address]
+                self._peer_blocks.pop(key, None)
                 self.backend.forget(key)
 
     def close(self) -> None:

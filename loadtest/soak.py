@@ -61,7 +61,7 @@ class SoakConfig:
     warmup: int = 32
     seed: int = 0
     rss_growth_limit: float = 0.10
-    clean_timeout_s: float = 30.0
+    clean_timeout_s: float = 10.0  # well under the load (60 s) and KV (30 s) lease TTLs
 
     def __post_init__(self) -> None:
         if self.requests < 2 or self.concurrency < 1 or self.max_tokens < 1:
@@ -87,6 +87,7 @@ class SoakReport:
     outcomes: dict[str, int]  # "ok", "cancelled", or a gRPC status name
     unexpected: list[str]  # the first few unexpected endings, with their messages
     leaks: Leaks
+    expired_kv_leases: int  # exported KV nobody released, unpinned only by its lease expiry
     rss_mid_kib: dict[str, int]
     rss_end_kib: dict[str, int]
     rss_growth: dict[str, float] = field(default_factory=dict)  # (end - mid) / mid
@@ -95,7 +96,8 @@ class SoakReport:
     @property
     def passed(self) -> bool:
         grew = any(g >= self.rss_growth_limit for g in self.rss_growth.values())
-        return not self.unexpected and self.leaks.clean and not grew
+        clean = self.leaks.clean and self.expired_kv_leases == 0
+        return not self.unexpected and clean and not grew
 
     def to_json(self) -> dict[str, object]:
         out = asdict(self)
@@ -239,6 +241,7 @@ async def run_soak(cluster: LocalCluster, cfg: SoakConfig) -> SoakReport:
 
     async with GatewayClient(cluster.gateway_address) as client:
         await _drive(client, warm, cfg.concurrency, asyncio.Event())
+        expired_before = await _expired_leases(cluster)
         start = time.monotonic()
         sampler = asyncio.create_task(sample_at_half())
         results = await _drive(client, plans, cfg.concurrency, half)
@@ -246,13 +249,20 @@ async def run_soak(cluster: LocalCluster, cfg: SoakConfig) -> SoakReport:
         await sampler
     rss_end = cluster_rss(cluster)
     leaks = await wait_clean(cluster, cfg.clean_timeout_s)
+    expired = await _expired_leases(cluster) - expired_before
     outcomes = Counter(kind for kind, _ in results)
     unexpected = [f"{k}: {d}" for k, d in results if k not in ("ok", "cancelled")][:10]
     growth = {n: (rss_end[n] - rss_mid[n]) / rss_mid[n] for n in rss_mid if n in rss_end}
     return SoakReport(
-        cfg.requests, round(seconds, 2), dict(outcomes), unexpected, leaks, rss_mid,
+        cfg.requests, round(seconds, 2), dict(outcomes), unexpected, leaks, expired, rss_mid,
         rss_end, {n: round(g, 4) for n, g in growth.items()}, cfg.rss_growth_limit,
     )  # fmt: skip
+
+
+async def _expired_leases(cluster: LocalCluster) -> int:
+    """KV leases the workers have ended by expiry so far (counted, never reset)."""
+    workers = [c for c in cluster.children if c.name != "gateway" and c.proc.poll() is None]
+    return sum([(await worker_stats(c.address)).expired_leases for c in workers])
 
 
 def soak_cluster_config(**overrides: object) -> ClusterConfig:
@@ -268,7 +278,8 @@ def summary(report: SoakReport) -> str:
     return (
         f"soak: {report.requests} requests in {report.seconds:.0f} s, outcomes "
         f"{report.outcomes}, unexpected {len(report.unexpected)}, leaks "
-        f"{'none' if report.leaks.clean else asdict(report.leaks)}, largest second-half RSS "
+        f"{'none' if report.leaks.clean else asdict(report.leaks)}, expired KV leases "
+        f"{report.expired_kv_leases}, largest second-half RSS "
         f"growth {worst[0]} {100 * worst[1]:+.1f}% (limit {100 * report.rss_growth_limit:.0f}%)"
         f" -> {'PASS' if report.passed else 'FAIL'}"
     )

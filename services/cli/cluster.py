@@ -303,7 +303,9 @@ class LocalCluster:
         """Start an exited child (killed by a fault test, say) again with its original
         arguments plus `extra_args`, and wait until it is ready. A repeated flag's last
         value wins, so `relaunch("prefill-0", "--port", "41000")` brings the worker back
-        under its old id on a chosen port. `stop()` stops the new process as usual."""
+        under its old id on a chosen port. `stop()` stops the new process as usual.
+        Call it from a thread that outlives the child: the kernel's parent-death signal
+        (`die_with_parent`) fires when the launching *thread* exits."""
         index, old = next((i, c) for i, c in enumerate(self.children) if c.name == name)
         if old.proc.poll() is None:
             raise RuntimeError(f"{name} is still running (pid {old.proc.pid}); stop it first")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -50,10 +51,18 @@ class StreamError(Exception):
 
 @dataclass
 class Prepared:
-    request_id: str
+    request_id: str  # the client's (or a generated one): in responses, logs and spans
     prompt: list[int]
     params: SamplingParams
     tenant: str
+    # The id the workers see. A client-chosen id need not be unique (two clients, or one
+    # retrying, may send the same), and a worker holding a live request under that id
+    # refuses the second one and lets the first one stall; so each request gets its own.
+    worker_request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.worker_request_id:
+            self.worker_request_id = f"{self.request_id}.{uuid.uuid4().hex[:8]}"
 
 
 class RequestStream:
@@ -132,11 +141,11 @@ class RequestStream:
     async def _prefill(self, decision: RouteDecision) -> worker_pb2.PrefillResponse:
         assert decision.prefill is not None
         request = worker_pb2.PrefillRequest(
-            request_id=self.req.request_id, prompt_token_ids=self.req.prompt,
+            request_id=self.req.worker_request_id, prompt_token_ids=self.req.prompt,
             sampling=sampling.to_proto(self.req.params), cache_salt=self.req.tenant,
         )  # fmt: skip
         stub = self.stubs[decision.prefill.address]
-        self._unpulled = (decision.prefill.address, self.req.request_id)
+        self._unpulled = (decision.prefill.address, self.req.worker_request_id)
         response: worker_pb2.PrefillResponse = await stub.Prefill(
             request, timeout=self.config.prefill_timeout_s, metadata=self.tel.metadata()
         )
@@ -151,7 +160,7 @@ class RequestStream:
         self, decision: RouteDecision, handle: common_pb2.KvHandle | None
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         request = worker_pb2.DecodeRequest(
-            request_id=self.req.request_id, prompt_token_ids=self.req.prompt,
+            request_id=self.req.worker_request_id, prompt_token_ids=self.req.prompt,
             sampling=sampling.to_proto(self.req.params), cache_salt=self.req.tenant,
         )  # fmt: skip
         if handle is not None:

@@ -27,6 +27,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.http_api import HttpApi
 from services.gateway.service import GatewayService, WorkerStubs
 from services.gateway.stream_telemetry import GatewayTelemetry
+from services.gateway.wire import add_servicer
 from services.router.placement import Placement, StaticPlacement
 from services.router.redis_client import connect
 from services.router.redis_placement import RedisPlacement
@@ -89,7 +90,7 @@ async def serve_gateway(
         [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
         tls=tls,
     )
-    gateway_pb2_grpc.add_GatewayServicer_to_server(service, built.server)
+    add_servicer(gateway_pb2_grpc.add_GatewayServicer_to_server, service, built.server)
     await built.server.start()
     http = HttpApi(service, DRAIN_S) if config.http_port >= 0 else None
     ssl_context = server_ssl_context(tls)

@@ -34,16 +34,6 @@ from services.gateway.stream_telemetry import GatewayTelemetry
 from services.router.placement import NoWorkerError, Placement
 
 MAX_PROMPT_CHARS = 1_000_000
-#: Worker channels retry a lost connection at least once a second. gRPC's default
-#: reconnect backoff grows towards two minutes while a worker is down, so a worker that
-#: restarts on its old address would get no calls from this gateway (they fail fast
-#: with UNAVAILABLE) until the channel's next attempt.
-WORKER_CHANNEL_OPTIONS = [
-    *CHANNEL_OPTIONS,
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
 
 class UnknownModelError(LookupError):

@@ -103,7 +103,9 @@ local function remember(i)
     if #oldest == 0 then break end
     local w = tonumber(redis.call('HGET', weights, oldest[1])) or 0
     redis.call('HDEL', weights, oldest[1])
-    used = redis.call('HINCRBY', weights, '~used', -w)
+    -- 0 - w, not -w: a prompt shorter than a block weighs 0, Lua's -0 reaches Redis as
+    -- the string "-0", and HINCRBY refuses that as not an integer (the script fails).
+    used = redis.call('HINCRBY', weights, '~used', 0 - w)
   end
   redis.call('PEXPIRE', lru, ARGV[9])
   redis.call('PEXPIRE', weights, ARGV[9])

@@ -1,0 +1,473 @@
+"""Bad input against a running cluster: hypothesis-generated requests to the gateway and
+to the workers, protobuf bytes that do not parse, and junk on raw TCP connections.
+
+Every answer must be one of the documented outcomes (RELIABILITY.md): a finished stream,
+INVALID_ARGUMENT naming the field, NOT_FOUND (unknown model), RESOURCE_EXHAUSTED (KV pool
+or stream cap), and for a worker's Decode with a forged KV handle also UNAVAILABLE (its
+exporter address is dead). Never UNKNOWN, INTERNAL or a hang. After each group every
+server still answers its health check SERVING and every worker is idle with nothing
+held. The case counts are the constants below; outputs are capped at two tokens so the
+valid cases stay short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import uuid
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from loadtest.soak import wait_clean
+from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
+from services.cli.cluster import LocalCluster
+from services.gateway.client import GatewayClient, build_request
+from services.gateway.service import MAX_PROMPT_CHARS
+from tests.integration.test_cluster import _cluster
+
+GATEWAY_CASES = 800  # typed GenerateRequests through the gateway
+WIRE_CASES = 450  # raw bytes as a GenerateRequest (random, truncated, bad UTF-8)
+PREFILL_CASES = 250  # typed PrefillRequests straight to the prefill worker
+DECODE_CASES = 500  # DecodeRequests with forged KV handles straight to the decode worker
+assert GATEWAY_CASES + WIRE_CASES + PREFILL_CASES + DECODE_CASES >= 2000
+
+OK = grpc.StatusCode.OK
+GATEWAY_CODES = {OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                 grpc.StatusCode.RESOURCE_EXHAUSTED}  # fmt: skip
+DECODE_CODES = GATEWAY_CODES | {grpc.StatusCode.UNAVAILABLE}
+CALL_TIMEOUT_S = 60.0  # a hang shows up as DEADLINE_EXCEEDED, which no test allows
+T = TypeVar("T")
+FUZZ = settings(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@dataclass
+class Rig:
+    """The cluster plus one event loop and client reused by every hypothesis example."""
+
+    cluster: LocalCluster
+    loop: asyncio.AbstractEventLoop
+    client: GatewayClient
+    raw: grpc.aio.Channel  # to the gateway, for requests sent as bytes
+    model: str
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.loop.run_until_complete(coro)
+
+    def worker(self, role: str) -> str:
+        return next(c.address for c in self.cluster.children if c.name == f"{role}-0")
+
+
+@pytest.fixture(scope="module")
+def rig() -> Iterator[Rig]:
+    cluster = _cluster(num_prefill=1, num_decode=1, http_port=-1, kv_lease_ttl_s=5.0)
+    loop = asyncio.new_event_loop()
+    try:
+
+        async def connect() -> Rig:
+            client = GatewayClient(cluster.gateway_address)
+            model = (await client.list_models()).models[0].id
+            raw = grpc.aio.insecure_channel(cluster.gateway_address)
+            return Rig(cluster, loop, client, raw, model)
+
+        rig = loop.run_until_complete(connect())
+        yield rig
+        loop.run_until_complete(rig.client.close())
+        loop.run_until_complete(rig.raw.close())
+    finally:
+        loop.close()
+        cluster.stop()
+
+
+def _assert_healthy_and_clean(rig: Rig) -> None:
+    """Every server SERVING, a normal request still works, nothing held anywhere."""
+
+    async def check() -> None:
+        for child in rig.cluster.children:
+            async with grpc.aio.insecure_channel(child.address) as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=10
+                )
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, child.name
+        reply = await rig.client.complete(build_request(prompt="Hello", max_tokens=2))
+        assert reply.finished
+        leaks = await wait_clean(rig.cluster, timeout=10.0)
+        assert leaks.clean, leaks
+
+    rig.run(check())
+
+
+# -- typed requests through the gateway ------------------------------------------------
+
+# Any character but lone surrogates, which a str field cannot carry (bad UTF-8 reaches the
+# gateway in the wire cases instead). Short: each character may be several tokens, and
+# a valid prompt is prefilled on a CPU.
+_TEXT = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12)
+_HUGE_TEXT = st.sampled_from(
+    ["hi " * 9000, "x" * (MAX_PROMPT_CHARS + 1), "\u00e9" * 20000, "\u0000" * 5000]
+)
+_U32 = st.integers(0, 2**32 - 1)
+_ANY_FLOAT = st.floats(width=32)  # nan, inf, denormals, huge, negative
+
+
+@st.composite
+def _mostly(draw: st.DrawFn, valid: st.SearchStrategy[Any], wild: st.SearchStrategy[Any]) -> Any:
+    """Valid nine times in ten: a case with one bad field stops at it, so most fields of
+    most cases must be valid for the deeper paths (prefill, sampling, decode) to run."""
+    return draw(wild if draw(st.integers(0, 9)) == 9 else valid)
+
+
+@st.composite
+def _sampling(draw: st.DrawFn) -> common_pb2.SamplingParams:
+    sp = common_pb2.SamplingParams(
+        stop=draw(_mostly(st.lists(st.text(min_size=1, max_size=8), max_size=3),
+                          st.lists(st.text(max_size=260), max_size=18))),
+        stop_token_ids=draw(_mostly(st.lists(st.integers(0, 49151), max_size=3),
+                                    st.lists(_U32, max_size=6))),
+        ignore_eos=draw(st.booleans()),
+    )  # fmt: skip
+    # Always set: at most 2 tokens when valid, 0 or past the context when not.
+    sp.max_tokens = draw(
+        _mostly(st.integers(1, 2), st.one_of(st.just(0), st.integers(8193, 2**32 - 1)))
+    )
+    temperature = _mostly(
+        st.one_of(st.none(), st.floats(0, 2, width=32), st.floats(0, 2**-100, width=32)),
+        _ANY_FLOAT,
+    )
+    top_p = _mostly(st.one_of(st.none(), st.floats(0, 1, exclude_min=True, width=32)), _ANY_FLOAT)
+    top_k = _mostly(st.one_of(st.none(), st.integers(0, 100)), _U32)
+    seed = st.one_of(st.none(), st.integers(0, 2**64 - 1))
+    for name, strategy in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
+                           ("seed", seed)):  # fmt: skip
+        value = draw(strategy)
+        if value is not None:
+            setattr(sp, name, value)
+    return sp
+
+
+@st.composite
+def _generate_request(draw: st.DrawFn, model: str) -> gateway_pb2.GenerateRequest:
+    req = gateway_pb2.GenerateRequest(
+        model=draw(_mostly(st.sampled_from(["", model]), st.text(max_size=12))),
+        sampling=draw(_sampling()),
+        request_id=draw(st.one_of(st.just(""), st.text(max_size=40))),
+    )
+    which = draw(st.integers(0, 19))  # prompt 60%, messages 25%, huge 5%, neither 10%
+    if which < 12:
+        req.prompt = draw(_mostly(_TEXT, st.just("")))
+    elif which < 17:
+        roles = _mostly(st.sampled_from(["system", "user", "assistant"]), st.text(max_size=8))
+        pairs = draw(st.lists(st.tuples(roles, st.text(max_size=16)), max_size=4))
+        req.messages.SetInParent()  # an empty list is still "messages"
+        req.messages.messages.extend(gateway_pb2.ChatMessage(role=r, content=c) for r, c in pairs)
+    elif which < 18:
+        req.prompt = draw(_HUGE_TEXT)
+    return req
+
+
+async def _generate(
+    client: GatewayClient, request: gateway_pb2.GenerateRequest
+) -> tuple[grpc.StatusCode, str, list[gateway_pb2.GenerateResponse]]:
+    msgs: list[gateway_pb2.GenerateResponse] = []
+    try:
+        async for msg in client.generate(request, timeout=CALL_TIMEOUT_S):
+            msgs.append(msg)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or "", msgs
+    return OK, "", msgs
+
+
+def test_fuzzed_generate_requests_get_documented_statuses(rig: Rig) -> None:
+    @settings(FUZZ, max_examples=GATEWAY_CASES)
+    @given(request=_generate_request(rig.model))
+    def case(request: gateway_pb2.GenerateRequest) -> None:
+        code, details, msgs = rig.run(_generate(rig.client, request))
+        assert code in GATEWAY_CODES, (code, details, request)
+        if code == OK:
+            assert msgs and msgs[-1].finished, request
+            assert msgs[-1].usage.completion_tokens <= request.sampling.max_tokens
+        elif code == grpc.StatusCode.INVALID_ARGUMENT:
+            assert ": " in details, details  # "field: limit"
+
+    case()
+    _assert_healthy_and_clean(rig)
+
+
+# -- bytes that are not a valid request -------------------------------------------------
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+# max_tokens 1 first: a truncated copy keeps it (and stays short) while losing the rest.
+_ONE_TOKEN = _field(4, b"\x08\x01")  # sampling { max_tokens: 1 }
+_VALID = [
+    _ONE_TOKEN + _field(2, b"Hello there"),
+    _ONE_TOKEN + _field(3, _field(1, _field(1, b"user") + _field(2, b"Hi"))),  # messages
+    _ONE_TOKEN + _field(2, "caf\u00e9 \U0001f600".encode()) + _field(5, b"my-id"),
+]
+
+
+def _flip(body: bytes, at: int, value: int) -> bytes:
+    i = at % len(body)
+    return body[:i] + bytes([value]) + body[i + 1 :]
+
+
+# Not UTF-8: a lone surrogate, an overlong "/", a stray continuation byte, past U+10FFFF.
+_BAD_UTF8 = [b"\xed\xa0\x80", b"\xc0\xaf", b"\x80", b"\xf4\x90\x80\x80", b"\xff\xfe"]
+_WIRE = st.one_of(
+    st.binary(max_size=256),  # noise
+    st.sampled_from(_BAD_UTF8).map(lambda bad: _ONE_TOKEN + _field(2, b"ok " + bad)),
+    st.builds(lambda p: _ONE_TOKEN + _field(2, p), st.binary(max_size=48)),  # prompt bytes
+    st.builds(lambda b, n: b[:n], st.sampled_from(_VALID), st.integers(0, 60)),  # truncated
+    st.builds(_flip, st.sampled_from(_VALID), st.integers(0, 255), st.integers(0, 255)),
+)
+
+
+async def _raw_call(
+    channel: grpc.aio.Channel, body: bytes, stream: bool
+) -> tuple[grpc.StatusCode, str]:
+    """Send `body` as the request bytes (no serializer) to Generate or Complete."""
+    try:
+        if stream:
+            generate = channel.unary_stream("/pdserve.v1.Gateway/Generate")
+            replies = [gateway_pb2.GenerateResponse.FromString(r)
+                       async for r in generate(body, timeout=CALL_TIMEOUT_S)]  # fmt: skip
+            assert replies and replies[-1].finished
+        else:
+            complete = channel.unary_unary("/pdserve.v1.Gateway/Complete")
+            reply = await complete(body, timeout=CALL_TIMEOUT_S)
+            assert gateway_pb2.GenerateResponse.FromString(reply).finished
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or ""
+    return OK, ""
+
+
+def test_malformed_request_bytes_get_invalid_argument(rig: Rig) -> None:
+    @settings(FUZZ, max_examples=WIRE_CASES)
+    @given(body=_WIRE, stream=st.booleans())
+    def case(body: bytes, stream: bool) -> None:
+        code, details = rig.run(_raw_call(rig.raw, body, stream))
+        assert code in GATEWAY_CODES, (code, details, body)
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            assert ": " in details, details
+
+    case()
+    _assert_healthy_and_clean(rig)
+
+
+# -- workers called directly --------------------------------------------------------------
+
+_TOKENS = _mostly(st.lists(st.integers(0, 49151), min_size=1, max_size=24),
+                  st.lists(_U32, max_size=24))  # fmt: skip
+
+
+async def _prefill(
+    address: str, request: worker_pb2.PrefillRequest
+) -> tuple[grpc.StatusCode, str, worker_pb2.PrefillResponse | None]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        try:
+            reply = await stub.Prefill(request, timeout=CALL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details() or "", None
+        # Played the gateway: drop the lease now rather than leave it to expire.
+        await stub.Abort(worker_pb2.AbortRequest(request_id=request.request_id), timeout=10)
+    return OK, "", reply
+
+
+def test_fuzzed_prefill_calls_get_documented_statuses(rig: Rig) -> None:
+    @settings(FUZZ, max_examples=PREFILL_CASES)
+    @given(tokens=_TOKENS, sampling=_sampling(), salt=st.text(max_size=16))
+    def case(tokens: list[int], sampling: common_pb2.SamplingParams, salt: str) -> None:
+        request = worker_pb2.PrefillRequest(
+            request_id=uuid.uuid4().hex, prompt_token_ids=tokens, sampling=sampling,
+            cache_salt=salt,
+        )  # fmt: skip
+        code, details, reply = rig.run(_prefill(rig.worker("prefill"), request))
+        assert code in GATEWAY_CODES - {grpc.StatusCode.NOT_FOUND}, (code, details, request)
+        if reply is not None:
+            assert reply.finished or len(reply.kv_handle.block_ids) > 0
+
+    case()
+    _assert_healthy_and_clean(rig)
+
+
+def _template(rig: Rig) -> tuple[list[int], common_pb2.KvHandle]:
+    """A real handle to forge from; its own lease is dropped at once (Abort)."""
+    prompt = list(range(1000, 1040))
+    request = worker_pb2.PrefillRequest(
+        request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(max_tokens=4),
+    )  # fmt: skip
+    code, _, reply = rig.run(_prefill(rig.worker("prefill"), request))
+    assert code == OK and reply is not None
+    return prompt, reply.kv_handle
+
+
+@st.composite
+def _forged(
+    draw: st.DrawFn, prompt: list[int], real: common_pb2.KvHandle
+) -> tuple[list[int], common_pb2.KvHandle]:
+    """A handle mostly like a real one, some fields replaced; no expiry, so it reaches
+    the handshake and the read whenever the fields that are checked still agree."""
+    tokens = draw(_mostly(st.just(prompt), _TOKENS))
+    handle = common_pb2.KvHandle()
+    handle.CopyFrom(real)
+    handle.lease_expiry_unix_ms = 0
+    handle.num_tokens = draw(_mostly(st.just(len(tokens)), _U32))
+    blocks = -(-len(tokens) // 16)
+    handle.block_ids[:] = draw(_mostly(
+        st.lists(st.integers(0, 40), min_size=blocks, max_size=blocks),
+        st.lists(st.one_of(_U32, st.integers(0, 200)), min_size=blocks, max_size=blocks + 1),
+    ))  # fmt: skip
+    for name, wild in (("protocol_version", _U32), ("first_token_id", _U32),
+                       ("layout_fingerprint", st.text(max_size=16)),
+                       ("backend", st.sampled_from(["", "tcp", "rdma"])),
+                       ("incarnation", st.text(max_size=12)),
+                       ("transfer_address", st.sampled_from(["", "127.0.0.1:1", "nowhere"])),
+                       ("lease_id", st.text(max_size=12))):  # fmt: skip
+        value = draw(_mostly(st.just(getattr(real, name)), wild))
+        setattr(handle, name, value)
+    return tokens, handle
+
+
+async def _decode(address: str, request: worker_pb2.DecodeRequest) -> tuple[grpc.StatusCode, str]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            chunks = [c async for c in worker_pb2_grpc.WorkerStub(channel).Decode(
+                request, timeout=CALL_TIMEOUT_S)]  # fmt: skip
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details() or ""
+    assert chunks and chunks[-1].finished
+    return OK, ""
+
+
+def test_forged_kv_handles_get_documented_statuses(rig: Rig) -> None:
+    prompt, real = _template(rig)
+
+    @settings(FUZZ, max_examples=DECODE_CASES)
+    @given(forged=_forged(prompt, real), max_tokens=st.integers(1, 2))
+    def case(forged: tuple[list[int], common_pb2.KvHandle], max_tokens: int) -> None:
+        tokens, handle = forged
+        request = worker_pb2.DecodeRequest(
+            request_id=uuid.uuid4().hex, prompt_token_ids=tokens, kv_handle=handle,
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
+        )  # fmt: skip
+        code, details = rig.run(_decode(rig.worker("decode"), request))
+        assert code in DECODE_CODES, (code, details, request)
+
+    case()
+    _assert_healthy_and_clean(rig)
+
+
+# -- junk on the wire -------------------------------------------------------------------
+
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    """One HTTP/2 frame: 24-bit length, type, flags, 31-bit stream id, payload."""
+    return (
+        struct.pack(">I", len(payload))[1:]
+        + bytes([kind, flags])
+        + struct.pack(">I", stream)
+        + payload
+    )
+
+
+def _grpc_headers(path: str) -> bytes:
+    """A HEADERS block in HPACK literals (never indexed, no Huffman): enough for gRPC."""
+    fields = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()),
+              (b":authority", b"127.0.0.1"), (b"content-type", b"application/grpc"),
+              (b"te", b"trailers")]  # fmt: skip
+    return b"".join(b"\x00" + bytes([len(k)]) + k + bytes([len(v)]) + v for k, v in fields)
+
+
+def _grpc_call(path: str, declared: int, body: bytes) -> bytes:
+    """A connection with one gRPC call whose message declares `declared` bytes."""
+    message = b"\x00" + struct.pack(">I", declared) + body
+    return (_PREFACE + _frame(4, 0, 0) + _frame(1, 0x4, 1, _grpc_headers(path))
+            + _frame(0, 0x1, 1, message))  # fmt: skip
+
+
+_JUNK = {
+    "random": bytes(range(256)) * 16,
+    "http1": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+    "preface-then-noise": _PREFACE + bytes(range(255, -1, -1)) * 4,
+    "frame-claims-16mib": _PREFACE + _frame(4, 0, 0) + b"\xff\xff\xff\x00\x00\x00\x00\x00\x01",
+    "zeros": b"\x00" * 65536,
+    "truncated-message": _grpc_call("/pdserve.v1.Gateway/Generate", 1000, b"\x12\x05hello"),
+    "message-past-limit": _grpc_call("/pdserve.v1.Gateway/Generate", 2**31 - 1, b"\x12"),
+    "unknown-method": _grpc_call("/pdserve.v1.Gateway/Nope", 2, b"\x08\x01"),
+}
+
+
+def _send_junk(address: str, payload: bytes) -> bytes:
+    """Write `payload` on a fresh TCP connection; return what came back within 3 s."""
+    host, port = address.rsplit(":", 1)
+    got = b""
+    with socket.create_connection((host, int(port)), timeout=3) as sock:
+        try:
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
+            while chunk := sock.recv(65536):
+                got += chunk
+        except (TimeoutError, OSError):  # hung up on us mid-way: a fine answer to junk
+            pass
+    return got
+
+
+def _frames(data: bytes) -> list[tuple[int, int]]:
+    """(type, stream id) of each complete HTTP/2 frame in a server's reply."""
+    out, i = [], 0
+    while i + 9 <= len(data):
+        length = int.from_bytes(data[i : i + 3], "big")
+        out.append((data[i + 3], int.from_bytes(data[i + 5 : i + 9], "big") & 0x7FFFFFFF))
+        i += 9 + length
+    return out
+
+
+def test_junk_on_raw_connections_leaves_every_server_up(rig: Rig) -> None:
+    _, handle = _template(rig)
+    targets = {c.name: c.address for c in rig.cluster.children}
+    targets["kv-transfer"] = handle.transfer_address
+    for name, address in targets.items():
+        for kind, payload in _JUNK.items():
+            reply = _send_junk(address, payload)
+            if kind in ("truncated-message", "message-past-limit", "unknown-method"):
+                # The server ends that call with a status (HEADERS) or a reset, no hang.
+                assert {(1, 1), (3, 1)} & set(_frames(reply)), (name, kind, reply)
+    _assert_healthy_and_clean(rig)
+
+
+def test_concurrent_requests_with_one_client_request_id_both_finish(rig: Rig) -> None:
+    """A client-chosen id is not trusted to be unique: the workers see distinct ids."""
+
+    async def both() -> list[tuple[grpc.StatusCode, str, list[gateway_pb2.GenerateResponse]]]:
+        request = build_request(prompt="Count to ten:", max_tokens=8, ignore_eos=True,
+                                request_id="same-id")  # fmt: skip
+        return list(await asyncio.gather(*(_generate(rig.client, request) for _ in range(3))))
+
+    for code, details, msgs in rig.run(both()):
+        assert code == OK, details
+        assert msgs[-1].usage.completion_tokens == 8 and msgs[0].request_id == "same-id"
+    _assert_healthy_and_clean(rig)
