@@ -9,7 +9,9 @@ memory (VmRSS from /proc/<pid>/status: the gateway and each worker), and again a
 last one; then it waits until the cluster is idle and reads what is still held. The
 `SoakReport` says how each request ended, which endings were unexpected (anything but a
 finished stream or the client's own cancel), what leaked (blocks, requests and KV leases
-per worker, load leases in Redis) and how much each process grew over the second half.
+per worker, load leases in Redis), how many exported KV leases ended by expiry rather
+than a release (each one pinned blocks for the lease TTL), and how much each process
+grew over the second half.
 
 The same leak probe (`probe`, `wait_clean`) backs the fault-injection tests.
 `python -m loadtest.soak` starts a local cluster (1 prefill + 1 decode worker, Redis

@@ -20,8 +20,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import cast
 
 import grpc
 import pytest
@@ -29,12 +28,9 @@ import redis
 
 from loadtest.soak import wait_clean
 from pdserve.v1 import (
-    common_pb2,
     gateway_pb2,
     router_pb2,
     router_pb2_grpc,
-    worker_pb2,
-    worker_pb2_grpc,
 )
 from services.cli.cluster import Child, LocalCluster
 from services.gateway.client import GatewayClient, build_request
@@ -43,6 +39,18 @@ from services.router.keyspace import Keyspace
 from services.router.load import LoadLedger
 from services.router.redis_client import connect
 from services.router.registry import Registry, WorkerInfo
+from tests.integration.cluster_drills import (
+    Stream,
+    busy_prefill,
+    kill,
+    kv_transfer_port,
+    named,
+    pool,
+    reachable,
+    registered,
+    restart_on_same_ports,
+    serve,
+)
 from tests.integration.test_cluster import _cluster, _collect
 from tests.integration.test_router_service import _start_router
 from tests.prompts import long_prompt
@@ -77,20 +85,6 @@ def cluster() -> Iterator[LocalCluster]:
 # -- helpers --------------------------------------------------------------------------
 
 
-def _child(cluster: LocalCluster, name: str) -> Child:
-    return next(c for c in cluster.children if c.name == name)
-
-
-def _role(cluster: LocalCluster, role: str) -> list[Child]:
-    return [c for c in cluster.children if c.name.startswith(f"{role}-")]
-
-
-def _kill(child: Child) -> float:
-    os.kill(child.proc.pid, signal.SIGKILL)
-    child.proc.wait(timeout=10)
-    return time.monotonic()
-
-
 def _prompt(tag: str) -> str:
     return f"Fault drill {tag}: name one fact about the sea, in one sentence."
 
@@ -101,21 +95,12 @@ def _unique_long_prompt() -> str:
     return f"Ticket {uuid.uuid4().hex}. " + long_prompt(15)
 
 
-def _registered(cluster: LocalCluster) -> set[str]:
-    assert cluster.redis is not None
-    client = connect(cluster.redis.url, 2.0)
-    try:
-        return {w.worker_id for w in Registry(client, Keyspace()).list()}
-    finally:
-        client.close()
-
-
 def _wait_registry(
     cluster: LocalCluster, present: set[str], absent: frozenset[str] = frozenset()
 ) -> None:
     end = time.monotonic() + HEARTBEAT_TTL_S + SLACK_S
     while True:
-        ids = _registered(cluster)
+        ids = registered(cluster)
         if present <= ids and not absent & ids:
             return
         assert time.monotonic() < end, f"registry {ids}: want {present}, not {absent}"
@@ -127,100 +112,6 @@ def _assert_clean(cluster: LocalCluster, timeout: float = KV_LEASE_TTL_S + SLACK
     assert leaks.clean, leaks
 
 
-@dataclass
-class Stream:
-    """A live Generate stream and what it has delivered so far."""
-
-    call: grpc.aio.UnaryStreamCall
-    msgs: list[gateway_pb2.GenerateResponse] = field(default_factory=list)
-
-    @classmethod
-    async def open(
-        cls, client: GatewayClient, prompt: str, max_tokens: int, first: int = 2
-    ) -> Stream:
-        request = build_request(prompt=prompt, max_tokens=max_tokens, ignore_eos=True)
-        stream = cls(client.generate(request))
-        while len(stream.msgs) < first:
-            stream.msgs.append(await stream.call.read())
-        return stream
-
-    @property
-    def decode_worker(self) -> str:
-        return next(m.decode_worker for m in self.msgs if m.decode_worker)
-
-    async def finish(self) -> tuple[grpc.StatusCode, float]:
-        """Read to the end: (OK or the error status, monotonic time it ended)."""
-        try:
-            while (msg := await self.call.read()) is not grpc.aio.EOF:
-                self.msgs.append(msg)
-        except grpc.aio.AioRpcError as exc:
-            return exc.code(), time.monotonic()
-        assert self.msgs[-1].finished
-        return grpc.StatusCode.OK, time.monotonic()
-
-
-async def _serve(cluster: LocalCluster, n: int, tag: str) -> set[tuple[str, str]]:
-    """n short requests, each must finish; the (prefill, decode) worker pairs that served."""
-    pairs = set()
-    for i in range(n):
-        got = await _collect(
-            cluster.gateway_address, prompt=_prompt(f"{tag}-{i}"), max_tokens=3, ignore_eos=True
-        )
-        msgs = cast(list[gateway_pb2.GenerateResponse], got)
-        assert msgs[-1].finished
-        decode = next(m.decode_worker for m in msgs if m.decode_worker)
-        pairs.add((msgs[0].prefill_worker, decode))
-    return pairs
-
-
-def _cpu_ticks(pid: int) -> int:
-    """utime + stime of a process, in clock ticks (fields 14 and 15 of /proc/<pid>/stat)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
-async def _busy_prefill(
-    cluster: LocalCluster, request: asyncio.Future[Any], timeout: float = 30.0
-) -> Child:
-    """The prefill worker computing `request`'s prompt right now: the one burning CPU.
-    (Not through Stats: it waits for the engine lock, which a prefill holds step after
-    step, so it answers only once the prompt is done.)"""
-    live = [c for c in _role(cluster, "prefill") if c.proc.poll() is None]
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if request.done():
-            raise AssertionError(f"the request ended before a worker was caught: {request}")
-        before = [_cpu_ticks(c.proc.pid) for c in live]
-        await asyncio.sleep(0.3)
-        used = [_cpu_ticks(c.proc.pid) - b for c, b in zip(live, before, strict=True)]
-        busiest = max(range(len(live)), key=lambda i: used[i])
-        rest = max((u for i, u in enumerate(used) if i != busiest), default=0)
-        if used[busiest] >= 8 and used[busiest] >= 3 * rest:  # >= 80 ms of CPU in 300 ms
-            return live[busiest]
-    raise TimeoutError("no prefill worker picked the long prompt up")
-
-
-async def _kv_transfer_port(address: str) -> int:
-    """The worker's KvTransfer port, read off a handle from a direct Prefill call."""
-    rid = uuid.uuid4().hex
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = worker_pb2_grpc.WorkerStub(channel)
-        reply = await stub.Prefill(
-            worker_pb2.PrefillRequest(
-                request_id=rid, prompt_token_ids=list(range(100, 140)),
-                sampling=common_pb2.SamplingParams(max_tokens=4),
-            ), timeout=60,
-        )  # fmt: skip
-        await stub.Abort(worker_pb2.AbortRequest(request_id=rid))
-    return int(reply.kv_handle.transfer_address.rsplit(":", 1)[1])
-
-
-def _restart_on_same_ports(cluster: LocalCluster, name: str, kv_port: int) -> None:
-    grpc_port = _child(cluster, name).address.rsplit(":", 1)[1]
-    cluster.relaunch(name, "--port", grpc_port, "--kv-transfer-port", str(kv_port))
-
-
 # -- workers killed or frozen ---------------------------------------------------------
 
 
@@ -230,7 +121,7 @@ def test_kill9_decode_mid_stream(cluster: LocalCluster) -> None:
             # Four streams in flight: bounded load puts at least one on each decode worker.
             streams = [await Stream.open(client, _prompt(f"kd{i}"), 120) for i in range(4)]
             victim = streams[0].decode_worker
-            killed = _kill(_child(cluster, victim))
+            killed = kill(named(cluster, victim))
             ends = await asyncio.gather(*(s.finish() for s in streams))
         return victim, [
             (s.decode_worker, c, t - killed) for s, (c, t) in zip(streams, ends, strict=True)
@@ -245,7 +136,7 @@ def test_kill9_decode_mid_stream(cluster: LocalCluster) -> None:
         assert spared == [grpc.StatusCode.OK] * len(spared)
         # Its registration lapses; from then on new requests avoid it.
         _wait_registry(cluster, present=set(), absent=frozenset({victim}))
-        pairs = asyncio.run(_serve(cluster, 3, "kd-after"))
+        pairs = asyncio.run(serve(cluster, 3, "kd-after"))
         assert all(decode != victim for _, decode in pairs)
         _assert_clean(cluster)
     finally:
@@ -257,7 +148,7 @@ def test_sigstop_decode_fires_deadlines_then_recovers(cluster: LocalCluster) -> 
     frozen: list[Child] = []
 
     def freeze(name: str) -> float:
-        frozen.append(_child(cluster, name))
+        frozen.append(named(cluster, name))
         os.kill(frozen[-1].proc.pid, signal.SIGSTOP)
         return time.monotonic()
 
@@ -269,7 +160,7 @@ def test_sigstop_decode_fires_deadlines_then_recovers(cluster: LocalCluster) -> 
             ends = await asyncio.gather(*(s.finish() for s in streams))
             # Both decode workers frozen: token 1 still comes from prefill, then the
             # decode call misses its first-token deadline.
-            freeze(next(c.name for c in _role(cluster, "decode") if c.name != victim))
+            freeze(next(c.name for c in pool(cluster, "decode") if c.name != victim))
             late = await Stream.open(client, _prompt("ss-late"), 40, first=1)
             first_token = time.monotonic()
             code, ended = await late.finish()
@@ -294,27 +185,25 @@ def test_sigstop_decode_fires_deadlines_then_recovers(cluster: LocalCluster) -> 
     # and the un-pulled KV of the late request is unpinned by its lease expiry.
     _wait_registry(cluster, present={c.name for c in frozen})
     _assert_clean(cluster)
-    assert asyncio.run(_serve(cluster, 3, "ss-after"))
+    assert asyncio.run(serve(cluster, 3, "ss-after"))
 
 
 def test_kill9_prefill_mid_prefill_is_retried_then_restart_rehandshakes(
     cluster: LocalCluster,
 ) -> None:
-    before = asyncio.run(_serve(cluster, 8, "kp-before"))  # decode workers meet both
-    kv_ports = {
-        c.name: asyncio.run(_kv_transfer_port(c.address)) for c in _role(cluster, "prefill")
-    }
+    before = asyncio.run(serve(cluster, 8, "kp-before"))  # decode workers meet both
+    kv_ports = {c.name: asyncio.run(kv_transfer_port(c.address)) for c in pool(cluster, "prefill")}
 
     async def scenario() -> tuple[str, list[gateway_pb2.GenerateResponse], list[list[object]]]:
         long = asyncio.ensure_future(
             _collect(cluster.gateway_address, prompt=_unique_long_prompt(), max_tokens=4)
         )
-        victim = await _busy_prefill(cluster, long)
-        _kill(victim)
+        victim = await busy_prefill(cluster, long)
+        kill(victim)
         others = [_collect(cluster.gateway_address, prompt=_prompt(f"kp{i}"), max_tokens=3)
                   for i in range(3)]  # fmt: skip
         done = await asyncio.gather(long, *others)
-        assert victim.name not in await _reachable(cluster)  # the gateway tried and failed
+        assert victim.name not in await reachable(cluster)  # the gateway tried and failed
         return victim.name, cast(list[gateway_pb2.GenerateResponse], done[0]), done[1:]
 
     victim, msgs, others = asyncio.run(scenario())
@@ -325,15 +214,15 @@ def test_kill9_prefill_mid_prefill_is_retried_then_restart_rehandshakes(
     finally:
         # Same id, same gRPC and KV-transfer ports, new incarnation: the decode workers'
         # NIXL metadata for that address is stale and must be replaced by a handshake.
-        _restart_on_same_ports(cluster, victim, kv_ports[victim])
+        restart_on_same_ports(cluster, victim, kv_ports[victim])
     ready = time.monotonic()
-    while victim not in asyncio.run(_reachable(cluster)):  # the gateway picks it up again
+    while victim not in asyncio.run(reachable(cluster)):  # the gateway picks it up again
         assert time.monotonic() - ready < MEMBERSHIP_REFRESH_S + SLACK_S
         time.sleep(0.1)
     stale = {decode for prefill, decode in before if prefill == victim}
     served: set[str] = set()
     for i in range(20):  # until a decode worker that knew the old incarnation is hit
-        pairs = asyncio.run(_serve(cluster, 1, f"kp-after{i}"))
+        pairs = asyncio.run(serve(cluster, 1, f"kp-after{i}"))
         served |= {decode for prefill, decode in pairs if prefill == victim}
         if served & stale:
             break
@@ -341,17 +230,10 @@ def test_kill9_prefill_mid_prefill_is_retried_then_restart_rehandshakes(
     _assert_clean(cluster)
 
 
-async def _reachable(cluster: LocalCluster) -> set[str]:
-    """Workers the gateway itself reaches now (ClusterStatus asks each over its channel)."""
-    async with GatewayClient(cluster.gateway_address) as client:
-        status = await client.cluster_status()
-    return {w.worker_id for w in status.workers if not w.role.startswith("unreachable")}
-
-
 def test_kill9_last_prefill_worker_mid_prefill_is_unavailable(cluster: LocalCluster) -> None:
-    first, second = _role(cluster, "prefill")
-    kv_ports = {c.name: asyncio.run(_kv_transfer_port(c.address)) for c in (first, second)}
-    _kill(first)
+    first, second = pool(cluster, "prefill")
+    kv_ports = {c.name: asyncio.run(kv_transfer_port(c.address)) for c in (first, second)}
+    kill(first)
     _wait_registry(cluster, present=set(), absent=frozenset({first.name}))
 
     async def scenario() -> tuple[grpc.aio.AioRpcError, float, grpc.StatusCode]:
@@ -359,7 +241,7 @@ def test_kill9_last_prefill_worker_mid_prefill_is_unavailable(cluster: LocalClus
             decoding = await Stream.open(client, _prompt("lp-decoding"), 100)
             long = client.complete(build_request(prompt=_unique_long_prompt(), max_tokens=4))
             long_call = asyncio.ensure_future(long)
-            killed = _kill(await _busy_prefill(cluster, long_call))
+            killed = kill(await busy_prefill(cluster, long_call))
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await long_call
             failed = time.monotonic() - killed
@@ -373,9 +255,9 @@ def test_kill9_last_prefill_worker_mid_prefill_is_unavailable(cluster: LocalClus
         assert decoding_code == grpc.StatusCode.OK
     finally:
         for child in (first, second):
-            _restart_on_same_ports(cluster, child.name, kv_ports[child.name])
+            restart_on_same_ports(cluster, child.name, kv_ports[child.name])
     _wait_registry(cluster, present={first.name, second.name})
-    assert asyncio.run(_serve(cluster, 4, "lp-after"))
+    assert asyncio.run(serve(cluster, 4, "lp-after"))
     _assert_clean(cluster)
 
 
@@ -391,7 +273,7 @@ def test_redis_restart_fails_open_then_resyncs_from_heartbeats(cluster: LocalClu
         async with GatewayClient(cluster.gateway_address) as client:
             spanning = await Stream.open(client, _prompt("rr-spanning"), 100)
             cluster.redis.stop()  # its data is gone with it
-            await _serve(cluster, 3, "rr-down")  # fail open on the last known workers
+            await serve(cluster, 3, "rr-down")  # fail open on the last known workers
             cluster.redis.start()  # same port, empty
             await asyncio.to_thread(_wait_registry, cluster, workers)  # heartbeats refill it
             placed = 0

@@ -13,8 +13,6 @@ valid cases stay short.
 from __future__ import annotations
 
 import asyncio
-import socket
-import struct
 import uuid
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ from services.cli.cluster import LocalCluster
 from services.gateway.client import GatewayClient, build_request
 from services.gateway.service import MAX_PROMPT_CHARS
 from tests.integration.test_cluster import _cluster
+from tests.integration.wire_bytes import JUNK, field, flip, frames, send_junk
 
 GATEWAY_CASES = 800  # typed GenerateRequests through the gateway
 WIRE_CASES = 450  # raw bytes as a GenerateRequest (random, truncated, bad UTF-8)
@@ -203,42 +202,23 @@ def test_fuzzed_generate_requests_get_documented_statuses(rig: Rig) -> None:
 # -- bytes that are not a valid request -------------------------------------------------
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited protobuf field."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
 # max_tokens 1 first: a truncated copy keeps it (and stays short) while losing the rest.
-_ONE_TOKEN = _field(4, b"\x08\x01")  # sampling { max_tokens: 1 }
+_ONE_TOKEN = field(4, b"\x08\x01")  # sampling { max_tokens: 1 }
 _VALID = [
-    _ONE_TOKEN + _field(2, b"Hello there"),
-    _ONE_TOKEN + _field(3, _field(1, _field(1, b"user") + _field(2, b"Hi"))),  # messages
-    _ONE_TOKEN + _field(2, "caf\u00e9 \U0001f600".encode()) + _field(5, b"my-id"),
+    _ONE_TOKEN + field(2, b"Hello there"),
+    _ONE_TOKEN + field(3, field(1, field(1, b"user") + field(2, b"Hi"))),  # messages
+    _ONE_TOKEN + field(2, "caf\u00e9 \U0001f600".encode()) + field(5, b"my-id"),
 ]
-
-
-def _flip(body: bytes, at: int, value: int) -> bytes:
-    i = at % len(body)
-    return body[:i] + bytes([value]) + body[i + 1 :]
 
 
 # Not UTF-8: a lone surrogate, an overlong "/", a stray continuation byte, past U+10FFFF.
 _BAD_UTF8 = [b"\xed\xa0\x80", b"\xc0\xaf", b"\x80", b"\xf4\x90\x80\x80", b"\xff\xfe"]
 _WIRE = st.one_of(
     st.binary(max_size=256),  # noise
-    st.sampled_from(_BAD_UTF8).map(lambda bad: _ONE_TOKEN + _field(2, b"ok " + bad)),
-    st.builds(lambda p: _ONE_TOKEN + _field(2, p), st.binary(max_size=48)),  # prompt bytes
+    st.sampled_from(_BAD_UTF8).map(lambda bad: _ONE_TOKEN + field(2, b"ok " + bad)),
+    st.builds(lambda p: _ONE_TOKEN + field(2, p), st.binary(max_size=48)),  # prompt bytes
     st.builds(lambda b, n: b[:n], st.sampled_from(_VALID), st.integers(0, 60)),  # truncated
-    st.builds(_flip, st.sampled_from(_VALID), st.integers(0, 255), st.integers(0, 255)),
+    st.builds(flip, st.sampled_from(_VALID), st.integers(0, 255), st.integers(0, 255)),
 )
 
 
@@ -381,81 +361,17 @@ def test_forged_kv_handles_get_documented_statuses(rig: Rig) -> None:
 
 # -- junk on the wire -------------------------------------------------------------------
 
-_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-
-
-def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    """One HTTP/2 frame: 24-bit length, type, flags, 31-bit stream id, payload."""
-    return (
-        struct.pack(">I", len(payload))[1:]
-        + bytes([kind, flags])
-        + struct.pack(">I", stream)
-        + payload
-    )
-
-
-def _grpc_headers(path: str) -> bytes:
-    """A HEADERS block in HPACK literals (never indexed, no Huffman): enough for gRPC."""
-    fields = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()),
-              (b":authority", b"127.0.0.1"), (b"content-type", b"application/grpc"),
-              (b"te", b"trailers")]  # fmt: skip
-    return b"".join(b"\x00" + bytes([len(k)]) + k + bytes([len(v)]) + v for k, v in fields)
-
-
-def _grpc_call(path: str, declared: int, body: bytes) -> bytes:
-    """A connection with one gRPC call whose message declares `declared` bytes."""
-    message = b"\x00" + struct.pack(">I", declared) + body
-    return (_PREFACE + _frame(4, 0, 0) + _frame(1, 0x4, 1, _grpc_headers(path))
-            + _frame(0, 0x1, 1, message))  # fmt: skip
-
-
-_JUNK = {
-    "random": bytes(range(256)) * 16,
-    "http1": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
-    "preface-then-noise": _PREFACE + bytes(range(255, -1, -1)) * 4,
-    "frame-claims-16mib": _PREFACE + _frame(4, 0, 0) + b"\xff\xff\xff\x00\x00\x00\x00\x00\x01",
-    "zeros": b"\x00" * 65536,
-    "truncated-message": _grpc_call("/pdserve.v1.Gateway/Generate", 1000, b"\x12\x05hello"),
-    "message-past-limit": _grpc_call("/pdserve.v1.Gateway/Generate", 2**31 - 1, b"\x12"),
-    "unknown-method": _grpc_call("/pdserve.v1.Gateway/Nope", 2, b"\x08\x01"),
-}
-
-
-def _send_junk(address: str, payload: bytes) -> bytes:
-    """Write `payload` on a fresh TCP connection; return what came back within 3 s."""
-    host, port = address.rsplit(":", 1)
-    got = b""
-    with socket.create_connection((host, int(port)), timeout=3) as sock:
-        try:
-            sock.sendall(payload)
-            sock.shutdown(socket.SHUT_WR)
-            while chunk := sock.recv(65536):
-                got += chunk
-        except (TimeoutError, OSError):  # hung up on us mid-way: a fine answer to junk
-            pass
-    return got
-
-
-def _frames(data: bytes) -> list[tuple[int, int]]:
-    """(type, stream id) of each complete HTTP/2 frame in a server's reply."""
-    out, i = [], 0
-    while i + 9 <= len(data):
-        length = int.from_bytes(data[i : i + 3], "big")
-        out.append((data[i + 3], int.from_bytes(data[i + 5 : i + 9], "big") & 0x7FFFFFFF))
-        i += 9 + length
-    return out
-
 
 def test_junk_on_raw_connections_leaves_every_server_up(rig: Rig) -> None:
     _, handle = _template(rig)
     targets = {c.name: c.address for c in rig.cluster.children}
     targets["kv-transfer"] = handle.transfer_address
     for name, address in targets.items():
-        for kind, payload in _JUNK.items():
-            reply = _send_junk(address, payload)
+        for kind, payload in JUNK.items():
+            reply = send_junk(address, payload)
             if kind in ("truncated-message", "message-past-limit", "unknown-method"):
                 # The server ends that call with a status (HEADERS) or a reset, no hang.
-                assert {(1, 1), (3, 1)} & set(_frames(reply)), (name, kind, reply)
+                assert {(1, 1), (3, 1)} & set(frames(reply)), (name, kind, reply)
     _assert_healthy_and_clean(rig)
 
 
