@@ -15,10 +15,19 @@ import grpc
 
 #: One (layer, K/V) slice of a long prompt's blocks can exceed gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 256 << 20
-CHANNEL_OPTIONS: list[tuple[str, int]] = [
+MESSAGE_SIZE_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
+#: Peers inside a cluster restart in seconds (a crashed worker relaunched on its port).
+#: gRPC's default reconnect backoff grows from 1 s to 120 s, so a channel that saw the
+#: peer die could wait minutes to notice it is back; cap the wait at 1 s.
+RECONNECT_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+CHANNEL_OPTIONS: list[tuple[str, int]] = [*MESSAGE_SIZE_OPTIONS, *RECONNECT_OPTIONS]
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvtransfer.channel import CHANNEL_OPTIONS
+# CHANNEL_OPTIONS is re-exported: the services' channels use kvtransfer's options.
+from kvtransfer.channel import CHANNEL_OPTIONS as CHANNEL_OPTIONS
+from kvtransfer.channel import MESSAGE_SIZE_OPTIONS
 from services.common.serve_control import current_control
 from services.common.tls import TlsConfig, add_port
 
 # Message-size limits are kvtransfer's (the largest messages): one definition for both.
-SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+SERVER_OPTIONS = [*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 @dataclass
