@@ -21,10 +21,11 @@ MESSAGE_SIZE_OPTIONS: list[tuple[str, int]] = [
 ]
 #: Peers inside a cluster restart in seconds (a crashed worker relaunched on its port).
 #: gRPC's default reconnect backoff grows from 1 s to 120 s, so a channel that saw the
-#: peer die could wait minutes to notice it is back; cap the wait at 1 s.
+#: peer die could wait minutes to notice it is back; cap the wait at 1 s. Not
+#: `min_reconnect_backoff_ms`: gRPC also uses it as the connect timeout, and a busy
+#: peer must not fail a connection attempt after 100 ms.
 RECONNECT_OPTIONS: list[tuple[str, int]] = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 CHANNEL_OPTIONS: list[tuple[str, int]] = [*MESSAGE_SIZE_OPTIONS, *RECONNECT_OPTIONS]

@@ -30,7 +30,7 @@ from aiohttp import web
 from engine.errors import InvalidRequestError
 from pdserve.v1 import gateway_pb2
 from services.gateway import openai_schema as oa
-from services.gateway.auth import AuthError
+from services.gateway.auth import AuthError, Principal
 from services.gateway.quota import QuotaExceeded
 from services.gateway.request_stream import StreamError
 from services.gateway.service import GatewayService, UnknownModelError
@@ -43,6 +43,7 @@ MAX_BODY_BYTES = 8 << 20
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+PRINCIPAL = web.RequestKey("principal", Principal)  # set by the auth middleware
 Messages = AsyncGenerator[gateway_pb2.GenerateResponse, None]
 
 
@@ -100,7 +101,7 @@ def _auth_middleware(service: GatewayService) -> Callable[..., Awaitable[web.Str
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
-            request["principal"] = service.access.authenticate(request.headers.items())
+            request[PRINCIPAL] = service.access.authenticate(request.headers.items())
         except AuthError as exc:
             denied = (403, "permission_error")
             status, kind = denied if exc.denied else (401, "authentication_error")
@@ -193,7 +194,7 @@ class HttpApi:
         # Closing the generator (on return, error or cancellation) cancels the request on
         # both workers and gives back the stream slot.
         async with contextlib.aclosing(
-            self.service.stream(oa.to_generate_request(req, request_id), request["principal"])
+            self.service.stream(oa.to_generate_request(req, request_id), request[PRINCIPAL])
         ) as messages:
             try:
                 first = await anext(messages)
