@@ -61,21 +61,20 @@ def _client(address: str, args: argparse.Namespace) -> Callable[[], GatewayClien
 
 
 async def stream_completion(
-    client: Callable[[], GatewayClient] | str,
+    client: Callable[[], GatewayClient],
     prompt: str,
     *,
     raw: bool,
     trace: bool = False,
     **sampling: object,
 ) -> int:
-    """Stream one completion to stdout; `client` is a client factory, or a plain address
-    (no key, no TLS)."""
+    """Stream one completion to stdout; `client` builds the client inside this loop."""
     request = build_request(
         prompt=prompt if raw else None,
         messages=None if raw else [("user", prompt)],
         **sampling,  # type: ignore[arg-type]
     )
-    async with GatewayClient(client) if isinstance(client, str) else client() as gateway:
+    async with client() as gateway:
         try:
             async for msg in gateway.generate(request):
                 sys.stdout.write(msg.text)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ def up_ray(args: argparse.Namespace) -> int:
     from services.cli.cluster import ClusterConfig
     from services.cli.cluster_cmd import stream_completion
     from services.common.telemetry_config import TelemetryConfig
+    from services.gateway.client import GatewayClient
     from services.ray.config import RayConfig
     from services.ray.launcher import RayCluster, connect, local_cpus
 
@@ -85,7 +87,12 @@ def up_ray(args: argparse.Namespace) -> int:
         print(f"pdserve cluster ready on Ray: gateway {address}{api}", file=sys.stderr)
         if args.generate:
             return asyncio.run(
-                stream_completion(address, args.generate, raw=False, max_tokens=args.max_tokens)
+                stream_completion(
+                    functools.partial(GatewayClient, address),
+                    args.generate,
+                    raw=False,
+                    max_tokens=args.max_tokens,
+                )
             )
         signal.sigwait({signal.SIGINT, signal.SIGTERM})
         return 0
