@@ -2,11 +2,12 @@
 
 Lifecycle of one step: `schedule()` first gives every RUNNING request its next tokens (one
 for a decode, up to the remaining token budget for a prefill chunk), growing its block
-table as needed; decodes are served before any prefill chunk takes the rest, and while
-requests wait a chunk gets at most half the budget, so a long prompt starves neither the
-running streams nor the short prompts behind it. If the pool runs dry it preempts the
-lowest-priority running request (the most recently admitted) by recompute: its blocks
-are freed and it goes back to the head of the queue, keeping its output tokens. Then, if
+table as needed; decodes are served before any prefill chunk takes the rest, and prefill
+chunks go fewest-remaining-tokens first (see `_schedule_running` for the guards), so a
+long prompt starves neither the running streams nor the short prompts behind it. If the
+pool runs dry it preempts the lowest-priority running request (the most recently
+admitted) by recompute: its blocks are freed and it goes back to the head of the queue,
+keeping its output tokens. Then, if
 nothing was preempted, it admits WAITING requests in arrival order while the budget,
 `max_num_seqs` and free blocks allow, reusing cached prefix blocks. After the model runs,
 the engine calls `advance` for each scheduled request (which publishes newly full blocks
@@ -86,37 +87,53 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        # While requests wait, one running prefill chunk may take at most half the budget:
-        # otherwise a long prompt holds the whole budget step after step and a short
-        # prompt behind it waits for all of it (its TTFT would include the long prefill).
+        """Place every RUNNING request's next tokens; returns the budget left for admission.
+
+        Decodes come first whatever their place in the list: running streams never stall
+        behind a prompt (their inter-token latency would include all of it). Prefill
+        chunks follow, the fewest remaining tokens first: a chat prompt admitted next to
+        a 4k-token one finishes in a step or two instead of waiting for all of it, which
+        costs the long prompt little (its TTFT is long anyway). It cannot starve: while
+        requests wait a chunk takes at most half the budget, and admission only gets
+        what the running requests leave, so a new prompt joins only in a step where the
+        long one got its chunk, and the prompts ahead of it only ever finish.
+        """
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for req in self.running:
+            (decodes if _remaining(req) == 1 else prefills).append(req)
+        for req in decodes:
+            if req.status is not RequestStatus.RUNNING:
+                continue  # already preempted to make room for an earlier request
+            if budget - batch.num_tokens <= 0 or not self._place(batch, req, 1):
+                return budget - batch.num_tokens
         admissible = self.waiting and len(self.running) < self.config.max_num_seqs
-        chunk_cap = max(1, self.config.max_num_batched_tokens // 2) if admissible else budget
-        # Decodes come first whatever their place in the list: a prefill chunk ahead of
-        # them takes only what their single tokens leave, so running streams never stall
-        # behind a long prompt (their inter-token latency would include all of it).
-        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            remaining = req.num_tokens - req.num_computed_tokens
-            if remaining == 1:
-                decodes_left -= 1
-                n = 1
-            else:
-                n = min(remaining, budget - decodes_left, chunk_cap)
-                if n <= 0:
-                    i += 1
-                    continue
-            while not self._grow(req, req.num_computed_tokens + n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                batch.preempted.append(victim)
-                if victim is req:
-                    return budget
-            self._add_to_batch(batch, req, n)
-            budget -= n
-            i += 1
-        return budget
+        chunk_cap = max(1, budget // 2) if admissible else budget
+        for req in sorted(prefills, key=_remaining):
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            n = min(_remaining(req), budget - batch.num_tokens, chunk_cap)
+            if n > 0 and not self._place(batch, req, n):
+                break
+        return budget - batch.num_tokens
+
+    def _place(self, batch: ScheduledBatch, req: Request, n: int) -> bool:
+        """Grow `req` by `n` tokens and schedule it, preempting from the back when short.
+
+        Preemption takes the most recently admitted request, which may already be in this
+        batch (prefills are placed out of list order): it is taken out again. False when
+        `req` itself had to go.
+        """
+        while not self._grow(req, req.num_computed_tokens + n):
+            victim = self.running.pop()
+            batch.decodes = [r for r in batch.decodes if r is not victim]
+            batch.prefills = [(r, k) for r, k in batch.prefills if r is not victim]
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is req:
+                return False
+        self._add_to_batch(batch, req, n)
+        return True
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -235,3 +252,8 @@ class Scheduler:
     def release_blocks(self, req: Request) -> None:
         self.pool.free(reversed(req.block_ids))
         req.block_ids = []
+
+
+def _remaining(req: Request) -> int:
+    """Tokens `req` still has to compute before its next sample (1 for a decode)."""
+    return req.num_tokens - req.num_computed_tokens

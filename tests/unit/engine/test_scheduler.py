@@ -690,3 +690,46 @@ def test_a_long_prefill_neither_starves_new_prompts_nor_running_decodes() -> Non
     assert_complete(long)
     assert_complete(short)
     sim.assert_no_leaks()
+
+
+def test_an_admitted_short_prompt_finishes_before_the_long_one_takes_the_budget() -> None:
+    sim = make_sim(num_blocks=300, budget=512)
+    long = make_req("long", range(3000), max_tokens=2)
+    sim.add(long)
+    sim.step()
+    short = make_req("short", range(5000, 5400), max_tokens=2)  # more than half a budget
+    sim.add(short)
+    assert sim.step().prefills == [(long, 256), (short, 256)]
+    # Nobody waits now. Before fewest-remaining-first, the long prompt (first in the
+    # running list) took the whole budget and the short one sat out its whole prefill.
+    batch = sim.step()
+    assert batch.prefills == [(short, 144), (long, 368)]
+    assert len(short.output_token_ids) == 1
+    sim.run()
+    assert_complete(long)
+    assert_complete(short)
+    sim.assert_no_leaks()
+
+
+def test_preempting_a_request_already_placed_this_step_takes_it_out_of_the_batch() -> None:
+    sim = make_sim(num_blocks=8, block_size=4, budget=8)
+    long = make_req("long", range(100, 128), max_tokens=1)  # 7 blocks, 4 steps of 8
+    sim.add(long)
+    sim.step()
+    dec = make_req("dec", range(4), max_tokens=12)  # admitted after long: the victim
+    sim.add(dec)
+    preempted_while_decoding = 0
+    while sim.sched.has_work():
+        decoding = dec.status is RequestStatus.RUNNING and dec.num_computed_tokens >= 4
+        batch = sim.step()
+        placed = [r for r, _ in batch.items]
+        for victim in batch.preempted:
+            assert victim not in placed, "a preempted request was still run"
+            preempted_while_decoding += victim is dec and decoding
+        assert len(placed) == len(set(map(id, placed)))
+    # dec's decode is placed before long's chunk, then taken back out when long's
+    # chunk needs its block.
+    assert preempted_while_decoding >= 1
+    assert_complete(dec)
+    assert_complete(long)
+    sim.assert_no_leaks()
