@@ -93,10 +93,11 @@ class Scheduler:
         behind a prompt (their inter-token latency would include all of it). Prefill
         chunks follow, the fewest remaining tokens first: a chat prompt admitted next to
         a 4k-token one finishes in a step or two instead of waiting for all of it, which
-        costs the long prompt little (its TTFT is long anyway). It cannot starve: while
-        requests wait a chunk takes at most half the budget, and admission only gets
-        what the running requests leave, so a new prompt joins only in a step where the
-        long one got its chunk, and the prompts ahead of it only ever finish.
+        costs the long prompt little (its TTFT is long anyway). While requests wait, the
+        running prefills take at most half the budget between them, so a new prompt is
+        admitted within a step or two however many long prompts are in flight. Neither
+        starves the other: admission gets only what running requests leave, and the
+        prompts ahead of a long one in the order only ever finish.
         """
         decodes: list[Request] = []
         prefills: list[Request] = []
@@ -108,11 +109,13 @@ class Scheduler:
             if budget - batch.num_tokens <= 0 or not self._place(batch, req, 1):
                 return budget - batch.num_tokens
         admissible = self.waiting and len(self.running) < self.config.max_num_seqs
-        chunk_cap = max(1, budget // 2) if admissible else budget
+        # Running prefills together leave half the budget to admission while requests
+        # wait: two long prompts in flight would otherwise hold every step between them.
+        ceiling = budget - (budget // 2 if admissible else 0)
         for req in sorted(prefills, key=_remaining):
             if req.status is not RequestStatus.RUNNING:
                 continue
-            n = min(_remaining(req), budget - batch.num_tokens, chunk_cap)
+            n = min(_remaining(req), ceiling - batch.num_tokens)
             if n > 0 and not self._place(batch, req, n):
                 break
         return budget - batch.num_tokens

@@ -733,3 +733,23 @@ def test_preempting_a_request_already_placed_this_step_takes_it_out_of_the_batch
     assert_complete(dec)
     assert_complete(long)
     sim.assert_no_leaks()
+
+
+def test_two_long_prefills_in_flight_leave_half_the_budget_to_a_waiting_prompt() -> None:
+    sim = make_sim(num_blocks=600, budget=512)
+    a = make_req("a", range(3000), max_tokens=2)
+    b = make_req("b", range(10_000, 13_000), max_tokens=2)
+    sim.add(a, b)
+    sim.step()  # a takes the whole budget, b waits
+    sim.step()  # a's share and b's admission
+    assert {r.request_id for r in sim.sched.running} == {"a", "b"}
+    chat = make_req("chat", range(20_000, 20_060), max_tokens=2)
+    sim.add(chat)
+    batch = sim.step()
+    # Before, each long prefill took its half and the chat waited for one to finish.
+    assert sum(n for r, n in batch.prefills if r is not chat) <= 256
+    assert (chat, 60) in batch.prefills
+    sim.run()
+    for r in (a, b, chat):
+        assert_complete(r)
+    sim.assert_no_leaks()
