@@ -11,7 +11,7 @@ the cluster. `headline_report` then derives each deployment's capacity (the high
 holding the attainment target), the ratio, the markdown and the plots. Results are
 rewritten after each deployment, so an interrupted run keeps what it measured.
 
-Full run: `python -m loadtest.headline` (about 1.5 hours on the 2-core host);
+Full run: `python -m loadtest.headline` (about 40 minutes on the 2-core host);
 `make bench` runs a short sweep.
 """
 
