@@ -47,7 +47,7 @@ bench: model
 	# 2,000 requests, 10% cancelled, then leak and RSS accounting (about 3 minutes)
 	$(BIN)/python -m loadtest.soak --out bench-results/soak.json
 	# the headline, short (about 10 minutes); the full sweep is `python -m loadtest.headline`
-	$(BIN)/python -m loadtest.headline --out-dir bench-results --rates 0.1,0.2 \
+	$(BIN)/python -m loadtest.headline --out-dir bench-results --rates 0.3,0.5 \
 		--num-requests 12 --duration-s 60 --long-fraction 0.2 --long-prompt-tokens 1024-2048 \
 		--short-num-requests 20 --short-duration-s 40
 

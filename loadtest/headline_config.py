@@ -26,11 +26,11 @@ from loadtest.metrics import Slo
 @dataclass(frozen=True)
 class HeadlineConfig:
     rates: str = field(
-        default="0.3,0.35,0.4,0.45,0.5,0.55,0.6",
+        default="0.2,0.25,0.3,0.35,0.4,0.45,0.5,0.55",
         metadata={"help": "arrival rates of the long-prompt mix (req/s), comma-separated"},
     )
-    num_requests: int = field(default=50, metadata={"help": "most requests per rate"})
-    duration_s: float = field(default=200.0, metadata={"help": "stop issuing a rate after"})
+    num_requests: int = field(default=40, metadata={"help": "most requests per rate"})
+    duration_s: float = field(default=150.0, metadata={"help": "stop issuing a rate after"})
     request_timeout_s: float = field(
         default=120.0, metadata={"help": "client deadline of one stream (a miss when hit)"}
     )
@@ -43,7 +43,7 @@ class HeadlineConfig:
     short_rate: float = field(
         default=0.5, metadata={"help": "arrival rate of the short-prompt-only (chat) point"}
     )
-    short_num_requests: int = field(default=50, metadata={"help": "requests of that point"})
+    short_num_requests: int = field(default=40, metadata={"help": "requests of that point"})
     short_duration_s: float = field(default=120.0, metadata={"help": "its time bound"})
     ttft_slo_ms: float = field(default=2000.0, metadata={"help": "TTFT SLO, fixed part"})
     ttft_slo_ms_per_token: float = field(
