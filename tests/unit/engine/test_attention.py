@@ -1,0 +1,70 @@
+"""TorchAttention's prefill path on a small paged cache, against plain causal attention.
+
+The fused-kernel check records the inputs torch's SDPA receives: CPU SDPA takes its
+flash kernel only for 4-D inputs and silently falls back to the math path (every score
+materialised; a 4k-token prompt 2-3x slower) for 3-D ones, which no output would show.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import attention
+from engine.attention import AttentionMetadata, TorchAttention
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention of queries at positions start.. over keys 0..len(k)-1, by hand."""
+    group = HEADS // KV_HEADS
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5
+    qpos = torch.arange(start, start + q.shape[0])[:, None]
+    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > qpos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("context", [0, 6])  # a first chunk, and a later one
+def test_prefill_chunk_matches_causal_attention_on_4d_inputs(
+    monkeypatch: pytest.MonkeyPatch, context: int
+) -> None:
+    torch.manual_seed(0)
+    qlen = 5
+    seq_len = context + qlen
+    nblocks = -(-seq_len // BLOCK)
+    blocks = torch.tensor([3, 1, 0][:nblocks])  # scattered on purpose
+    k_all = torch.randn(seq_len, KV_HEADS, HEAD_DIM)
+    v_all = torch.randn(seq_len, KV_HEADS, HEAD_DIM)
+    k_cache = torch.zeros(4, BLOCK, KV_HEADS, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+    for pos in range(seq_len):
+        k_cache[blocks[pos // BLOCK], pos % BLOCK] = k_all[pos]
+        v_cache[blocks[pos // BLOCK], pos % BLOCK] = v_all[pos]
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        query_start_loc=torch.tensor([0, qlen], dtype=torch.int32),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+        block_table=blocks[None].to(torch.int32),
+        num_decodes=0,
+        max_query_len=qlen,
+        max_seq_len=seq_len,
+        query_lens_host=[qlen],
+        seq_lens_host=[seq_len],
+    )
+    backend = TorchAttention()
+    meta.plan = backend.plan(meta, BLOCK, torch.device("cpu"))
+    seen: list[int] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording_sdpa(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(q.dim())
+        return sdpa(q, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording_sdpa)
+    q = torch.randn(qlen, HEADS, HEAD_DIM)
+    out = backend.attend(q, k_cache, v_cache, meta)
+    torch.testing.assert_close(out, _reference(q, k_all, v_all, context), atol=1e-5, rtol=1e-5)
+    assert seen == [4], "prefill SDPA must get 4-D inputs (3-D takes the slow math path)"
