@@ -7,12 +7,11 @@ chunks go fewest-remaining-tokens first (see `_schedule_running` for the guards)
 long prompt starves neither the running streams nor the short prompts behind it. If the
 pool runs dry it preempts the lowest-priority running request (the most recently
 admitted) by recompute: its blocks are freed and it goes back to the head of the queue,
-keeping its output tokens. Then, if
-nothing was preempted, it admits WAITING requests in arrival order while the budget,
-`max_num_seqs` and free blocks allow, reusing cached prefix blocks. After the model runs,
-the engine calls `advance` for each scheduled request (which publishes newly full blocks
-to the prefix cache) and `finish` when a request stops. Nothing here runs the model or
-samples.
+keeping its output tokens. Then, if nothing was preempted, it admits WAITING requests in
+arrival order while the budget, `max_num_seqs` and free blocks allow, reusing cached
+prefix blocks. After the model runs, the engine calls `advance` for each scheduled
+request (which publishes newly full blocks to the prefix cache) and `finish` when a
+request stops. Nothing here runs the model or samples.
 """
 
 from __future__ import annotations
@@ -145,7 +144,7 @@ class Scheduler:
             # already holds its prompt's blocks and must keep them if it has to wait.
             claimed = not req.block_ids
             hits = self._claim_prefix(req) if claimed else []
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(_remaining(req), budget)
             if not self._grow(req, req.num_computed_tokens + n):
                 if claimed:
                     self._unclaim_prefix(req, hits)
