@@ -7,6 +7,14 @@ in a loop while `has_unfinished()`; each step first applies queued aborts (freei
 requests' blocks at once) and adds, then schedules, runs the model, samples and returns
 per-request outputs. `close()` is not needed: the engine owns only memory.
 
+Other threads never wait behind a step for longer than the step in flight: work that must
+not race the scheduler goes through `run_or_defer` (runs now if no step holds the lock,
+else at the start of the next step; never waits: for callers on an event loop) or
+`between_steps` (the same, but waits for and returns the result). A thread that simply
+contended for the lock could lose it to the stepping thread step after step, and on a
+prefill worker one step of a long prompt lasts seconds. `stats()` never waits either: when
+a step is running it returns the snapshot taken at the end of the last one.
+
 KV hand-off (`engine.handoff`, see `kv_handoff.py`): a prefill engine finishes a request added with
 `hold_kv=True` and keeps its blocks pinned until `handoff.release_held`; a decode engine
 reserves blocks with `handoff.reserve_import`, has them filled from outside, then
@@ -19,7 +27,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import TypeVar
 
 import torch
 
@@ -43,6 +53,8 @@ from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class LLMEngine:
@@ -80,12 +92,14 @@ class LLMEngine:
         self.stop_checker = StopChecker(self.tokenizer, eos, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.handoff = KvHandoff(self)
-        # `lock` serialises steps with the hand-off calls; `_inbox_lock` only guards the
-        # queues, so add/abort never wait for a step to finish.
+        # `lock` is held for a whole step; `_inbox_lock` only guards the queues, so
+        # add/abort and deferred calls never wait for a step to finish.
         self.lock = threading.RLock()
         self._inbox_lock = threading.Lock()
         self._inbox_add: list[Request] = []
         self._inbox_abort: list[str] = []
+        self._inbox_calls: list[Callable[[], None]] = []
+        self._last_stats = self._collect_stats()
         log.info(
             "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token), model %s",
             num_blocks,
@@ -146,6 +160,59 @@ class LLMEngine:
         with self._inbox_lock:
             self._inbox_abort.append(request_id)
 
+    def run_or_defer(self, fn: Callable[[], None]) -> None:
+        """Run `fn` under the engine lock: now if no step holds it, else first thing in the
+        next step. Never waits, so an event loop may call it; `fn`'s errors are logged."""
+        if self.lock.acquire(blocking=False):
+            try:
+                _logged(fn)
+            finally:
+                self.lock.release()
+            return
+        with self._inbox_lock:
+            self._inbox_calls.append(lambda: _logged(fn))
+
+    def between_steps(self, fn: Callable[[], T]) -> T:
+        """Run `fn` under the engine lock and return its result (or raise its error).
+
+        Waits at most for the step in flight: the stepping thread runs queued calls first
+        thing in its next step. If no thread is stepping (none started, or stopped), the
+        caller runs `fn` itself as soon as the lock is free.
+        """
+        if self.lock.acquire(blocking=False):
+            try:
+                return fn()
+            finally:
+                self.lock.release()
+        done: Future[T] = Future()
+
+        def call() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as exc:  # handed to the waiting caller
+                done.set_exception(exc)
+
+        with self._inbox_lock:
+            self._inbox_calls.append(call)
+        while True:
+            try:
+                return done.result(timeout=0.05)
+            except TimeoutError:
+                self._run_if_still_queued(call)
+
+    def _run_if_still_queued(self, call: Callable[[], None]) -> None:
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            with self._inbox_lock:
+                queued = call in self._inbox_calls
+                if queued:
+                    self._inbox_calls.remove(call)
+            if queued:
+                call()
+        finally:
+            self.lock.release()
+
     def new_request(
         self,
         request_id: str | None,
@@ -175,34 +242,43 @@ class LLMEngine:
     # -- stepping ----------------------------------------------------------------
     def has_unfinished(self) -> bool:
         with self._inbox_lock:
-            if self._inbox_add or self._inbox_abort:
+            if self._inbox_add or self._inbox_abort or self._inbox_calls:
                 return True
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
         """One scheduling + model step. Call from a single thread."""
         with self.lock:
-            outputs = self._drain_inbox()
-            batch = self.scheduler.schedule()
-            if batch.empty:
-                return outputs
-            result = self.runner.execute(batch)
-            for req, n in batch.items:
-                self.scheduler.advance(req, n)
-            if result.sampling_requests:
-                tokens = sample(
-                    result.logits,
-                    [r.sampling for r in result.sampling_requests],
-                    [r.generator for r in result.sampling_requests],
-                )
-                for req, token in zip(result.sampling_requests, tokens, strict=True):
-                    outputs.append(self._append_token(req, token))
+            outputs = self._run_batch(self._drain_inbox())
+            self._last_stats = self._collect_stats()
             return outputs
+
+    def _run_batch(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return outputs
+        result = self.runner.execute(batch)
+        for req, n in batch.items:
+            self.scheduler.advance(req, n)
+        if result.sampling_requests:
+            tokens = sample(
+                result.logits,
+                [r.sampling for r in result.sampling_requests],
+                [r.generator for r in result.sampling_requests],
+            )
+            for req, token in zip(result.sampling_requests, tokens, strict=True):
+                outputs.append(self._append_token(req, token))
+        return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._inbox_lock:
+            calls, self._inbox_calls = self._inbox_calls, []
             adds, self._inbox_add = self._inbox_add, []
             aborts, self._inbox_abort = self._inbox_abort, []
+        # Deferred calls first: releases free blocks and commits queue imports before
+        # this step schedules.
+        for call in calls:
+            call()
         for req in adds:
             self.requests[req.request_id] = req
             self.scheduler.add(req)
@@ -247,28 +323,36 @@ class LLMEngine:
 
     # -- observability -----------------------------------------------------------
     def stats(self) -> EngineStats:
-        with self.lock:
-            p = self.pool.stats()
-            sched = self.scheduler
-            held_blocks, importing_blocks = self.handoff.blocks()
-            return EngineStats(
-                total_blocks=p.total,
-                free_blocks=p.free,
-                used_blocks=p.used,
-                cached_blocks=p.cached,
-                held_blocks=held_blocks,
-                importing_blocks=importing_blocks,
-                running=len(sched.running),
-                waiting=len(sched.waiting),
-                held_requests=len(self.handoff.held),
-                importing_requests=len(self.handoff.importing),
-                prefix_hit_tokens=sched.prefix_hit_tokens,
-                prefix_query_tokens=sched.prefix_query_tokens,
-                num_preemptions=sched.num_preemptions,
-                kv_bytes_per_token=self.layout.bytes_per_token,
-                kv_pool_bytes=p.total * self.layout.bytes_per_block,
-                block_size=self.config.block_size,
-            )
+        """Current counts, or those at the end of the last step while one is running."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self._last_stats = self._collect_stats()
+            finally:
+                self.lock.release()
+        return self._last_stats
+
+    def _collect_stats(self) -> EngineStats:
+        p = self.pool.stats()
+        sched = self.scheduler
+        held_blocks, importing_blocks = self.handoff.blocks()
+        return EngineStats(
+            total_blocks=p.total,
+            free_blocks=p.free,
+            used_blocks=p.used,
+            cached_blocks=p.cached,
+            held_blocks=held_blocks,
+            importing_blocks=importing_blocks,
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            held_requests=len(self.handoff.held),
+            importing_requests=len(self.handoff.importing),
+            prefix_hit_tokens=sched.prefix_hit_tokens,
+            prefix_query_tokens=sched.prefix_query_tokens,
+            num_preemptions=sched.num_preemptions,
+            kv_bytes_per_token=self.layout.bytes_per_token,
+            kv_pool_bytes=p.total * self.layout.bytes_per_block,
+            block_size=self.config.block_size,
+        )
 
     # -- convenience for tests, benchmarks and the CLI ----------------------------
     def generate(
@@ -283,3 +367,10 @@ class LLMEngine:
                 if o.request_id in out:
                     out[o.request_id].extend(o.new_token_ids)
         return [out[rid] for rid in ids]
+
+
+def _logged(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception:
+        log.exception("deferred engine call failed")
