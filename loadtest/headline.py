@@ -1,15 +1,17 @@
 """The headline benchmark: disaggregated (1 prefill + 1 decode worker) against colocated
 (2 mixed workers), one CPU core per worker, same router, model and workload.
 
-Lifecycle: `run_headline(cfg, traffic, model)` loads the tokenizer, then for each
-deployment in turn starts a `LocalCluster` (embedded Redis, router placement, workers
-pinned to a core each with one torch thread), sends a few unmeasured requests, sweeps the
-arrival rate of the long-prompt interference mix (Poisson; identical request sequences
-and arrival gaps for both deployments; rates above one whose attainment fell under
-`stop_below_attainment` are skipped), runs one short-prompt-only (chat) point, and stops
-the cluster. `headline_report` then derives each deployment's capacity (the highest rate
-holding the attainment target), the ratio, the markdown and the plots. Results are
-rewritten after each deployment, so an interrupted run keeps what it measured.
+Lifecycle: `run_headline(cfg, traffic, model)` loads the tokenizer, starts both
+deployments as `LocalCluster`s (embedded Redis, router placement, workers pinned to a
+core each with one torch thread), sends each a few unmeasured requests, then sweeps the
+arrival rate of the long-prompt interference mix with the two taking turns at every
+rate (Poisson; identical request sequences and arrival gaps for both; who goes first
+alternates; a deployment skips the rates above one whose attainment fell under
+`stop_below_attainment`), runs one short-prompt-only (chat) point on each, and stops
+both clusters. Only one deployment carries load at a time. `headline_report` then
+derives each deployment's capacity (the highest rate holding the attainment target),
+the ratio, the markdown and the plots. Results are rewritten after every rate, so an
+interrupted run keeps what it measured.
 
 Full run: `python -m loadtest.headline` (about 40 minutes on the 2-core host);
 `make bench` runs a short sweep.
@@ -76,64 +78,87 @@ async def _point(
     )
 
 
-async def _sweep(
-    result: SystemResult, address: str, cfg: HeadlineConfig, mix: TrafficConfig, synth: TextSynth
-) -> None:
-    def pace(rate: float, seed: int, n_s: float) -> Pace:
-        return Pace(
-            "poisson",
-            rate=rate,
-            duration_s=n_s,
-            request_timeout_s=cfg.request_timeout_s,
-            seed=seed,
-            progress=cfg.progress,
-            label=f"{result.name} {rate:g}/s",
-        )
+def _pace(name: str, rate: float, seed: int, duration_s: float, cfg: HeadlineConfig) -> Pace:
+    return Pace(
+        "poisson",
+        rate=rate,
+        duration_s=duration_s,
+        request_timeout_s=cfg.request_timeout_s,
+        seed=seed,
+        progress=cfg.progress,
+        label=f"{name} {rate:g}/s",
+    )
 
-    if cfg.warmup_requests:
-        warm = Pace(
-            "closed",
-            concurrency=1,
-            duration_s=cfg.request_timeout_s,
-            request_timeout_s=cfg.request_timeout_s,
-            progress=False,
-        )
-        await run_point(address, make_requests(mix, synth, cfg.warmup_requests, stream=0), warm)
+
+async def _warm(address: str, cfg: HeadlineConfig, mix: TrafficConfig, synth: TextSynth) -> None:
+    if not cfg.warmup_requests:
+        return
+    warm = Pace(
+        "closed",
+        concurrency=1,
+        duration_s=cfg.request_timeout_s,
+        request_timeout_s=cfg.request_timeout_s,
+        progress=False,
+    )
+    await run_point(address, make_requests(mix, synth, cfg.warmup_requests, stream=0), warm)
+
+
+class _Deployment:
+    """One running cluster, its results so far, and the time its points took."""
+
+    def __init__(self, result: SystemResult, address: str) -> None:
+        self.result = result
+        self.address = address
+        self.stopped = False  # attainment fell under stop_below_attainment
+
+    async def measure(
+        self, label: str, requests: Sequence[BenchRequest], pace: Pace, cfg: HeadlineConfig
+    ) -> PointResult:
+        t0 = time.perf_counter()
+        point = await _point(self.address, label, requests, pace, cfg)
+        self.result.wall_s += time.perf_counter() - t0
+        return point
+
+
+def _turns(deployments: list[_Deployment], i: int) -> list[_Deployment]:
+    """Who runs the i-th point first alternates, so a drift in the shared host's speed
+    (it moves by tens of percent within an hour) falls on both deployments alike."""
+    return deployments if i % 2 == 0 else deployments[::-1]
+
+
+async def _interleaved(
+    deployments: list[_Deployment],
+    cfg: HeadlineConfig,
+    mix: TrafficConfig,
+    synth: TextSynth,
+    results: HeadlineResults,
+) -> None:
+    for d in deployments:
+        await _warm(d.address, cfg, mix, synth)
     rates = cfg.rate_list
     for i, rate in enumerate(rates):
         requests = make_requests(mix, synth, cfg.num_requests, stream=i + 1)
-        point = await _point(address, f"{rate:g}", requests, pace(rate, i, cfg.duration_s), cfg)
-        result.points.append(point)
-        if point.metrics.slo_attainment < cfg.stop_below_attainment:
-            result.skipped_rates = rates[i + 1 :]
-            break
+        for d in _turns(deployments, i):
+            if d.stopped:
+                continue
+            pace = _pace(d.result.name, rate, i, cfg.duration_s, cfg)
+            point = await d.measure(f"{rate:g}", requests, pace, cfg)
+            d.result.points.append(point)
+            if point.metrics.slo_attainment < cfg.stop_below_attainment:
+                d.stopped = True
+                d.result.skipped_rates = rates[i + 1 :]
+        write_outputs(results, plots=False)
     chat = replace(mix, workload="chat")
     requests = make_requests(chat, synth, cfg.short_num_requests, stream=SHORT_STREAM)
-    short_pace = pace(cfg.short_rate, SHORT_STREAM, cfg.short_duration_s)
-    result.short_only = await _point(address, f"chat {cfg.short_rate:g}", requests, short_pace, cfg)
-
-
-def run_system(
-    name: str, cfg: HeadlineConfig, mix: TrafficConfig, synth: TextSynth, model: ModelRef
-) -> SystemResult:
-    """Start the deployment, sweep it, stop it (whatever happens)."""
-    result = SystemResult(name, cluster_config(name, cfg, model))
-    t0 = time.perf_counter()
-    cluster = LocalCluster(result.cluster)
-    try:
-        address = cluster.start()
-        print(f"headline: {name} cluster up at {address}", file=sys.stderr)
-        asyncio.run(_sweep(result, address, cfg, mix, synth))
-    finally:
-        cluster.stop()
-    result.wall_s = time.perf_counter() - t0
-    points = [(p.rate, p.metrics.slo_attainment) for p in result.points]
-    result.capacity_rate, result.capacity_qualifier = max_rate_at(points, cfg.attainment_target)
-    return result
+    for d in _turns(deployments, len(rates)):
+        pace = _pace(d.result.name, cfg.short_rate, SHORT_STREAM, cfg.short_duration_s, cfg)
+        d.result.short_only = await d.measure(f"chat {cfg.short_rate:g}", requests, pace, cfg)
 
 
 def run_headline(cfg: HeadlineConfig, traffic: TrafficConfig, model: ModelRef) -> Path:
-    """Both deployments, then the report; returns the markdown path."""
+    """Both deployments up at once, rate points interleaved, then the report; returns the
+    markdown path. The idle cluster only polls (its workers wait on an event), so it
+    costs the measured one next to nothing."""
     synth = load_synth(model)
     mix = replace(traffic, workload="long_mix")
     results = HeadlineResults(
@@ -143,9 +168,21 @@ def run_headline(cfg: HeadlineConfig, traffic: TrafficConfig, model: ModelRef) -
         slo=cfg.slo,
         host_cpus=len(os.sched_getaffinity(0)),
     )
-    for name in SYSTEMS:
-        results.systems.append(run_system(name, cfg, mix, synth, model))
-        write_outputs(results, plots=False)
+    results.systems = [SystemResult(n, cluster_config(n, cfg, model)) for n in SYSTEMS]
+    clusters = [LocalCluster(r.cluster) for r in results.systems]
+    try:
+        deployments = []
+        for result, cluster in zip(results.systems, clusters, strict=True):
+            address = cluster.start()
+            print(f"headline: {result.name} cluster up at {address}", file=sys.stderr)
+            deployments.append(_Deployment(result, address))
+        asyncio.run(_interleaved(deployments, cfg, mix, synth, results))
+    finally:
+        for cluster in clusters:
+            cluster.stop()
+    for result in results.systems:
+        points = [(p.rate, p.metrics.slo_attainment) for p in result.points]
+        result.capacity_rate, result.capacity_qualifier = max_rate_at(points, cfg.attainment_target)
     return write_outputs(results, plots=True)
 
 
