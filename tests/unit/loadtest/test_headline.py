@@ -1,0 +1,128 @@
+"""The headline's turn-taking and report, with the clusters' points stood in for.
+
+`_Deployment.measure` is the one seam: the stand-in returns a point of a chosen
+attainment and records who ran when, so the order, the stop rule and the written report
+are checked without starting four workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from loadtest.bench import ModelRef, load_synth
+from loadtest.headline import SYSTEMS, _Deployment, _interleaved, cluster_config
+from loadtest.headline_config import HeadlineConfig
+from loadtest.headline_report import HeadlineResults, SystemResult, write_outputs
+from loadtest.metrics import RequestRecord, max_rate_at, summarize
+from loadtest.report import PointResult
+from loadtest.request_spec import BenchRequest
+from loadtest.runner import Pace
+from loadtest.traffic import TrafficConfig
+
+# attainment of each deployment at each rate of the sweep below
+ATTAINMENT = {
+    "disaggregated": {0.2: 1.0, 0.3: 1.0, 0.4: 0.8, 0.5: 0.4},
+    "colocated": {0.2: 1.0, 0.3: 0.3, 0.4: 1.0, 0.5: 1.0},
+}
+
+
+def _records(n: int, attainment: float, rate: float) -> list[RequestRecord]:
+    """n requests, the first round(n * attainment) inside the SLO, the rest 1 s apart
+    between tokens (an inter-token miss)."""
+    good = round(n * attainment)
+    return [
+        RequestRecord(
+            f"r{i}",
+            "chat",
+            sent_s=i / rate,
+            first_token_s=i / rate + 0.3,
+            finished_s=i / rate + 2.0,
+            token_gaps_s=[0.08 if i < good else 1.0] * 10,
+            prompt_tokens=200,
+            cached_tokens=64,
+            output_tokens=11,
+        )
+        for i in range(n)
+    ]
+
+
+class StandIn(_Deployment):
+    def __init__(self, result: SystemResult, log: list[tuple[str, str]]) -> None:
+        super().__init__(result, "127.0.0.1:1")
+        self.log = log
+
+    async def measure(
+        self, label: str, requests: Sequence[BenchRequest], pace: Pace, cfg: HeadlineConfig
+    ) -> PointResult:
+        self.log.append((self.result.name, label))
+        attained = ATTAINMENT[self.result.name].get(pace.rate, 1.0)
+        records = _records(len(requests), attained, pace.rate)
+        self.result.wall_s += 1.0
+        return PointResult(
+            label, "poisson", pace.rate, None, "2026-01-01T00:00:00+00:00",
+            summarize(records, cfg.slo), records,
+        )  # fmt: skip
+
+
+@pytest.fixture()
+def run(tmp_path: Path, model_dir: Path) -> tuple[HeadlineResults, list[tuple[str, str]]]:
+    cfg = HeadlineConfig(
+        rates="0.2,0.3,0.4,0.5", num_requests=10, short_num_requests=10, warmup_requests=0,
+        out_dir=tmp_path, progress=False,
+    )  # fmt: skip
+    model = ModelRef(str(model_dir), model_dir.parent)
+    mix = replace(TrafficConfig(), workload="long_mix")
+    results = HeadlineResults("2026-01-01T00:00:00+00:00", cfg, mix, cfg.slo, host_cpus=2)
+    results.systems = [SystemResult(n, cluster_config(n, cfg, model)) for n in SYSTEMS]
+    log: list[tuple[str, str]] = []
+    stand_ins = [StandIn(r, log) for r in results.systems]
+    asyncio.run(_interleaved(stand_ins, cfg, mix, load_synth(model), results))  # type: ignore[arg-type]
+    for r in results.systems:
+        r.capacity_rate, r.capacity_qualifier = max_rate_at(
+            [(p.rate, p.metrics.slo_attainment) for p in r.points], cfg.attainment_target
+        )
+    write_outputs(results, plots=True)
+    return results, log
+
+
+def test_deployments_take_turns_and_a_stopped_one_sits_out(
+    run: tuple[HeadlineResults, list[tuple[str, str]]],
+) -> None:
+    results, log = run
+    d, c = "disaggregated", "colocated"
+    # Who goes first alternates by rate; colocated fell under 0.5 at 0.3 and sat out the
+    # rest of the sweep, but still ran the chat-only point.
+    assert log == [(d, "0.2"), (c, "0.2"), (c, "0.3"), (d, "0.3"), (d, "0.4"), (d, "0.5"),
+                   (d, "chat 0.5"), (c, "chat 0.5")]  # fmt: skip
+    disagg, coloc = results.systems
+    assert [p.rate for p in coloc.points] == [0.2, 0.3]
+    assert coloc.skipped_rates == [0.4, 0.5]
+    assert disagg.skipped_rates == []  # it fell under 0.5 only at the last rate
+    assert disagg.short_only is not None and coloc.short_only is not None
+    assert disagg.wall_s == len(disagg.points) + 1
+
+
+def test_report_carries_capacities_ratio_and_plots(
+    run: tuple[HeadlineResults, list[tuple[str, str]]], tmp_path: Path
+) -> None:
+    results, _ = run
+    data = json.loads((tmp_path / "headline.json").read_text())
+    disagg, coloc = data["systems"]
+    # disaggregated holds 0.9 through 0.3 and drops to 0.8 at 0.4: crossing at 0.35;
+    # colocated holds at 0.2 and drops to 0.3 at 0.3: crossing at 0.2 + 0.1 * (0.1 / 0.7).
+    assert disagg["capacity_rate"] == pytest.approx(0.35)
+    assert coloc["capacity_rate"] == pytest.approx(0.2 + 0.1 / 7)
+    assert data["capacity_ratio"] == pytest.approx(0.35 / (0.2 + 0.1 / 7))
+    md = (tmp_path / "headline.md").read_text()
+    assert "disaggregated: 0.350 req/s" in md and "(target >= 1.5x: met)" in md
+    assert len(results.plots) == 4
+    for file in results.plots.values():
+        with Image.open(tmp_path / file) as img:
+            assert img.size[0] > 100 and img.size[1] > 100
