@@ -170,7 +170,7 @@ class LLMEngine:
                 self.lock.release()
             return
         with self._inbox_lock:
-            self._inbox_calls.append(lambda: _logged(fn))
+            self._inbox_calls.append(fn)
 
     def between_steps(self, fn: Callable[[], T]) -> T:
         """Run `fn` under the engine lock and return its result (or raise its error).
@@ -179,11 +179,6 @@ class LLMEngine:
         thing in its next step. If no thread is stepping (none started, or stopped), the
         caller runs `fn` itself as soon as the lock is free.
         """
-        if self.lock.acquire(blocking=False):
-            try:
-                return fn()
-            finally:
-                self.lock.release()
         done: Future[T] = Future()
 
         def call() -> None:
@@ -192,8 +187,7 @@ class LLMEngine:
             except BaseException as exc:  # handed to the waiting caller
                 done.set_exception(exc)
 
-        with self._inbox_lock:
-            self._inbox_calls.append(call)
+        self.run_or_defer(call)
         while True:
             try:
                 return done.result(timeout=0.05)
@@ -278,7 +272,7 @@ class LLMEngine:
         # Deferred calls first: releases free blocks and commits queue imports before
         # this step schedules.
         for call in calls:
-            call()
+            _logged(call)
         for req in adds:
             self.requests[req.request_id] = req
             self.scheduler.add(req)

@@ -15,6 +15,7 @@ import asyncio
 import datetime
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 from engine.model_store import resolve_model_dir
 from engine.tokenizer import Tokenizer
@@ -68,8 +69,18 @@ def point_paces(cfg: BenchConfig) -> list[tuple[str, Pace]]:
     ]
 
 
+class WarmupSettings(Protocol):
+    """What `warm_up` reads: BenchConfig and HeadlineConfig both have it."""
+
+    @property
+    def warmup_requests(self) -> int: ...
+
+    @property
+    def request_timeout_s(self) -> float: ...
+
+
 async def warm_up(
-    address: str, cfg: BenchConfig, traffic: TrafficConfig, synth: TextSynth
+    address: str, cfg: WarmupSettings, traffic: TrafficConfig, synth: TextSynth
 ) -> list[RequestRecord]:
     """Unmeasured requests one at a time: loads kernels and the first prefixes."""
     if not cfg.warmup_requests:

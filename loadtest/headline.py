@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from loadtest.bench import ModelRef, load_synth, now_iso
+from loadtest.bench import ModelRef, load_synth, now_iso, warm_up
 from loadtest.headline_config import HeadlineConfig
 from loadtest.headline_report import HeadlineResults, SystemResult, write_outputs
-from loadtest.metrics import max_rate_at, summarize
+from loadtest.metrics import summarize
 from loadtest.prompt_text import TextSynth
 from loadtest.report import PointResult
 from loadtest.request_spec import BenchRequest
@@ -90,19 +90,6 @@ def _pace(name: str, rate: float, seed: int, duration_s: float, cfg: HeadlineCon
     )
 
 
-async def _warm(address: str, cfg: HeadlineConfig, mix: TrafficConfig, synth: TextSynth) -> None:
-    if not cfg.warmup_requests:
-        return
-    warm = Pace(
-        "closed",
-        concurrency=1,
-        duration_s=cfg.request_timeout_s,
-        request_timeout_s=cfg.request_timeout_s,
-        progress=False,
-    )
-    await run_point(address, make_requests(mix, synth, cfg.warmup_requests, stream=0), warm)
-
-
 class _Deployment:
     """One running cluster, its results so far, and the time its points took."""
 
@@ -134,7 +121,7 @@ async def _interleaved(
     results: HeadlineResults,
 ) -> None:
     for d in deployments:
-        await _warm(d.address, cfg, mix, synth)
+        await warm_up(d.address, cfg, mix, synth)
     rates = cfg.rate_list
     for i, rate in enumerate(rates):
         requests = make_requests(mix, synth, cfg.num_requests, stream=i + 1)
@@ -180,9 +167,6 @@ def run_headline(cfg: HeadlineConfig, traffic: TrafficConfig, model: ModelRef) -
     finally:
         for cluster in clusters:
             cluster.stop()
-    for result in results.systems:
-        points = [(p.rate, p.metrics.slo_attainment) for p in result.points]
-        result.capacity_rate, result.capacity_qualifier = max_rate_at(points, cfg.attainment_target)
     return write_outputs(results, plots=True)
 
 

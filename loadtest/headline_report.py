@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest.headline_config import HeadlineConfig
-from loadtest.metrics import Slo
+from loadtest.metrics import Slo, max_rate_at
 from loadtest.plots import cdf_plot, curve_plot
 from loadtest.report import POINT_HEADER, PointResult, detail_lines, point_row, slo_text, write_json
 from loadtest.traffic import TrafficConfig
@@ -69,6 +69,12 @@ def _by_rate(system: SystemResult | None) -> dict[float, PointResult]:
 
 
 def derive(results: HeadlineResults) -> None:
+    """Capacities, per-rate comparisons and ratios from the points measured so far."""
+    for system in results.systems:
+        points = [(p.rate, p.metrics.slo_attainment) for p in system.points]
+        system.capacity_rate, system.capacity_qualifier = max_rate_at(
+            points, results.config.attainment_target
+        )
     named = {s.name: s for s in results.systems}
     dis, col = named.get("disaggregated"), named.get("colocated")
     d_points, c_points = _by_rate(dis), _by_rate(col)

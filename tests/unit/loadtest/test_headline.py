@@ -20,7 +20,7 @@ from loadtest.bench import ModelRef, load_synth
 from loadtest.headline import SYSTEMS, _Deployment, _interleaved, cluster_config
 from loadtest.headline_config import HeadlineConfig
 from loadtest.headline_report import HeadlineResults, SystemResult, write_outputs
-from loadtest.metrics import RequestRecord, max_rate_at, summarize
+from loadtest.metrics import RequestRecord, summarize
 from loadtest.report import PointResult
 from loadtest.request_spec import BenchRequest
 from loadtest.runner import Pace
@@ -84,11 +84,7 @@ def run(tmp_path: Path, model_dir: Path) -> tuple[HeadlineResults, list[tuple[st
     log: list[tuple[str, str]] = []
     stand_ins = [StandIn(r, log) for r in results.systems]
     asyncio.run(_interleaved(stand_ins, cfg, mix, load_synth(model), results))  # type: ignore[arg-type]
-    for r in results.systems:
-        r.capacity_rate, r.capacity_qualifier = max_rate_at(
-            [(p.rate, p.metrics.slo_attainment) for p in r.points], cfg.attainment_target
-        )
-    write_outputs(results, plots=True)
+    write_outputs(results, plots=True)  # derives the capacities
     return results, log
 
 
