@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from engine.linear_kernel import KERNELS
+
 DEFAULT_MODEL_CACHE = Path("~/.cache/pdserve/models")
 
 
@@ -38,7 +40,7 @@ class EngineConfig:
     )
     max_num_seqs: int = field(default=64, metadata={"help": "most requests running at once"})
     max_num_batched_tokens: int = field(
-        default=512, metadata={"help": "token budget per step (chunked prefill)"}
+        default=256, metadata={"help": "token budget per step (chunked prefill)"}
     )
     max_model_len: int | None = field(
         default=None, metadata={"help": "context length cap (default: the model's)"}
@@ -49,6 +51,10 @@ class EngineConfig:
         metadata={"help": "auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16"},
     )
     attention_backend: str = field(default="auto", metadata={"help": "auto, torch or flash"})
+    linear_kernel: str = field(
+        default="auto",
+        metadata={"help": "auto (onednn on CPU in float32, else torch), onednn or torch"},
+    )
     num_threads: int | None = field(
         default=None, metadata={"help": "torch CPU threads (default: torch's choice)"}
     )
@@ -68,6 +74,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch or flash, got {self.attention_backend}"
             )
+        if self.linear_kernel not in KERNELS:
+            raise ValueError(f"linear_kernel must be one of {KERNELS}, got {self.linear_kernel!r}")
 
     @property
     def torch_device(self) -> torch.device:

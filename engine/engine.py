@@ -39,6 +39,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache import KvLayout, allocate_kv_cache, blocks_for_budget
 from engine.kv_handoff import KvHandoff
+from engine.linear_kernel import pick_linear_kernel
 from engine.llama import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.model_spec import ModelSpec
@@ -70,7 +71,9 @@ class LLMEngine:
         self.spec = ModelSpec.from_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         device, dtype = config.torch_device, config.torch_dtype
-        self.model = LlamaModel(self.spec, dtype, device)
+        kernel = pick_linear_kernel(config.linear_kernel, device, dtype)
+        log.info("linear layers: %s kernel (%s, %s)", kernel.name, device, dtype)
+        self.model = LlamaModel(self.spec, dtype, device, kernel)
         self.model.load_weights(self.model_dir)
         self.layout = KvLayout.from_spec(self.spec, dtype, config.block_size, device)
         num_blocks = config.num_kv_blocks or blocks_for_budget(self.layout, config.kv_cache_bytes)

@@ -1,7 +1,8 @@
 """The Llama-family transformer (Llama, SmolLM2, Qwen2) over a paged KV cache.
 
-Lifecycle: `LlamaModel(spec, dtype, device)` builds empty weights; `load_weights(model_dir)`
-fills them from HF safetensors (fusing q/k/v and gate/up into single matmuls); then each
+Lifecycle: `LlamaModel(spec, dtype, device, kernel)` builds empty weights;
+`load_weights(model_dir)` fills them from HF safetensors (fusing q/k/v and gate/up into
+single matmuls, then handing each projection to the linear kernel to prepare); then each
 engine step calls `forward` on a flat batch of tokens, which writes the new K/V into the
 cache and returns hidden states, and `logits` on the rows that sample.
 """
@@ -9,6 +10,7 @@ cache and returns hidden states, and `logits` on the rows that sample.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,6 +19,7 @@ from safetensors.torch import load_file
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.errors import ModelNotFoundError
+from engine.linear_kernel import LinearKernel, LinearWeight, TorchLinear
 from engine.model_spec import ModelSpec, RopeScaling
 
 
@@ -57,11 +60,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaModel:
     """Weights plus the forward pass; holds no per-request state."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernel: LinearKernel | None = None,
+    ) -> None:
         self.spec = spec
         self.dtype = dtype
         self.device = device
-        self.weights: dict[str, torch.Tensor] = {}
+        self.kernel = kernel or TorchLinear()
+        self.weights: dict[str, torch.Tensor] = {}  # embeddings, norms, biases
+        self.linears: dict[str, LinearWeight] = {}  # the layers' projections, prepared
         inv = rope_inv_freq(spec)
         pos = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(pos, inv)
@@ -78,31 +89,45 @@ class LlamaModel:
         for path in files:
             raw.update(load_file(str(path)))
         self.weights = self._arrange(raw)
+        self.linears = {name: self.kernel.prepare(w) for name, w in self._fuse(raw).items()}
 
     def _arrange(self, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        take = self._taker(raw)
+        w: dict[str, torch.Tensor] = {"embed": take("model.embed_tokens.weight")}
+        for i in range(self.spec.num_layers):
+            p = f"model.layers.{i}."
+            if self.spec.qkv_bias:
+                w[f"{i}.qkv_b"] = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            w[f"{i}.in_norm"] = take(p + "input_layernorm.weight")
+            w[f"{i}.post_norm"] = take(p + "post_attention_layernorm.weight")
+        w["norm"] = take("model.norm.weight")
+        return w
+
+    def _fuse(self, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each layer's projections (q/k/v and gate/up fused into one matmul each) and the
+        LM head (the embeddings when tied)."""
+        take = self._taker(raw)
+        out: dict[str, torch.Tensor] = {}
+        for i in range(self.spec.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            out[f"{i}.qkv"] = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"])
+            out[f"{i}.o"] = take(a + "o_proj.weight")
+            out[f"{i}.gate_up"] = torch.cat(
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+            )
+            out[f"{i}.down"] = take(p + "mlp.down_proj.weight")
+        tied = self.spec.tie_word_embeddings or "lm_head.weight" not in raw
+        out["lm_head"] = take("model.embed_tokens.weight" if tied else "lm_head.weight")
+        return out
+
+    def _taker(self, raw: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
         def take(name: str) -> torch.Tensor:
             if name not in raw:
                 raise ModelNotFoundError(f"weight {name} missing from the safetensors files")
             return raw[name].to(device=self.device, dtype=self.dtype)
 
-        w: dict[str, torch.Tensor] = {"embed": take("model.embed_tokens.weight")}
-        for i in range(self.spec.num_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            w[f"{i}.qkv"] = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"])
-            if self.spec.qkv_bias:
-                w[f"{i}.qkv_b"] = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
-            w[f"{i}.o"] = take(a + "o_proj.weight")
-            w[f"{i}.gate_up"] = torch.cat(
-                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-            )
-            w[f"{i}.down"] = take(p + "mlp.down_proj.weight")
-            w[f"{i}.in_norm"] = take(p + "input_layernorm.weight")
-            w[f"{i}.post_norm"] = take(p + "post_attention_layernorm.weight")
-        w["norm"] = take("model.norm.weight")
-        tied = self.spec.tie_word_embeddings or "lm_head.weight" not in raw
-        w["lm_head"] = w["embed"] if tied else take("lm_head.weight")
-        return w
+        return take
 
     # -- forward -----------------------------------------------------------------
     def forward(
@@ -126,7 +151,7 @@ class LlamaModel:
         return _rms_norm(x, w["norm"], self.spec.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weights["lm_head"]).float()
+        return self.kernel.apply(hidden, self.linears["lm_head"]).float()
 
     def _attention(
         self,
@@ -140,7 +165,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         s = self.spec
         t = h.shape[0]
-        qkv = F.linear(h, self.weights[f"{i}.qkv"], self.weights.get(f"{i}.qkv_b"))
+        qkv = self.kernel.apply(h, self.linears[f"{i}.qkv"], self.weights.get(f"{i}.qkv_b"))
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, s.num_heads, s.head_dim)
@@ -152,8 +177,8 @@ class LlamaModel:
         k_cache.view(flat).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(flat).index_copy_(0, meta.slot_mapping, v.view(t, *flat[1:]))
         out = backend.attend(q, k_cache, v_cache, meta)
-        return F.linear(out.reshape(t, q_size), self.weights[f"{i}.o"])
+        return self.kernel.apply(out.reshape(t, q_size), self.linears[f"{i}.o"])
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, self.weights[f"{i}.gate_up"]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.weights[f"{i}.down"])
+        gate, up = self.kernel.apply(h, self.linears[f"{i}.gate_up"]).chunk(2, dim=-1)
+        return self.kernel.apply(F.silu(gate) * up, self.linears[f"{i}.down"])

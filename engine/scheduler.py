@@ -29,7 +29,7 @@ from engine.request import Request, RequestStatus
 class SchedulerConfig:
     block_size: int = 16
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
