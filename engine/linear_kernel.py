@@ -13,10 +13,10 @@ the weights reordered once into its blocked layout, 38, 63 and 76-84 ms. From ab
 rows on the two are even, and for prefill chunks (256-512 rows) oneDNN is 6-8% slower;
 so the packed copy serves steps of up to `ONEDNN_MAX_ROWS` rows and the plain weight the
 rest. The LM head gains most (10 rows: 30 ms plain, 16 ms packed). The price is memory:
-a second copy of the projection and LM-head weights (about 540 MB for SmolLM2-135M in
-float32); `linear_kernel torch` keeps one. Results differ from
-`F.linear` in the last bits of float32 (another summation order), as any change of batch
-shape already makes them.
+a second copy of the projection and LM-head weights (540 MB for SmolLM2-135M in
+float32; an engine's resident size grew by 760 MiB); `linear_kernel torch` keeps one.
+Results differ from `F.linear` in the last bits of float32 (another summation order),
+as any change of batch shape already makes them.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ batch 60-90 ms; since prefill attention takes torch's fused kernel, 3.2 and 5.2 
 - TTFT <= 2 s + 12 ms per prompt token: a chat prompt (200-450 tokens) gets 4.4-7.4 s,
   many times its own prefill; a 4k-token prompt gets 51 s, about 2.4x its prefill alone.
 - p90 of each request's inter-token gaps <= 250 ms: about 3x an unloaded decode step,
-  headroom for a shared machine, and far below one 512-token prefill chunk step
-  (1.7-3.5 s), which is what a colocated decode waits through when a long prompt lands
-  on its worker.
+  headroom for a shared machine, and far below one prefill chunk step (1.3-1.8 s at the
+  default 256-token budget, 1.7-3.5 s at 512), which is what a colocated decode waits
+  through when a long prompt lands on its worker.
 """
 
 from __future__ import annotations
