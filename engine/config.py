@@ -53,7 +53,7 @@ class EngineConfig:
     attention_backend: str = field(default="auto", metadata={"help": "auto, torch or flash"})
     linear_kernel: str = field(
         default="auto",
-        metadata={"help": "auto (onednn on CPU in float32, else torch), onednn or torch"},
+        metadata={"help": "auto (onednn on x86 CPUs in float32, else torch), onednn or torch"},
     )
     num_threads: int | None = field(
         default=None, metadata={"help": "torch CPU threads (default: torch's choice)"}

@@ -88,8 +88,10 @@ class LlamaModel:
         raw: dict[str, torch.Tensor] = {}
         for path in files:
             raw.update(load_file(str(path)))
-        self.weights = self._arrange(raw)
-        self.linears = {name: self.kernel.prepare(w) for name, w in self._fuse(raw).items()}
+        weights = self._arrange(raw)
+        projections = self._projections(raw, weights["embed"])
+        linears = {name: self.kernel.prepare(w) for name, w in projections.items()}
+        self.weights, self.linears = weights, linears  # both or neither, if loading fails
 
     def _arrange(self, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         take = self._taker(raw)
@@ -103,9 +105,11 @@ class LlamaModel:
         w["norm"] = take("model.norm.weight")
         return w
 
-    def _fuse(self, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _projections(
+        self, raw: dict[str, torch.Tensor], embed: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """Each layer's projections (q/k/v and gate/up fused into one matmul each) and the
-        LM head (the embeddings when tied)."""
+        LM head (`embed` itself when tied: one tensor, not a copy)."""
         take = self._taker(raw)
         out: dict[str, torch.Tensor] = {}
         for i in range(self.spec.num_layers):
@@ -118,7 +122,7 @@ class LlamaModel:
             )
             out[f"{i}.down"] = take(p + "mlp.down_proj.weight")
         tied = self.spec.tie_word_embeddings or "lm_head.weight" not in raw
-        out["lm_head"] = take("model.embed_tokens.weight" if tied else "lm_head.weight")
+        out["lm_head"] = embed if tied else take("lm_head.weight")
         return out
 
     def _taker(self, raw: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
