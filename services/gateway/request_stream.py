@@ -261,6 +261,12 @@ class RequestStream:
         return msg
 
     async def _cleanup(self) -> None:
+        # The load leases go back first and all at once: this task can be cancelled again
+        # while it cleans up (the client's RPC torn down), and a release skipped here would
+        # keep its workers' load counted until the lease TTL. Each release is shielded from
+        # that cancel (see RedisPlacement.release), so starting them all is enough.
+        decisions, self._decisions = self._decisions, []
+        releases = asyncio.gather(*(self.placement.release(d) for d in decisions))
         if self._unpulled is not None:
             address, rid = self._unpulled
             self._unpulled = None
@@ -269,5 +275,4 @@ class RequestStream:
                 await self.stubs[address].Abort(
                     worker_pb2.AbortRequest(request_id=rid), timeout=2.0
                 )
-        for decision in self._decisions:
-            await self.placement.release(decision)
+        await releases

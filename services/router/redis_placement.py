@@ -91,9 +91,13 @@ class RedisPlacement:
             asyncio.get_running_loop().run_in_executor(None, self.router.release, leases)
 
     async def release(self, decision: RouteDecision) -> None:
-        """Give back the decision's load leases; never raises on a dead Redis."""
+        """Give back the decision's load leases; never raises on a dead Redis.
+
+        Cancelling the caller does not cancel the release: a job still queued for the
+        thread pool would otherwise be dropped, and its leases counted until their TTL.
+        """
         if decision.load_lease_ids:
-            await asyncio.to_thread(self.router.release, decision.load_lease_ids)
+            await asyncio.shield(asyncio.to_thread(self.router.release, decision.load_lease_ids))
 
     def workers(self) -> list[WorkerRef]:
         return self.router.workers()

@@ -3,6 +3,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
@@ -118,3 +120,31 @@ def test_redis_placement_with_its_own_embedded_redis() -> None:
     assert pid is not None
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_cancelled_release_still_gives_the_load_back(client: redis.Redis, namespace: str) -> None:
+    """A release whose caller is cancelled while its job waits for a thread still runs
+    (cancelling the job would leave the load counted until the lease TTL)."""
+    register_pool(client, namespace, "prefill", 1)
+    register_pool(client, namespace, "decode", 1)
+    placement = RedisPlacement(make_router(client, namespace))
+    decision = placement.router.route("r", list(range(40)), "t")
+    blocker = threading.Event()
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        pool = ThreadPoolExecutor(max_workers=1)
+        loop.set_default_executor(pool)
+        busy = loop.run_in_executor(None, blocker.wait)  # the one thread is taken
+        releasing = asyncio.ensure_future(placement.release(decision))
+        await asyncio.sleep(0.05)  # the release job is queued behind `busy`
+        releasing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await releasing
+        blocker.set()
+        await busy
+        pool.shutdown(wait=True)  # runs what is still queued
+
+    asyncio.run(go())
+    ledger = placement.router.ledger
+    assert ledger.snapshot("prefill").counts == ledger.snapshot("decode").counts == {}
