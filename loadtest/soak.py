@@ -10,8 +10,9 @@ last one; then it waits until the cluster is idle and reads what is still held. 
 `SoakReport` says how each request ended, which endings were unexpected (anything but a
 finished stream or the client's own cancel), what leaked (blocks, requests and KV leases
 per worker, load leases in Redis), how many exported KV leases ended by expiry rather
-than a release (each one pinned blocks for the lease TTL), and how much each process
-grew over the second half.
+than a release (each one pinned blocks for the lease TTL), how much each process grew
+over the second half, and the gateway's router counters (Redis errors, releases Redis did
+not get at once, releases still owed), which tell a slow Redis from a lost release.
 
 The same leak probe (`probe`, `wait_clean`) backs the fault-injection tests.
 `python -m loadtest.soak` starts a local cluster (1 prefill + 1 decode worker, Redis
@@ -34,6 +35,7 @@ import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.cli.cluster import ClusterConfig, LocalCluster
+from services.common.metrics import scrape
 from services.gateway.client import GatewayClient, build_request
 from services.router.keyspace import Keyspace
 from services.router.load import LoadLedger
@@ -94,6 +96,9 @@ class SoakReport:
     rss_end_kib: dict[str, int]
     rss_growth: dict[str, float] = field(default_factory=dict)  # (end - mid) / mid
     rss_growth_limit: float = 0.10
+    # The gateway's router counters at the end (redis_errors, release_failures,
+    # owed_releases): when leases leak, they say whether Redis was slow to answer.
+    router: dict[str, float] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -258,7 +263,20 @@ async def run_soak(cluster: LocalCluster, cfg: SoakConfig) -> SoakReport:
     return SoakReport(
         cfg.requests, round(seconds, 2), dict(outcomes), unexpected, leaks, expired, rss_mid,
         rss_end, {n: round(g, 4) for n, g in growth.items()}, cfg.rss_growth_limit,
+        await asyncio.to_thread(router_counters, cluster),
     )  # fmt: skip
+
+
+ROUTER_COUNTERS = ("redis_errors_total", "release_failures_total", "owed_releases")
+
+
+def router_counters(cluster: LocalCluster) -> dict[str, float]:
+    """The gateway's embedded-router counters (empty if it serves no metrics)."""
+    port = next((c.metrics_port for c in cluster.children if c.name == "gateway"), None)
+    if port is None:
+        return {}
+    page = scrape(port)
+    return {name: page.get(f"pdserve_router_{name}", 0.0) for name in ROUTER_COUNTERS}
 
 
 async def _expired_leases(cluster: LocalCluster) -> int:
@@ -281,14 +299,14 @@ def summary(report: SoakReport) -> str:
         f"soak: {report.requests} requests in {report.seconds:.0f} s, outcomes "
         f"{report.outcomes}, unexpected {len(report.unexpected)}, leaks "
         f"{'none' if report.leaks.clean else asdict(report.leaks)}, expired KV leases "
-        f"{report.expired_kv_leases}, largest second-half RSS "
+        f"{report.expired_kv_leases}, router {report.router}, largest second-half RSS "
         f"growth {worst[0]} {100 * worst[1]:+.1f}% (limit {100 * report.rss_growth_limit:.0f}%)"
         f" -> {'PASS' if report.passed else 'FAIL'}"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     defaults = SoakConfig()
     parser.add_argument("--requests", type=int, default=defaults.requests)
     parser.add_argument("--concurrency", type=int, default=defaults.concurrency)

@@ -14,11 +14,13 @@ Names (all prefixed `pdserve_`): see docs/observability.md.
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Callable, Iterator
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from engine.stats import EngineStats
@@ -212,16 +214,21 @@ class RouterCollector(Collector):
     def __init__(self, stats: Callable[[], RouterStats]) -> None:
         self._stats = stats
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         s = self._stats()
         for name, value, text in (
             ("decisions", s.decisions, "Successful placements"),
             ("overflow", s.overflow, "Placements that skipped the key's first worker (load bound)"),
             ("fail_open", s.fail_open, "Pool placements made locally because Redis was down"),
             ("redis_errors", s.redis_errors, "Redis calls that failed"),
-            ("release_failures", s.release_failures, "Load releases Redis never got"),
+            ("release_failures", s.release_failures, "Lease releases Redis did not get at once"),
         ):
             yield CounterMetricFamily(f"pdserve_router_{name}", text, value=value)
+        yield GaugeMetricFamily(
+            "pdserve_router_owed_releases",
+            "Lease releases kept to send again once Redis answers",
+            value=s.owed_releases,
+        )
 
 
 class MetricsServer:
@@ -237,3 +244,16 @@ class MetricsServer:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def scrape(port: int, host: str = "127.0.0.1", timeout_s: float = 5.0) -> dict[str, float]:
+    """One `/metrics` page as {"name{label=value,...}": value} (labels sorted)."""
+    url = f"http://{host}:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        text = resp.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values

@@ -263,8 +263,9 @@ class RequestStream:
     async def _cleanup(self) -> None:
         # The load leases go back first and all at once: this task can be cancelled again
         # while it cleans up (the client's RPC torn down), and a release skipped here would
-        # keep its workers' load counted until the lease TTL. Each release is shielded from
-        # that cancel (see RedisPlacement.release), so starting them all is enough.
+        # keep its workers' load counted until the lease TTL. `release` starts its work
+        # when called and a cancel does not stop it (see Placement.release), so calling
+        # them all before the first await is enough; awaiting them only waits.
         decisions, self._decisions = self._decisions, []
         releases = asyncio.gather(*(self.placement.release(d) for d in decisions))
         if self._unpulled is not None:

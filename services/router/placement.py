@@ -4,14 +4,18 @@ The gateway depends only on `Placement`. `StaticPlacement` serves a fixed list o
 workers round-robin (what `pdserve up` uses until the Redis router is configured); the
 Redis-backed router implements the same interface with bounded-load consistent hashing
 on the prompt's prefix. `route` may be called again with `exclude` naming workers that
-failed the request; `release` gives back whatever load the decision took.
+failed the request; `release` gives back whatever load the decision took. `release`
+starts its work when it is called, not when it is first awaited: the gateway calls it
+from cleanup code that can be cancelled at any await, and a release that only began on
+its first step could be cancelled before it began.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,6 +49,13 @@ class NoWorkerError(Exception):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+def released() -> asyncio.Future[None]:
+    """An already finished release (nothing to give back)."""
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    done.set_result(None)
+    return done
+
+
 class Placement(Protocol):
     async def route(
         self,
@@ -54,7 +65,9 @@ class Placement(Protocol):
         exclude: Sequence[str] = (),
     ) -> RouteDecision: ...
 
-    async def release(self, decision: RouteDecision) -> None: ...
+    def release(self, decision: RouteDecision) -> Awaitable[None]:
+        """Start giving back the decision's load; await the result to wait for it."""
+        ...
 
     def workers(self) -> list[WorkerRef]: ...
 
@@ -95,8 +108,8 @@ class StaticPlacement:
             raise NoWorkerError("no decode worker left to try")
         return RouteDecision(prefill, decode)
 
-    async def release(self, decision: RouteDecision) -> None:
-        return None
+    def release(self, decision: RouteDecision) -> Awaitable[None]:
+        return released()
 
     def _pick(
         self, pool: list[WorkerRef], counter: itertools.count[int], exclude: Sequence[str]

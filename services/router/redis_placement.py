@@ -4,18 +4,19 @@ Lifecycle: `RedisPlacement.from_config(config)` connects to `config.redis_url` (
 an `EmbeddedRedis` and owns it when the URL is empty), builds a `Router`, and reads the
 registry once. The gateway then awaits `route` / `release` per request; both run the
 synchronous router in a worker thread (redis-py's sync client is the one the Lua scripts
-and the tests share). `close()` disconnects and stops an owned embedded server.
+and the tests share), and both finish their Redis work even if the caller is cancelled.
+`close()` disconnects and stops an owned embedded server.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 import redis
 
 from services.router.embedded_redis import EmbeddedRedis
-from services.router.placement import RouteDecision, WorkerRef
+from services.router.placement import RouteDecision, WorkerRef, released
 from services.router.redis_client import connect
 from services.router.router import Router, RouterStats
 from services.router.router_config import RouterConfig
@@ -86,18 +87,22 @@ class RedisPlacement:
     def _release_orphan(self, placing: asyncio.Future[RouteDecision]) -> None:
         if placing.cancelled() or placing.exception() is not None:
             return
-        leases = placing.result().load_lease_ids
-        if leases:  # in a thread: a Redis round trip must not block the event loop
-            asyncio.get_running_loop().run_in_executor(None, self.router.release, leases)
+        self.release(placing.result())
 
-    async def release(self, decision: RouteDecision) -> None:
+    def release(self, decision: RouteDecision) -> Awaitable[None]:
         """Give back the decision's load leases; never raises on a dead Redis.
 
-        Cancelling the caller does not cancel the release: a job still queued for the
-        thread pool would otherwise be dropped, and its leases counted until their TTL.
+        The Redis round trip is handed to a thread here, at call time (the event loop
+        must not block on it), and the returned awaitable only waits for it: cancelling
+        the caller, even before it first awaits, never drops the job, which would leave
+        the load counted until the lease TTL.
         """
-        if decision.load_lease_ids:
-            await asyncio.shield(asyncio.to_thread(self.router.release, decision.load_lease_ids))
+        if not decision.load_lease_ids:
+            return released()
+        job = asyncio.get_running_loop().run_in_executor(
+            None, self.router.release, decision.load_lease_ids
+        )
+        return asyncio.shield(job)
 
     def workers(self) -> list[WorkerRef]:
         return self.router.workers()

@@ -11,6 +11,8 @@ Lifecycle of a decision (`Router.route`, synchronous and thread-safe):
 4. Place: one pipelined round trip runs `bounded_load.lua` once per pool; each call is
    atomic, so the bound holds across any number of router replicas.
 5. Release: `release(lease_ids)` gives the load back; leases also expire after `load_ttl_s`.
+   A release Redis does not get (a slow reply, an outage) is kept and sent again with the
+   next call that reaches it (`ReleaseBacklog`).
 
 Fail-open: if Redis errors, the router places with `LocalLoad` on the last known
 membership, logs once per outage, counts each such decision in `stats.fail_open`, and
@@ -25,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis
 
@@ -38,6 +40,7 @@ from services.router.policies import make_policy
 from services.router.prefix_key import prefix_key, tenant_seed
 from services.router.redis_client import REDIS_DOWN_ERRORS
 from services.router.registry import Registry
+from services.router.release_backlog import ReleaseBacklog
 from services.router.router_config import RouterConfig
 
 log = logging.getLogger(__name__)
@@ -49,7 +52,8 @@ class RouterStats:
     fail_open: int = 0  # pool placements made locally because Redis was unusable
     overflow: int = 0  # bounded placements that skipped the key's first worker
     redis_errors: int = 0  # Redis calls that failed with a connection/timeout error
-    release_failures: int = 0  # releases Redis never got (those leases expire by TTL)
+    release_failures: int = 0  # lease releases Redis did not get at once (kept, sent again)
+    owed_releases: int = 0  # a gauge: kept releases not sent yet (`ReleaseBacklog`)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ class Router:
         self.ledger = LoadLedger(client, self.keys)
         self.policy = make_policy(config.policy, config.seed)
         self.local = LocalLoad(clock)
+        self.backlog = ReleaseBacklog()
         self.membership = Membership(config.virtual_nodes, config.heartbeat_ttl_s)
         self._clock = clock
         self._lock = threading.Lock()
@@ -96,7 +101,7 @@ class Router:
     @property
     def stats(self) -> RouterStats:
         with self._lock:
-            return self._stats
+            return replace(self._stats, owed_releases=len(self.backlog))
 
     @property
     def fail_open_count(self) -> int:
@@ -160,20 +165,31 @@ class Router:
 
     def release(self, lease_ids: Sequence[str]) -> None:
         """Give back load leases (local ones here, the rest in Redis). Never raises on a
-        dead Redis: those leases expire after `load_ttl_s`."""
+        dead Redis: the leases it did not get are kept (`backlog`) and sent again with
+        the next release or registry read that reaches it; they expire after
+        `load_ttl_s` in any case."""
         remote = [lease for lease in lease_ids if not self.local.release(lease)]
         if not remote:
             return
         if self._clock() < self._redis_down_until:
-            self._count(release_failures=len(remote))
+            self._owe(remote)
             return
-        try:
-            self.ledger.release(remote)
-        except REDIS_DOWN_ERRORS as exc:
-            self._redis_failed(exc)
-            self._count(release_failures=len(remote))
+        self._send_releases(remote)
 
     # -- internals --------------------------------------------------------------------
+
+    def _send_releases(self, fresh: Sequence[str]) -> None:
+        owed = self.backlog.take()
+        try:
+            self.ledger.release([*owed, *fresh])
+        except REDIS_DOWN_ERRORS as exc:
+            self._redis_failed(exc)
+            self.backlog.add(owed)
+            self._owe(fresh)
+
+    def _owe(self, lease_ids: Sequence[str]) -> None:
+        self.backlog.add(lease_ids)
+        self._count(release_failures=len(lease_ids))
 
     def _place(
         self,
@@ -231,6 +247,8 @@ class Router:
                 self._redis_failed(exc)
                 return False
             self._redis_ok()
+            if len(self.backlog):
+                self._send_releases(())
             self.membership.update(workers, epoch, now)
             self._next_refresh = now + self.config.membership_refresh_s
             return True

@@ -31,7 +31,8 @@ def test_soak_with_cancels_leaks_nothing_and_memory_stays_flat() -> None:
     assert sum(report.outcomes.values()) == SOAK_TEST_REQUESTS
     assert report.outcomes.get("ok", 0) > 0 and report.outcomes.get("cancelled", 0) > 0
     assert not report.unexpected, report.unexpected
-    assert report.leaks.clean, report.leaks
+    assert report.leaks.clean, (report.leaks, report.router)
+    assert report.router["owed_releases"] == 0, report.router
     assert report.expired_kv_leases == 0
     assert set(report.rss_growth) == {"gateway", "prefill-0", "decode-0"}
     assert all(g < report.rss_growth_limit for g in report.rss_growth.values()), report.rss_growth

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from concurrent import futures
@@ -18,11 +17,11 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2 as otlp_common
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.v1 import gateway_pb2
 from services.cli.cluster import ClusterConfig, LocalCluster
 from services.cli.timeline import format_timeline
+from services.common.metrics import scrape
 from services.common.telemetry_config import TelemetryConfig
 from services.gateway.client import GatewayClient, build_request
 from tests.conftest import MODEL_CACHE
@@ -226,14 +225,7 @@ def test_one_trace_per_request_with_every_phase(
 
 def _scrape(port: int | None) -> dict[str, float]:
     assert port is not None, "the service announced no metrics port"
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return values
+    return scrape(port)
 
 
 def _port(cluster: LocalCluster, name: str) -> int | None:

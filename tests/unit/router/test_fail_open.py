@@ -46,13 +46,14 @@ def test_redis_stop_fails_open_and_restart_resyncs_from_heartbeats(
         router.release(routed.decision.load_lease_ids)
     assert router.local.counts("prefill") == {}
     for routed in before:
-        router.release(routed.decision.load_lease_ids)  # Redis is down: dropped, not raised
-    assert router.stats.release_failures == 20
+        router.release(routed.decision.load_lease_ids)  # Redis is down: kept, not raised
+    assert router.stats.release_failures == router.stats.owed_releases == 20
 
     server.start()  # same socket, no data: the registry is empty until heartbeats
     resync = router.route_detailed("r", [1] * 40, "t")
     assert resync.fail_open  # Redis is back but lists no workers yet: last known ones
     router.release(resync.decision.load_lease_ids)
+    assert router.stats.owed_releases == 0  # sent (the new Redis no longer had them)
     assert all(worker_side.heartbeat(w) for w in workers)  # each re-creates its registration
 
     fail_open_so_far = router.stats.fail_open

@@ -4,14 +4,18 @@ import argparse
 import asyncio
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
 
 from services.common.config import add_config_args, config_from_args
+from services.router.embedded_redis import EmbeddedRedis
 from services.router.keyspace import Keyspace
+from services.router.load import LoadLedger
 from services.router.placement import NoWorkerError
+from services.router.redis_client import connect
 from services.router.redis_placement import RedisPlacement
 from services.router.registry import Registry
 from services.router.router import Router
@@ -148,3 +152,50 @@ def test_cancelled_release_still_gives_the_load_back(client: redis.Redis, namesp
     asyncio.run(go())
     ledger = placement.router.ledger
     assert ledger.snapshot("prefill").counts == ledger.snapshot("decode").counts == {}
+
+
+def test_release_cancelled_before_its_first_step_still_gives_the_load_back(
+    client: redis.Redis, namespace: str
+) -> None:
+    """The gateway's cleanup gathers its releases and can be cancelled again before the
+    gathered ones have run a step; a release that started its work on its first step
+    was dropped then (the soak test's leaked prefill + decode lease, ~1 run in 5)."""
+    register_pool(client, namespace, "prefill", 1)
+    register_pool(client, namespace, "decode", 1)
+    placement = RedisPlacement(make_router(client, namespace))
+    decision = placement.router.route("r", list(range(40)), "t")
+
+    async def go() -> None:
+        releasing = asyncio.gather(placement.release(decision))
+        releasing.cancel()  # before the loop has run anything
+        with pytest.raises(asyncio.CancelledError):
+            await releasing
+
+    asyncio.run(go())  # waits for the default executor's queued jobs on the way out
+    ledger = placement.router.ledger
+    assert ledger.snapshot("prefill").counts == ledger.snapshot("decode").counts == {}
+
+
+def test_release_while_redis_is_down_is_sent_once_it_answers(
+    redis_server: EmbeddedRedis, namespace: str
+) -> None:
+    """A release the router skips (Redis counted as down after a slow reply) is kept and
+    sent with the next call that reaches Redis, not left counted until the load TTL."""
+    client = connect(redis_server.url, timeout_s=0.2)
+    register_pool(client, namespace, "prefill", 1)
+    register_pool(client, namespace, "decode", 1)
+    router = make_router(client, namespace, redis_retry_s=30.0)
+    decision = router.route("r", list(range(40)), "t")
+    admin = connect(redis_server.url, timeout_s=2.0)
+    admin.execute_command("CLIENT", "PAUSE", 400, "ALL")
+    assert router.refresh() is False  # times out: Redis counts as down for 30 s
+    router.release(decision.load_lease_ids)  # skipped, nothing sent: kept
+    assert router.stats.owed_releases == router.stats.release_failures == 2
+    time.sleep(0.5)  # the pause is over
+    ledger = LoadLedger(admin, Keyspace(namespace))
+    assert ledger.snapshot("decode").total == ledger.snapshot("prefill").total == 1
+    assert router.refresh() is True  # reaches Redis: the kept releases go with it
+    assert router.stats.owed_releases == 0
+    assert ledger.snapshot("prefill").counts == ledger.snapshot("decode").counts == {}
+    admin.close()
+    client.close()
