@@ -11,10 +11,11 @@ completion_tokens)` when the request ends, however it ends.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 
 import redis
 
+from services.common.detached import done, in_thread
 from services.gateway.auth import ANONYMOUS, ApiKeys, Principal, key_from_headers
 from services.gateway.config import GatewayConfig
 from services.gateway.quota import Grant, TokenQuota
@@ -67,6 +68,11 @@ class Access:
             self.quota.admit, principal.tenant, limit, prompt_tokens, max_tokens
         )
 
-    async def settle(self, grant: Grant, completion_tokens: int) -> None:
-        if self.quota is not None and grant.window_key:
-            await asyncio.to_thread(self.quota.settle, grant, completion_tokens)
+    def settle(self, grant: Grant, completion_tokens: int) -> Awaitable[None]:
+        """Refund what the request did not use. Like a load release, the Redis call is
+        handed to a thread when this is called, and cancelling the caller (a stream torn
+        down while it cleans up) never drops it: the tenant would be charged for
+        `max_tokens` it never got."""
+        if self.quota is None or not grant.window_key:
+            return done()
+        return in_thread(self.quota.settle, grant, completion_tokens)

@@ -114,8 +114,8 @@ class RequestStream:
             self.tel.failed(grpc.StatusCode.INTERNAL, str(exc))
             raise
         finally:
-            await self._cleanup()
-            self.tel.end()
+            # Its own task: this one can be cancelled again while it cleans up.
+            await self.stubs.finish(self._cleanup())
 
     # -- prefill -----------------------------------------------------------------
     async def _prefill_with_retry(self) -> tuple[RouteDecision, worker_pb2.PrefillResponse | None]:
@@ -261,19 +261,23 @@ class RequestStream:
         return msg
 
     async def _cleanup(self) -> None:
-        # The load leases go back first and all at once: this task can be cancelled again
-        # while it cleans up (the client's RPC torn down), and a release skipped here would
-        # keep its workers' load counted until the lease TTL. `release` starts its work
-        # when called and a cancel does not stop it (see Placement.release), so calling
-        # them all before the first await is enough; awaiting them only waits.
-        decisions, self._decisions = self._decisions, []
-        releases = asyncio.gather(*(self.placement.release(d) for d in decisions))
-        if self._unpulled is not None:
-            address, rid = self._unpulled
-            self._unpulled = None
-            # If the worker is gone, its lease expires on its own.
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await self.stubs[address].Abort(
-                    worker_pb2.AbortRequest(request_id=rid), timeout=2.0
-                )
-        await releases
+        """Give back what the request holds: load leases, an un-pulled prefill lease.
+
+        Runs as its own task (`WorkerStubs.finish`), so a second cancel of the request's
+        task cannot cut it short. Releases start when called (`Placement.release`), all
+        before the Abort's round trip.
+        """
+        try:
+            decisions, self._decisions = self._decisions, []
+            releases = asyncio.gather(*(self.placement.release(d) for d in decisions))
+            if self._unpulled is not None:
+                address, rid = self._unpulled
+                self._unpulled = None
+                # If the worker is gone, its lease expires on its own.
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await self.stubs[address].Abort(
+                        worker_pb2.AbortRequest(request_id=rid), timeout=2.0
+                    )
+            await releases
+        finally:
+            self.tel.end()

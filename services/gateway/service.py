@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
 from dataclasses import replace
 from typing import Any
 
@@ -21,6 +21,7 @@ from engine.errors import InvalidRequestError
 from engine.tokenizer import ChatMessage, Tokenizer
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common import sampling
+from services.common.detached import Detached
 from services.common.detokenizer import IncrementalDetokenizer
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.status import status_for
@@ -34,6 +35,7 @@ from services.gateway.stream_telemetry import GatewayTelemetry
 from services.router.placement import NoWorkerError, Placement
 
 MAX_PROMPT_CHARS = 1_000_000
+CLEANUP_GRACE_S = 3.0  # at shutdown: request cleanups still running (an Abort is <= 2 s)
 
 
 class UnknownModelError(LookupError):
@@ -41,13 +43,16 @@ class UnknownModelError(LookupError):
 
 
 class WorkerStubs:
-    """One channel per worker address, opened on first use (membership changes)."""
+    """One channel per worker address, opened on first use (membership changes), and the
+    work on workers that outlives a request's task: reads left to finish (`linger`) and
+    cleanups run to their end (`finish`)."""
 
     def __init__(self, tls: TlsConfig | None = None) -> None:
         self.tls = tls or TlsConfig()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._lingering: set[asyncio.Future[Any]] = set()
+        self._detached = Detached()
 
     def __getitem__(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
@@ -71,9 +76,14 @@ class WorkerStubs:
 
         read.add_done_callback(done)
 
+    def finish(self, work: Coroutine[Any, Any, None]) -> Awaitable[None]:
+        """Run a request's cleanup to its end however its task ends (`Detached`)."""
+        return self._detached.finish(work)
+
     async def close(self) -> None:
         for read in list(self._lingering):
             read.cancel()
+        await self._detached.close(CLEANUP_GRACE_S)  # their Abort calls need the channels
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

@@ -12,7 +12,6 @@ its first step could be cancelled before it began.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import threading
 from collections.abc import Awaitable, Sequence
@@ -20,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
+
+from services.common.detached import done
 
 
 @dataclass(frozen=True)
@@ -47,13 +48,6 @@ class NoWorkerError(Exception):
     """No eligible worker is left for this request."""
 
     code = grpc.StatusCode.UNAVAILABLE
-
-
-def released() -> asyncio.Future[None]:
-    """An already finished release (nothing to give back)."""
-    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    done.set_result(None)
-    return done
 
 
 class Placement(Protocol):
@@ -109,7 +103,7 @@ class StaticPlacement:
         return RouteDecision(prefill, decode)
 
     def release(self, decision: RouteDecision) -> Awaitable[None]:
-        return released()
+        return done()
 
     def _pick(
         self, pool: list[WorkerRef], counter: itertools.count[int], exclude: Sequence[str]

@@ -15,8 +15,9 @@ from collections.abc import Awaitable, Sequence
 
 import redis
 
+from services.common.detached import done, in_thread
 from services.router.embedded_redis import EmbeddedRedis
-from services.router.placement import RouteDecision, WorkerRef, released
+from services.router.placement import RouteDecision, WorkerRef
 from services.router.redis_client import connect
 from services.router.router import Router, RouterStats
 from services.router.router_config import RouterConfig
@@ -98,11 +99,8 @@ class RedisPlacement:
         the load counted until the lease TTL.
         """
         if not decision.load_lease_ids:
-            return released()
-        job = asyncio.get_running_loop().run_in_executor(
-            None, self.router.release, decision.load_lease_ids
-        )
-        return asyncio.shield(job)
+            return done()
+        return in_thread(self.router.release, decision.load_lease_ids)
 
     def workers(self) -> list[WorkerRef]:
         return self.router.workers()
