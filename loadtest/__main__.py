@@ -1,10 +1,10 @@
-"""`python -m loadtest [flags]` is `pdserve bench [flags]`."""
+"""`python -m loadtest [flags]` is `pdserve-bench [flags]`."""
 
 from __future__ import annotations
 
 import sys
 
-from services.cli.main import main
+from loadtest.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["bench", *sys.argv[1:]]))
+    sys.exit(main())

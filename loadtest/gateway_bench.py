@@ -29,7 +29,7 @@ import grpc
 
 from engine.config import DEFAULT_MODEL_CACHE
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.cli.cluster import ClusterConfig, LocalCluster
+from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.common import sampling
 from services.gateway.client import GatewayClient, build_request
 

@@ -37,9 +37,9 @@ from loadtest.report import PointResult
 from loadtest.request_spec import BenchRequest
 from loadtest.runner import Pace, run_point
 from loadtest.traffic import TrafficConfig, make_requests
-from services.cli.cluster import ClusterConfig, LocalCluster
-from services.cli.model_cmd import ModelConfig
+from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.common.config import add_config_args, config_from_args
+from services.common.model_config import ModelConfig
 
 SYSTEMS = ("disaggregated", "colocated")
 SHORT_STREAM = 10_000  # request stream of the short-only point (apart from the sweep's)

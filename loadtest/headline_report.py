@@ -17,7 +17,7 @@ from loadtest.metrics import Slo, max_rate_at
 from loadtest.plots import cdf_plot, curve_plot
 from loadtest.report import POINT_HEADER, PointResult, detail_lines, point_row, slo_text, write_json
 from loadtest.traffic import TrafficConfig
-from services.cli.cluster import ClusterConfig
+from services.cluster.local_cluster import ClusterConfig
 
 SCHEMA = "pdserve.headline/1"
 

@@ -61,6 +61,7 @@ from loadtest.prefix_workload import (
     run_policy,
     summarize,
 )
+from services.common.role import Role
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.keyspace import Keyspace
 from services.router.redis_client import connect
@@ -219,7 +220,9 @@ def register_workers(
         for i in range(n):
             wid = f"{role}-{i}"
             # Never dialed: placement only needs ids; .invalid says so to any reader.
-            registry.register(WorkerInfo(wid, role, model, LAYOUT, f"{wid}.invalid:0", capacity))
+            registry.register(
+                WorkerInfo(wid, Role(role), model, LAYOUT, f"{wid}.invalid:0", capacity)
+            )
             ids.append(wid)
     return ids
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.cli.cluster import ClusterConfig, LocalCluster
+from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.common.metrics import scrape
 from services.gateway.client import GatewayClient, build_request
 from services.router.keyspace import Keyspace

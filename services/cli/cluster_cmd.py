@@ -9,16 +9,13 @@ import signal
 import sys
 from collections.abc import Callable
 
-import grpc
-
-from pdserve.v1 import common_pb2
 from services.cli import ray_cmd
-from services.cli.cluster import ClusterConfig, LocalCluster
-from services.cli.timeline import format_timeline
+from services.cli.completion import stream_completion
+from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.common.config import add_config_args, config_from_args
 from services.common.telemetry_config import TelemetryConfig
 from services.common.tls import TlsConfig
-from services.gateway.client import ClientConfig, GatewayClient, build_request
+from services.gateway.client import ClientConfig, GatewayClient
 
 DEFAULT_GATEWAY = "127.0.0.1:8470"
 
@@ -58,38 +55,6 @@ def _client(address: str, args: argparse.Namespace) -> Callable[[], GatewayClien
     client_cfg = config_from_args(ClientConfig, args)
     tls = config_from_args(TlsConfig, args)
     return functools.partial(GatewayClient, address, api_key=client_cfg.api_key, tls=tls)
-
-
-async def stream_completion(
-    client: Callable[[], GatewayClient],
-    prompt: str,
-    *,
-    raw: bool,
-    trace: bool = False,
-    **sampling: object,
-) -> int:
-    """Stream one completion to stdout; `client` builds the client inside this loop."""
-    request = build_request(
-        prompt=prompt if raw else None,
-        messages=None if raw else [("user", prompt)],
-        **sampling,  # type: ignore[arg-type]
-    )
-    async with client() as gateway:
-        try:
-            async for msg in gateway.generate(request):
-                sys.stdout.write(msg.text)
-                sys.stdout.flush()
-                if msg.finished:
-                    reason = common_pb2.FinishReason.Name(msg.finish_reason)
-                    u = msg.usage
-                    print(f"\n[{reason}; prompt {u.prompt_tokens}, cached {u.cached_tokens}, "
-                          f"completion {u.completion_tokens} tokens]", file=sys.stderr)  # fmt: skip
-                    if trace:
-                        print(format_timeline(msg), file=sys.stderr)
-        except grpc.aio.AioRpcError as exc:
-            print(f"\npdserve: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
-    return 0
 
 
 def _up(args: argparse.Namespace) -> int:

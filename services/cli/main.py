@@ -12,7 +12,7 @@ import logging
 import sys
 
 from engine.errors import EngineError
-from services.cli import bench_cmd, cluster_cmd, model_cmd, ray_cmd, run_cmd, serve_cmd
+from services.cli import cluster_cmd, model_cmd, ray_cmd, run_cmd, serve_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +26,6 @@ def build_parser() -> argparse.ArgumentParser:
     run_cmd.register(sub)
     serve_cmd.register(sub)
     cluster_cmd.register(sub)
-    bench_cmd.register(sub)
     ray_cmd.register(sub)
     return parser
 
@@ -38,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.die_with_parent:
-        from services.cli.cluster import die_with_parent
+        from services.cluster.local_cluster import die_with_parent
 
         die_with_parent()
     try:

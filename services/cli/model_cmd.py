@@ -3,23 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import DEFAULT_MODEL_CACHE
 from engine.model_spec import ModelSpec
 from engine.model_store import resolve_model_dir
 from services.common.config import add_config_args, config_from_args
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    model: str | None = field(
-        default=None, metadata={"help": "HF-layout model dir (default: SmolLM2-135M-Instruct)"}
-    )
-    model_cache_dir: Path = field(
-        default=DEFAULT_MODEL_CACHE, metadata={"help": "where the default model is converted to"}
-    )
+from services.common.model_config import ModelConfig
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

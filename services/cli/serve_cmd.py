@@ -7,13 +7,13 @@ import asyncio
 
 from engine.config import EngineConfig
 from kvtransfer.config import TransferConfig
-from services.cli.model_cmd import ModelConfig
 from services.common.config import add_config_args, config_from_args
+from services.common.model_config import ModelConfig
 from services.common.telemetry_config import TelemetryConfig
 from services.common.tls import TlsConfig
-from services.common.worker_config import WorkerConfig
 from services.gateway.config import GatewayConfig
 from services.router.router_config import RouterConfig
+from services.worker.config import WorkerConfig
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,11 +41,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from services.common.worker_server import serve_worker
+    from services.worker.server import serve_worker
 
     worker_cfg = config_from_args(WorkerConfig, args)
     if worker_cfg.cpu_core_ids:
-        from services.cli.cluster import pin_to_cores
+        from services.cluster.local_cluster import pin_to_cores
 
         pin_to_cores(worker_cfg.cpu_core_ids)  # before the engine starts its threads
     asyncio.run(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
 import types
 import typing
@@ -62,6 +63,8 @@ def _parser_for(tp: Any) -> Callable[[str], Any]:
         Path: Path,
     }
     convert = converters.get(base, str)
+    if isinstance(base, type) and issubclass(base, enum.Enum):
+        convert = base  # a flag names the member by its value: --role decode
     if not optional:
         return convert
 

@@ -3,9 +3,9 @@
 Lifecycle: a service makes one `CollectorRegistry` (never the library's global one, so
 tests and several services in one process never share counters), builds its role's
 metric set on it (`GatewayMetrics`, `WorkerMetrics`, plus scrape-time collectors over
-state that already exists: `EngineCollector` reads the engine's stats, `RouterCollector`
-the router's counters), and starts `MetricsServer` on the configured port, whose bound
-port goes into the service's JSON ready line. Request paths only observe histograms and
+state that already exists: `EngineCollector` reads the engine's stats; the router's
+`services.router.metrics.RouterCollector` its counters), and starts `MetricsServer` on
+the configured port, whose bound port goes into the service's JSON ready line. Request paths only observe histograms and
 bump counters (a few microseconds); gauges derived from engine state cost nothing until
 a scrape. `close()` stops the HTTP server.
 
@@ -24,7 +24,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from engine.stats import EngineStats
-from services.router.router import RouterStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -205,29 +204,6 @@ class EngineCollector(Collector):
         )
         yield CounterMetricFamily(
             "pdserve_preemptions", "Requests preempted by recompute", value=s.num_preemptions
-        )
-
-
-class RouterCollector(Collector):
-    """The router's own counters (kept by `Router`) exposed at scrape time."""
-
-    def __init__(self, stats: Callable[[], RouterStats]) -> None:
-        self._stats = stats
-
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        s = self._stats()
-        for name, value, text in (
-            ("decisions", s.decisions, "Successful placements"),
-            ("overflow", s.overflow, "Placements that skipped the key's first worker (load bound)"),
-            ("fail_open", s.fail_open, "Pool placements made locally because Redis was down"),
-            ("redis_errors", s.redis_errors, "Redis calls that failed"),
-            ("release_failures", s.release_failures, "Lease releases Redis did not get at once"),
-        ):
-            yield CounterMetricFamily(f"pdserve_router_{name}", text, value=value)
-        yield GaugeMetricFamily(
-            "pdserve_router_owed_releases",
-            "Lease releases kept to send again once Redis answers",
-            value=s.owed_releases,
         )
 
 

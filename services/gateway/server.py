@@ -17,8 +17,8 @@ from engine.model_spec import ModelSpec
 from engine.model_store import DEFAULT_MODEL_NAME, resolve_model_dir
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
-from services.cli.model_cmd import ModelConfig
 from services.common.grpc_server import announce_ready, build_server, wait_for_shutdown_signal
+from services.common.model_config import ModelConfig
 from services.common.telemetry import Telemetry
 from services.common.telemetry_config import TelemetryConfig
 from services.common.tls import TlsConfig, server_ssl_context

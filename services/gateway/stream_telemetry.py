@@ -21,9 +21,10 @@ from opentelemetry.trace import Span, SpanKind
 
 from engine.errors import InvalidRequestError
 from pdserve.v1 import common_pb2, gateway_pb2
-from services.common.metrics import GatewayMetrics, RouterCollector
+from services.common.metrics import GatewayMetrics
 from services.common.telemetry import Telemetry
 from services.common.tracing import Metadata, Phase, Tracing, trace_id_hex
+from services.router.metrics import RouterCollector
 from services.router.placement import Placement, RouteDecision
 from services.router.redis_placement import RedisPlacement
 

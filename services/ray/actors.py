@@ -23,12 +23,12 @@ from typing import Any
 
 from engine.config import EngineConfig
 from kvtransfer.config import TransferConfig
-from services.cli.model_cmd import ModelConfig
+from services.common.model_config import ModelConfig
 from services.common.telemetry_config import TelemetryConfig
-from services.common.worker_config import WorkerConfig
 from services.gateway.config import GatewayConfig
 from services.ray.service_host import ServiceHost
 from services.router.router_config import RouterConfig
+from services.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class ServiceSpec:
 def serve_coroutine(spec: ServiceSpec, host: str) -> Coroutine[Any, Any, None]:
     """The service's serve coroutine, bound to `host` (this node's IP)."""
     if spec.kind == "worker":
-        from services.common.worker_server import serve_worker
+        from services.worker.server import serve_worker
 
         worker, engine, transfer, telemetry = spec.configs
         assert isinstance(worker, WorkerConfig) and isinstance(engine, EngineConfig)

@@ -25,15 +25,16 @@ import ray
 
 from engine.config import EngineConfig
 from kvtransfer.config import TransferConfig
-from services.cli.cluster import ClusterConfig
-from services.cli.model_cmd import ModelConfig
+from services.cluster.local_cluster import ClusterConfig
+from services.common.model_config import ModelConfig
+from services.common.role import Role
 from services.common.telemetry_config import TelemetryConfig
-from services.common.worker_config import WorkerConfig
 from services.gateway.config import GatewayConfig
 from services.ray.actors import ServiceActor, ServiceSpec
 from services.ray.config import RayConfig, parse_resources
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.router_config import RouterConfig
+from services.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ class ClusterController:
     def _worker_spec(self, pool: Pool, index: int) -> ServiceSpec:
         c = self.cluster
         name = f"{pool.role}-{index}"
-        worker = WorkerConfig(role=pool.role, worker_id=name, redis_url=self.redis_url,
+        worker = WorkerConfig(role=Role(pool.role), worker_id=name, redis_url=self.redis_url,
                               namespace=self.ray_cfg.ray_namespace)  # fmt: skip
         engine = EngineConfig(model=c.model, model_cache_dir=c.model_cache_dir,
                               kv_cache_bytes=c.worker_kv_cache_bytes,

@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from services.cli.cluster import ClusterConfig
+from services.cluster.local_cluster import ClusterConfig
 from services.common.telemetry_config import TelemetryConfig
 from services.ray.config import RayConfig
 from services.ray.controller import CONTROLLER_NAME, ClusterController

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.worker_config import ROLES
+from services.common.role import Role
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,6 @@ def parse_lease_id(lease: str) -> tuple[str, str, str]:
     """(role, token, worker id) of a lease id; ValueError if it is not one."""
     role, sep1, rest = lease.partition(":")
     token, sep2, worker_id = rest.partition(":")
-    if not (sep1 and sep2 and role in ROLES and token and worker_id):
+    if not (sep1 and sep2 and Role.is_role(role) and token and worker_id):
         raise ValueError(f"not a pdserve load lease id: {lease!r}")
     return role, token, worker_id

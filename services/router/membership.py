@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from services.common.worker_config import ROLES
+from services.common.role import Role
 from services.router.placement import WorkerRef
 from services.router.registry import WorkerInfo
 from services.router.ring import HashRing
@@ -63,7 +63,7 @@ class MembershipView:
     def refs(self) -> list[WorkerRef]:
         return [
             WorkerRef(w.worker_id, w.address, w.role)
-            for role in ROLES
+            for role in Role
             for w in self.pools.get(role, {}).values()
         ]
 
@@ -110,11 +110,13 @@ class Membership:
                     self.resync_s,
                 )
             self._epoch = epoch
-            fresh: dict[str, dict[str, WorkerInfo]] = {r: {} for r in ROLES}
+            fresh: dict[str, dict[str, WorkerInfo]] = {r.value: {} for r in Role}
             for w in workers:
                 fresh[w.role][w.worker_id] = w
-            pools, rings, local_only = {}, {}, set()
-            for role in ROLES:
+            pools: dict[str, dict[str, WorkerInfo]] = {}
+            rings: dict[str, HashRing] = {}
+            local_only: set[str] = set()
+            for role in Role:
                 if not fresh[role] and old.pools.get(role) and now < self._resync_until:
                     pools[role] = old.pools[role]
                     local_only.add(role)

@@ -21,7 +21,7 @@ from importlib import resources
 import grpc
 import redis
 
-from services.common.worker_config import ROLES
+from services.common.role import Role
 from services.router.keyspace import Keyspace
 from services.router.redis_client import REDIS_DOWN_ERRORS
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class WorkerInfo:
     worker_id: str
-    role: str  # prefill, decode or mixed
+    role: Role
     model: str  # model fingerprint (ModelSpec.fingerprint)
     layout_fingerprint: str  # KV layout fingerprint (KvLayout.fingerprint())
     address: str  # host:port of the worker's gRPC server
@@ -39,8 +39,7 @@ class WorkerInfo:
     draining: bool = False
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        object.__setattr__(self, "role", Role.parse(self.role))
         if not self.worker_id:
             raise ValueError("worker_id must be non-empty")
 
@@ -134,8 +133,8 @@ class Registry:
 
     def list(self, role: str | None = None) -> list[WorkerInfo]:
         """Live registrations (all pools, or one), pruning expired ones from the pool sets."""
-        if role is not None and role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if role is not None:
+            role = Role.parse(role)
         res = self._call("list", role or "")
         assert isinstance(res, list)
         flat = [str(x) for x in res]

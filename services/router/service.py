@@ -18,11 +18,11 @@ from opentelemetry.trace import SpanKind
 
 from pdserve.v1 import router_pb2, router_pb2_grpc
 from services.common.grpc_server import announce_ready, build_server, wait_for_shutdown_signal
-from services.common.metrics import RouterCollector
 from services.common.telemetry import Telemetry
 from services.common.telemetry_config import TelemetryConfig
 from services.common.tls import TlsConfig
 from services.common.tracing import Tracing
+from services.router.metrics import RouterCollector
 from services.router.placement import NoWorkerError, WorkerRef
 from services.router.redis_placement import RedisPlacement
 from services.router.router_config import RouterConfig

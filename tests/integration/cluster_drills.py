@@ -17,7 +17,7 @@ from typing import Any, cast
 import grpc
 
 from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
-from services.cli.cluster import Child, LocalCluster
+from services.cluster.local_cluster import Child, LocalCluster
 from services.gateway.client import GatewayClient, build_request
 from services.router.keyspace import Keyspace
 from services.router.redis_client import connect

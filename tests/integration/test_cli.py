@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from services.cli.cluster import ClusterConfig, LocalCluster
+from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from tests.conftest import MODEL_CACHE
 
 PDSERVE = [sys.executable, "-m", "services.cli.main"]

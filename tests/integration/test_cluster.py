@@ -15,7 +15,7 @@ import pytest
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatMessage
-from services.cli.cluster import ClusterConfig, LocalCluster
+from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.gateway.client import GatewayClient, build_request
 from tests.conftest import MODEL_CACHE, EngineFactory
 from tests.prompts import long_prompt

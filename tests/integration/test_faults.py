@@ -32,7 +32,7 @@ from pdserve.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
-from services.cli.cluster import Child, LocalCluster
+from services.cluster.local_cluster import Child, LocalCluster
 from services.gateway.client import GatewayClient, build_request
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.keyspace import Keyspace

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from loadtest.soak import wait_clean
 from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
-from services.cli.cluster import LocalCluster
+from services.cluster.local_cluster import LocalCluster
 from services.gateway.client import GatewayClient, build_request
 from services.gateway.service import MAX_PROMPT_CHARS
 from tests.integration.test_cluster import _cluster

@@ -1,4 +1,4 @@
-"""`pdserve bench` end to end against a real local cluster (1 prefill + 1 decode worker,
+"""`pdserve-bench` end to end against a real local cluster (1 prefill + 1 decode worker,
 pinned to a core each, Redis placement, KV over NIXL, the default model).
 
 A short Poisson sweep of the long-prompt mix and a closed-loop trace replay run through
@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from services.cli.cluster import ClusterConfig, LocalCluster
-from services.cli.main import main
+from loadtest.cli import main
+from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from tests.conftest import MODEL_CACHE
 
 NUM_REQUESTS = 8
@@ -45,7 +45,6 @@ def cluster() -> Iterator[LocalCluster]:
 def _bench(cluster: LocalCluster, out: Path, *flags: str) -> int:
     return main(
         [
-            "bench",
             "--gateway",
             cluster.gateway_address,
             "--out-dir",

@@ -18,7 +18,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from pdserve.v1 import common_pb2, gateway_pb2
-from services.cli.cluster import ClusterConfig, LocalCluster
+from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.gateway.client import GatewayClient, build_request
 from tests.conftest import MODEL_CACHE
 from tests.prompts import long_prompt

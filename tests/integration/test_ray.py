@@ -17,7 +17,7 @@ import pytest
 
 ray = pytest.importorskip("ray")  # the `ray` extra (part of `test`)
 
-from services.cli.cluster import ClusterConfig  # noqa: E402
+from services.cluster.local_cluster import ClusterConfig  # noqa: E402
 from services.gateway.client import GatewayClient, build_request  # noqa: E402
 from services.ray import launcher  # noqa: E402
 from services.ray.config import RayConfig  # noqa: E402

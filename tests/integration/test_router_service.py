@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from pdserve.v1 import router_pb2, router_pb2_grpc
-from services.cli.cluster import ClusterConfig, LocalCluster
+from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.gateway.client import GatewayClient, build_request
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.keyspace import Keyspace

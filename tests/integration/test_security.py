@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from engine.model_store import DEFAULT_MODEL_NAME
-from services.cli.cluster import ClusterConfig, LocalCluster
+from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.common.tls import TlsConfig
 from services.gateway.client import GatewayClient, build_request
 from tests.certs import TestCA

@@ -13,7 +13,7 @@ import asyncio
 import pytest
 
 from loadtest.soak import SoakConfig, run_soak, soak_cluster_config, summary
-from services.cli.cluster import LocalCluster
+from services.cluster.local_cluster import LocalCluster
 from tests.conftest import MODEL_CACHE
 
 SOAK_TEST_REQUESTS = 300

@@ -19,8 +19,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.common.v1 import common_pb2 as otlp_common
 
 from pdserve.v1 import gateway_pb2
-from services.cli.cluster import ClusterConfig, LocalCluster
 from services.cli.timeline import format_timeline
+from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.common.metrics import scrape
 from services.common.telemetry_config import TelemetryConfig
 from services.gateway.client import GatewayClient, build_request

@@ -9,7 +9,7 @@ import pytest
 
 from engine.config import EngineConfig
 from services.common.config import add_config_args, config_from_args, env_var_names
-from services.common.worker_config import WorkerConfig
+from services.worker.config import WorkerConfig
 
 
 def _parse(argv: list[str], env: dict[str, str]) -> EngineConfig:

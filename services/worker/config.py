@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ROLES = ("prefill", "decode", "mixed")
+from services.common.role import Role
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    role: str = field(default="mixed", metadata={"help": "prefill, decode or mixed"})
+    role: Role = field(default=Role.MIXED, metadata={"help": "prefill, decode or mixed"})
     host: str = field(default="127.0.0.1", metadata={"help": "address the worker binds"})
     port: int = field(default=0, metadata={"help": "worker gRPC port (0 = any free port)"})
     worker_id: str = field(default="", metadata={"help": "stable worker id (default: role-pid)"})
@@ -30,8 +30,7 @@ class WorkerConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        object.__setattr__(self, "role", Role.parse(self.role))
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if self.cpu_cores and not all(c.strip().isdigit() for c in self.cpu_cores.split(",")):

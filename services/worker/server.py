@@ -33,17 +33,17 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.engine_loop import EngineLoop
 from services.common.grpc_server import announce_ready, build_server, wait_for_shutdown_signal
 from services.common.log_format import log_context
-from services.common.registration import WorkerRegistration
 from services.common.status import abort_with, status_for
 from services.common.telemetry import Telemetry
 from services.common.telemetry_config import TelemetryConfig
 from services.common.tls import TlsConfig, channel_security
 from services.common.tracing import trace_id_from_metadata
-from services.common.worker_config import WorkerConfig
 from services.common.worker_telemetry import WorkerTelemetry
 from services.decode.handler import DecodeHandler
 from services.prefill.handler import PrefillHandler
 from services.router.registry import WorkerInfo
+from services.worker.config import WorkerConfig
+from services.worker.registration import WorkerRegistration
 
 log = logging.getLogger(__name__)
 

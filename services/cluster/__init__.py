@@ -1,0 +1,1 @@
+"""Launching a whole pdserve cluster as local processes (`pdserve up`)."""
