@@ -3,22 +3,24 @@
 Lifecycle: `LLMEngine(config)` resolves the model (converting the default one on first
 use), loads weights, sizes the KV pool from the memory budget and logs it. Callers then
 `add_request` / `abort` from any thread (they only queue), and one thread calls `step()`
-in a loop while `has_unfinished()`; each step first applies queued aborts (freeing those
-requests' blocks at once) and adds, then schedules, runs the model, samples and returns
-per-request outputs. `close()` is not needed: the engine owns only memory.
+in a loop while `has_unfinished()`; each step first runs deferred calls, then applies
+queued adds and aborts (freeing those requests' blocks at once), then schedules, runs the
+model, samples and returns per-request outputs. `close()` is not needed: the engine owns
+only memory. The scheduler owns every request's state; the engine feeds it.
 
 Other threads never wait behind a step for longer than the step in flight: work that must
-not race the scheduler goes through `run_or_defer` (runs now if no step holds the lock,
-else at the start of the next step; never waits: for callers on an event loop) or
-`between_steps` (the same, but waits for and returns the result). A thread that simply
-contended for the lock could lose it to the stepping thread step after step, and on a
-prefill worker one step of a long prompt lasts seconds. `stats()` never waits either: when
-a step is running it returns the snapshot taken at the end of the last one.
+not race the scheduler goes through the `StepGate` (`run_or_defer` never waits,
+`between_steps` waits at most for the step in flight; see `step_gate.py`). `stats()`
+never waits either: when a step is running it returns the snapshot taken at the end of
+the last one.
 
-KV hand-off (`engine.handoff`, see `kv_handoff.py`): a prefill engine finishes a request added with
-`hold_kv=True` and keeps its blocks pinned until `handoff.release_held`; a decode engine
-reserves blocks with `handoff.reserve_import`, has them filled from outside, then
-`handoff.commit_import` makes the request join the batch as if it had prefilled here.
+KV hand-off, the narrow interface kvtransfer's ports name (`kvtransfer/engine_port.py`):
+a prefill engine finishes a request added with `hold_kv=True` and keeps its blocks pinned
+(HELD_FOR_EXPORT) until `release_held`; `held_kv` describes them without the step lock,
+and `release_held` never waits (both run on a prefill worker's event loop). A decode
+engine reserves blocks with `reserve_import` (WAITING_FOR_REMOTE_KV), has them filled
+from outside, then `commit_import` makes the request join the batch as if it had
+prefilled here, or `cancel_import` frees them; these wait at most for the step in flight.
 """
 
 from __future__ import annotations
@@ -27,9 +29,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from typing import TypeVar
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -38,24 +38,23 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache import KvLayout, allocate_kv_cache, blocks_for_budget
-from engine.kv_handoff import KvHandoff
+from engine.kv_handoff import HeldKv, HeldKvIndex, ImportSlot
 from engine.linear_kernel import pick_linear_kernel
 from engine.llama import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.model_spec import ModelSpec
 from engine.model_store import resolve_model_dir
 from engine.prefix_hash import hash_seed
-from engine.request import Request, RequestOutput, RequestStatus
+from engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from engine.sampler import new_generator, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stats import EngineStats
+from engine.step_gate import StepGate
 from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class LLMEngine:
@@ -93,15 +92,13 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.stop_checker = StopChecker(self.tokenizer, eos, self.max_model_len)
-        self.requests: dict[str, Request] = {}
-        self.handoff = KvHandoff(self)
-        # `lock` is held for a whole step; `_inbox_lock` only guards the queues, so
-        # add/abort and deferred calls never wait for a step to finish.
-        self.lock = threading.RLock()
+        self.gate = StepGate()
+        self.lock = self.gate.lock  # held for a whole step
+        self._held = HeldKvIndex()
+        # `_inbox_lock` only guards the queues, so add/abort never wait for a step.
         self._inbox_lock = threading.Lock()
         self._inbox_add: list[Request] = []
         self._inbox_abort: list[str] = []
-        self._inbox_calls: list[Callable[[], None]] = []
         self._last_stats = self._collect_stats()
         log.info(
             "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token), model %s",
@@ -112,6 +109,11 @@ class LLMEngine:
             self.layout.bytes_per_token,
             self.model_dir,
         )
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """Every live request by id, in any state (read-only: the scheduler owns them)."""
+        return self.scheduler.requests
 
     # -- request intake ----------------------------------------------------------
     def hash_seed_for(self, cache_salt: str = "") -> int:
@@ -152,65 +154,19 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request; returns its id. Thread-safe, never blocks on a step."""
         self.validate(prompt_token_ids, sampling)
-        req = self.new_request(request_id, prompt_token_ids, sampling, cache_salt, hold_kv)
-        self.claim_id(req.request_id)
+        req = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, hold_kv)
+        self._claim_id(req.request_id)
         with self._inbox_lock:
             self._inbox_add.append(req)
         return req.request_id
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request in any state; its blocks are freed at the start of the next step."""
+        """Cancel a request in any state; its blocks are freed at the start of the next step
+        (an import's once its bytes have landed, see `Scheduler.abort`)."""
         with self._inbox_lock:
             self._inbox_abort.append(request_id)
 
-    def run_or_defer(self, fn: Callable[[], None]) -> None:
-        """Run `fn` under the engine lock: now if no step holds it, else first thing in the
-        next step. Never waits, so an event loop may call it; `fn`'s errors are logged."""
-        if self.lock.acquire(blocking=False):
-            try:
-                _logged(fn)
-            finally:
-                self.lock.release()
-            return
-        with self._inbox_lock:
-            self._inbox_calls.append(fn)
-
-    def between_steps(self, fn: Callable[[], T]) -> T:
-        """Run `fn` under the engine lock and return its result (or raise its error).
-
-        Waits at most for the step in flight: the stepping thread runs queued calls first
-        thing in its next step. If no thread is stepping (none started, or stopped), the
-        caller runs `fn` itself as soon as the lock is free.
-        """
-        done: Future[T] = Future()
-
-        def call() -> None:
-            try:
-                done.set_result(fn())
-            except BaseException as exc:  # handed to the waiting caller
-                done.set_exception(exc)
-
-        self.run_or_defer(call)
-        while True:
-            try:
-                return done.result(timeout=0.05)
-            except TimeoutError:
-                self._run_if_still_queued(call)
-
-    def _run_if_still_queued(self, call: Callable[[], None]) -> None:
-        if not self.lock.acquire(blocking=False):
-            return
-        try:
-            with self._inbox_lock:
-                queued = call in self._inbox_calls
-                if queued:
-                    self._inbox_calls.remove(call)
-            if queued:
-                call()
-        finally:
-            self.lock.release()
-
-    def new_request(
+    def _new_request(
         self,
         request_id: str | None,
         prompt: Sequence[int],
@@ -227,21 +183,88 @@ class LLMEngine:
             generator=None if sampling.greedy else new_generator(sampling.seed),
         )
 
-    def claim_id(self, request_id: str) -> None:
-        """Refuse an id that a live request already has (queued, running, held, importing)."""
+    def _claim_id(self, request_id: str) -> None:
+        """Refuse an id that a live request already has (queued or in any state)."""
         with self._inbox_lock:
             queued = any(r.request_id == request_id for r in self._inbox_add)
-        if queued or request_id in self.requests or self.handoff.owns(request_id):
+        if queued or request_id in self.scheduler.requests:
             raise InvalidRequestError(
                 "request_id", "must be unique among live requests", request_id
             )
 
+    # -- KV hand-off ---------------------------------------------------------------
+    def held_kv(self, request_id: str) -> HeldKv:
+        """The pinned blocks of a finished hold_kv request; UnknownRequestError if none.
+        Never waits for a step."""
+        return self._held.get(request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        """Unpin an exported request's blocks (full ones stay cached); False if not held.
+
+        Never waits for a step: the blocks are freed now if none is running, else first
+        thing in the next one.
+        """
+        if not self._held.withdraw(request_id):
+            return False
+        self.gate.run_or_defer(lambda: self._unpin(request_id))
+        return True
+
+    def _unpin(self, request_id: str) -> None:
+        self.scheduler.release_held(request_id)
+
+    def reserve_import(
+        self,
+        prompt_token_ids: Sequence[int],
+        first_token_id: int,
+        sampling: SamplingParams,
+        *,
+        request_id: str,
+        cache_salt: str = "",
+    ) -> ImportSlot:
+        """Reserve blocks for a prompt whose KV comes from elsewhere (reusing cached prefix
+        blocks); OutOfBlocksError if short, InvalidRequestError for a bad request."""
+        self.validate(prompt_token_ids, sampling)
+        vocab = self.spec.vocab_size
+        if not 0 <= first_token_id < vocab:
+            raise InvalidRequestError("first_token_id", f"must be in [0, {vocab})")
+        req = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, False)
+
+        def reserve() -> ImportSlot:
+            self._claim_id(request_id)
+            cached = self.scheduler.reserve_import(req, first_token_id)
+            return ImportSlot(request_id, list(req.block_ids), cached)
+
+        return self.gate.between_steps(reserve)
+
+    def commit_import(self, request_id: str) -> FinishReason | None:
+        """The reserved blocks now hold the prompt's KV: queue the request to decode.
+
+        Returns None when it was queued, else why it already ended, its blocks freed: the
+        first token ended it (STOP for EOS or a stop, LENGTH for max_tokens or the context
+        length), or it was aborted while its bytes landed (ABORT). UnknownRequestError if
+        `request_id` is not importing.
+        """
+        return self.gate.between_steps(lambda: self._commit(request_id))
+
+    def _commit(self, request_id: str) -> FinishReason | None:
+        req = self.scheduler.commit_import(request_id)
+        if req is None:
+            return FinishReason.ABORT
+        reason = self.stop_checker.check(req)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+        return reason
+
+    def cancel_import(self, request_id: str) -> bool:
+        """Free a reservation whose transfer failed or was cancelled; False if none."""
+        return self.gate.between_steps(lambda: self.scheduler.cancel_import(request_id))
+
     # -- stepping ----------------------------------------------------------------
     def has_unfinished(self) -> bool:
         with self._inbox_lock:
-            if self._inbox_add or self._inbox_abort or self._inbox_calls:
+            if self._inbox_add or self._inbox_abort:
                 return True
-        return self.scheduler.has_work()
+        return self.gate.has_deferred() or self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
         """One scheduling + model step. Call from a single thread."""
@@ -268,38 +291,30 @@ class LLMEngine:
         return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:
-        with self._inbox_lock:
-            calls, self._inbox_calls = self._inbox_calls, []
-            adds, self._inbox_add = self._inbox_add, []
-            aborts, self._inbox_abort = self._inbox_abort, []
         # Deferred calls first: releases free blocks and commits queue imports before
         # this step schedules.
-        for call in calls:
-            _logged(call)
+        self.gate.run_deferred()
+        with self._inbox_lock:
+            adds, self._inbox_add = self._inbox_add, []
+            aborts, self._inbox_abort = self._inbox_abort, []
         for req in adds:
-            self.requests[req.request_id] = req
             self.scheduler.add(req)
         return [out for rid in aborts if (out := self._abort_now(rid)) is not None]
 
     def _abort_now(self, request_id: str) -> RequestOutput | None:
-        if self.handoff.release_held(request_id) or self.handoff.cancel_when_landed(request_id):
-            return None
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return None
-        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        return self._output(req, [])
+        self._held.withdraw(request_id)  # before its blocks may be handed out again
+        req = self.scheduler.abort(request_id)
+        return None if req is None else self._output(req, [])
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         req.output_token_ids.append(token)
-        status = self.stop_checker.check(req)
-        if status is not None:
-            self.scheduler.finish(req, status)
-            del self.requests[req.request_id]
-            if req.hold_kv:
-                self.handoff.hold(req)
+        reason = self.stop_checker.check(req)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            if req.status is RequestStatus.HELD_FOR_EXPORT:
+                self._held.publish(HeldKv.of(req))
         return self._output(req, [token])
 
     @staticmethod
@@ -308,7 +323,7 @@ class LLMEngine:
             request_id=req.request_id,
             new_token_ids=new_tokens,
             finished=req.finished,
-            finish_reason=req.status.value if req.finished else None,
+            finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
@@ -331,7 +346,7 @@ class LLMEngine:
     def _collect_stats(self) -> EngineStats:
         p = self.pool.stats()
         sched = self.scheduler
-        held_blocks, importing_blocks = self.handoff.blocks()
+        held_blocks, importing_blocks = sched.handoff_blocks()
         return EngineStats(
             total_blocks=p.total,
             free_blocks=p.free,
@@ -341,8 +356,8 @@ class LLMEngine:
             importing_blocks=importing_blocks,
             running=len(sched.running),
             waiting=len(sched.waiting),
-            held_requests=len(self.handoff.held),
-            importing_requests=len(self.handoff.importing),
+            held_requests=len(sched.held),
+            importing_requests=len(sched.importing),
             prefix_hit_tokens=sched.prefix_hit_tokens,
             prefix_query_tokens=sched.prefix_query_tokens,
             num_preemptions=sched.num_preemptions,
@@ -364,10 +379,3 @@ class LLMEngine:
                 if o.request_id in out:
                     out[o.request_id].extend(o.new_token_ids)
         return [out[rid] for rid in ids]
-
-
-def _logged(fn: Callable[[], None]) -> None:
-    try:
-        fn()
-    except Exception:
-        log.exception("deferred engine call failed")

@@ -96,10 +96,18 @@ class LlamaModel:
     def _arrange(self, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         take = self._taker(raw)
         w: dict[str, torch.Tensor] = {"embed": take("model.embed_tokens.weight")}
-        for i in range(self.spec.num_layers):
+        s = self.spec
+        for i in range(s.num_layers):
             p = f"model.layers.{i}."
-            if self.spec.qkv_bias:
+            if s.qkv_bias:
                 w[f"{i}.qkv_b"] = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            if s.o_bias:
+                w[f"{i}.o_b"] = take(p + "self_attn.o_proj.bias")
+            if s.mlp_bias:
+                w[f"{i}.gate_up_b"] = torch.cat(
+                    [take(p + f"mlp.{x}_proj.bias") for x in ("gate", "up")]
+                )
+                w[f"{i}.down_b"] = take(p + "mlp.down_proj.bias")
             w[f"{i}.in_norm"] = take(p + "input_layernorm.weight")
             w[f"{i}.post_norm"] = take(p + "post_attention_layernorm.weight")
         w["norm"] = take("model.norm.weight")
@@ -181,8 +189,11 @@ class LlamaModel:
         k_cache.view(flat).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(flat).index_copy_(0, meta.slot_mapping, v.view(t, *flat[1:]))
         out = backend.attend(q, k_cache, v_cache, meta)
-        return self.kernel.apply(out.reshape(t, q_size), self.linears[f"{i}.o"])
+        o_bias = self.weights.get(f"{i}.o_b")
+        return self.kernel.apply(out.reshape(t, q_size), self.linears[f"{i}.o"], o_bias)
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.kernel.apply(h, self.linears[f"{i}.gate_up"]).chunk(2, dim=-1)
-        return self.kernel.apply(F.silu(gate) * up, self.linears[f"{i}.down"])
+        w = self.weights
+        gate_up = self.kernel.apply(h, self.linears[f"{i}.gate_up"], w.get(f"{i}.gate_up_b"))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.kernel.apply(F.silu(gate) * up, self.linears[f"{i}.down"], w.get(f"{i}.down_b"))

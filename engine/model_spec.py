@@ -42,6 +42,8 @@ class ModelSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     rope_scaling: RopeScaling | None
@@ -67,6 +69,10 @@ class ModelSpec:
         eos = cfg.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
         bos = cfg.get("bos_token_id")
+        # As in transformers: Qwen2 always has q/k/v biases and nothing else; Llama's
+        # `attention_bias` covers q/k/v and o, and `mlp_bias` gate/up/down.
+        attention_bias = model_type == "qwen2" or bool(cfg.get("attention_bias", False))
+        llama = model_type == "llama"
         return cls(
             model_type=model_type,
             vocab_size=_int(cfg, "vocab_size"),
@@ -80,7 +86,9 @@ class ModelSpec:
             rope_theta=_rope_theta(cfg),
             max_position_embeddings=_int(cfg, "max_position_embeddings"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qkv_bias=attention_bias,
+            o_bias=llama and attention_bias,
+            mlp_bias=llama and bool(cfg.get("mlp_bias", False)),
             bos_token_id=None if bos is None else int(bos),  # type: ignore[call-overload]
             eos_token_ids=tuple(int(e) for e in eos_ids),  # type: ignore[arg-type]
             rope_scaling=_rope_scaling(cfg),

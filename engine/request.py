@@ -1,10 +1,17 @@
 """One generation request as the engine tracks it.
 
-Lifecycle: WAITING (queued; also where a preempted request goes back, keeping its output
-tokens) -> RUNNING (holds blocks; prefill chunks, then one token per step) -> FINISHED_*.
-Imported requests start in IMPORTING (blocks reserved, KV being read from a prefill
-engine) and join RUNNING on commit. A request finished with `hold_kv` keeps its blocks,
-pinned for export, until the engine is told to release them.
+Lifecycle (every transition is the scheduler's):
+  WAITING (queued; also where a preempted request goes back, keeping its output tokens)
+  -> RUNNING (holds blocks; prefill chunks, then one token per step) -> FINISHED_*.
+  Prefill side of a hand-off: a request added with `hold_kv` that ends (other than by an
+  abort) goes RUNNING -> HELD_FOR_EXPORT: its output is over, its blocks stay pinned for
+  a peer to read, and it becomes FINISHED_* when they are released.
+  Decode side: an imported request starts in WAITING_FOR_REMOTE_KV (blocks reserved, the
+  prompt's KV landing from a peer) and goes to WAITING on commit, or to FINISHED_* when
+  the reservation is cancelled or its first token already ended it.
+
+Why a request's output ended is its `finish_reason` (set once, when the output ends; a
+held request has one while its blocks are still pinned).
 
 `num_computed_tokens` counts tokens whose KV is in the cache; `all_token_ids` is prompt
 plus output. When computed reaches the total, the last logits are sampled.
@@ -21,21 +28,36 @@ import torch
 from engine.sampling_params import SamplingParams
 
 
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    IMPORTING = "importing"
-    RUNNING = "running"
-    FINISHED_STOPPED = "stop"
-    FINISHED_LENGTH = "length"
-    FINISHED_ABORTED = "abort"
+class FinishReason(enum.Enum):
+    """Why a request's output ended: a stop (EOS, stop token or string), the length limit
+    (max_tokens or the context length), or an abort (cancelled, or the engine failed)."""
 
-    @property
-    def finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its lifecycle (see the module docstring)."""
+
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    HELD_FOR_EXPORT = "held_for_export"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @staticmethod
+    def finished_with(reason: FinishReason) -> RequestStatus:
+        return _FINISHED[reason]
+
+
+_FINISHED = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+}
 
 
 @dataclass
@@ -61,6 +83,7 @@ class Request:
     num_preemptions: int = 0
     prefix_counted: bool = False
     status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
 
@@ -78,7 +101,8 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status.finished
+        """The output is over (the request may still hold blocks for export)."""
+        return self.finish_reason is not None
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)
@@ -92,7 +116,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

@@ -1,4 +1,5 @@
-"""Continuous batching with chunked prefill, prefix-cache admission and preemption.
+"""Continuous batching with chunked prefill, prefix-cache admission and preemption, and
+the states of a KV hand-off: the scheduler owns every live request and every transition.
 
 Lifecycle of one step: `schedule()` first gives every RUNNING request its next tokens (one
 for a decode, up to the remaining token budget for a prefill chunk), growing its block
@@ -12,6 +13,15 @@ arrival order while the budget, `max_num_seqs` and free blocks allow, reusing ca
 prefix blocks. After the model runs, the engine calls `advance` for each scheduled
 request (which publishes newly full blocks to the prefix cache) and `finish` when a
 request stops. Nothing here runs the model or samples.
+
+Hand-off states (see `engine/request.py`), outside the step's queues and never scheduled:
+  prefill: `finish` of a hold_kv request (not an abort) -> HELD_FOR_EXPORT in `held`,
+  blocks pinned -> `release_held` frees them (full blocks stay in the prefix cache);
+  decode: `reserve_import` -> WAITING_FOR_REMOTE_KV in `importing`, blocks reserved ->
+  `commit_import` (the bytes landed: publish the blocks, queue as WAITING) or
+  `cancel_import` (free them). `abort` of a landing import only marks it: its blocks
+  are freed at its commit or cancel, never under a transfer that may still write them.
+`requests` maps the id of every request in any of these states to it.
 """
 
 from __future__ import annotations
@@ -21,8 +31,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
+from engine.errors import OutOfBlocksError, UnknownRequestError
 from engine.prefix_hash import prefix_block_hashes
-from engine.request import Request, RequestStatus
+from engine.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -58,13 +69,21 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Decides which requests run each step; owns the waiting queue and the running list."""
+    """Decides which requests run each step; owns every live request and its state.
+
+    Not thread-safe: the engine calls it under its step lock.
+    """
 
     def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
         self.config = config
         self.pool = pool
+        self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.held: dict[str, Request] = {}  # HELD_FOR_EXPORT
+        self.importing: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
+        # Imports aborted while their bytes may still be landing (see the module doc).
+        self._abort_on_landing: set[str] = set()
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
@@ -73,8 +92,10 @@ class Scheduler:
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
+        self.requests[req.request_id] = req
 
     def has_work(self) -> bool:
+        """Whether a step has anything to schedule (hand-off states never are)."""
         return bool(self.waiting or self.running)
 
     # -- one step ----------------------------------------------------------------
@@ -150,7 +171,7 @@ class Scheduler:
                     self._unclaim_prefix(req, hits)
                 return
             self.waiting.popleft()
-            self.count_prefix(req)
+            self._count_prefix(req)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
@@ -178,7 +199,7 @@ class Scheduler:
 
     def _claim_prefix(self, req: Request) -> list[int]:
         """Reuse cached blocks for the longest cached prefix (always computing >= 1 token)."""
-        self.extend_hashes(req, req.num_tokens)
+        self._extend_hashes(req, req.num_tokens)
         max_hit = (req.num_tokens - 1) // self.config.block_size
         hits = self.pool.longest_cached_prefix(req.block_hashes[:max_hit])
         self.pool.touch(hits)
@@ -189,7 +210,7 @@ class Scheduler:
             req.num_cached_tokens = req.num_computed_tokens
         return hits
 
-    def count_prefix(self, req: Request) -> None:
+    def _count_prefix(self, req: Request) -> None:
         """Add a request's prompt and cache-hit tokens to the prefix stats, once."""
         if not req.prefix_counted:
             req.prefix_counted = True
@@ -201,7 +222,7 @@ class Scheduler:
         req.block_ids = []
         req.num_computed_tokens = 0
 
-    def extend_hashes(self, req: Request, num_tokens: int) -> None:
+    def _extend_hashes(self, req: Request, num_tokens: int) -> None:
         """Hash the full blocks among the first `num_tokens` tokens not hashed yet."""
         bs = self.config.block_size
         done = len(req.block_hashes)
@@ -218,9 +239,9 @@ class Scheduler:
             )
         )
 
-    def publish_full_blocks(self, req: Request) -> None:
+    def _publish_full_blocks(self, req: Request) -> None:
         """Put the request's computed full blocks into the prefix cache."""
-        self.extend_hashes(req, req.num_computed_tokens)
+        self._extend_hashes(req, req.num_computed_tokens)
         n_full = req.num_computed_tokens // self.config.block_size
         for j in range(n_full):
             if self.pool.block_hash(req.block_ids[j]) is None:
@@ -229,7 +250,7 @@ class Scheduler:
     def advance(self, req: Request, num_new: int) -> None:
         """Record that the model computed `num_new` more tokens of `req`."""
         req.num_computed_tokens += num_new
-        self.publish_full_blocks(req)
+        self._publish_full_blocks(req)
 
     def _preempt(self, req: Request) -> None:
         self.pool.free(reversed(req.block_ids))
@@ -241,19 +262,123 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # -- endings -----------------------------------------------------------------
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """Take `req` out of the queues; free its blocks unless it holds them for export."""
-        req.status = status
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """End a WAITING or RUNNING request's output with `reason` (a no-op once ended).
+
+        Its blocks are freed, except a hold_kv request's that did not abort: it goes to
+        HELD_FOR_EXPORT with its blocks pinned until `release_held`.
+        """
+        if req.finished:
+            return
+        req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if not (req.hold_kv and status is not RequestStatus.FINISHED_ABORTED):
-            self.release_blocks(req)
+        if req.hold_kv and reason is not FinishReason.ABORT:
+            req.status = RequestStatus.HELD_FOR_EXPORT
+            self.held[req.request_id] = req
+            return
+        self._retire(req, reason)
 
-    def release_blocks(self, req: Request) -> None:
+    def abort(self, request_id: str) -> Request | None:
+        """Cancel a request in any state; returns it when its output was still open.
+
+        WAITING or RUNNING: finished as aborted, blocks freed, returned (its stream gets a
+        last output). HELD_FOR_EXPORT: its blocks are released. WAITING_FOR_REMOTE_KV:
+        marked, freed when the import commits or cancels. Unknown ids are ignored.
+        """
+        if self.release_held(request_id):
+            return None
+        if request_id in self.importing:
+            self._abort_on_landing.add(request_id)
+            return None
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.finish(req, FinishReason.ABORT)
+        return req
+
+    def _retire(self, req: Request, reason: FinishReason) -> None:
+        """The request leaves the scheduler: blocks freed, FINISHED_*, forgotten."""
         self.pool.free(reversed(req.block_ids))
         req.block_ids = []
+        req.finish_reason = reason
+        req.status = RequestStatus.finished_with(reason)
+        if self.requests.get(req.request_id) is req:
+            del self.requests[req.request_id]
+
+    # -- hand-off ----------------------------------------------------------------
+    def release_held(self, request_id: str) -> bool:
+        """HELD_FOR_EXPORT -> FINISHED_*: unpin the blocks; False if it is not held."""
+        req = self.held.pop(request_id, None)
+        if req is None:
+            return False
+        self._retire(req, req.finish_reason or FinishReason.STOP)
+        return True
+
+    def reserve_import(self, req: Request, first_token_id: int) -> int:
+        """A new request whose prompt's KV comes from a peer -> WAITING_FOR_REMOTE_KV.
+
+        Gives it blocks for the whole prompt, reusing the longest cached prefix, and
+        returns how many leading blocks were cached (they need no transfer). Raises
+        OutOfBlocksError, taking nothing, when the pool is short.
+        """
+        self._extend_hashes(req, req.num_prompt_tokens)
+        hits = self.pool.longest_cached_prefix(req.block_hashes)
+        need = -(-req.num_prompt_tokens // self.config.block_size) - len(hits)
+        # Touching a free cached hit takes it off the free list: it cannot also be allocated.
+        unpinned = sum(1 for b in hits if self.pool.ref_count(b) == 0)
+        if need > self.pool.num_free - unpinned:
+            raise OutOfBlocksError(f"import of {req.request_id} needs {need} KV blocks")
+        self.pool.touch(hits)
+        req.block_ids = hits + self.pool.allocate(need)
+        req.num_cached_tokens = len(hits) * self.config.block_size
+        self._count_prefix(req)
+        req.output_token_ids.append(first_token_id)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.importing[req.request_id] = req
+        self.requests[req.request_id] = req
+        return len(hits)
+
+    def commit_import(self, request_id: str) -> Request | None:
+        """The reserved blocks hold the prompt's KV: WAITING_FOR_REMOTE_KV -> WAITING.
+
+        Publishes the full blocks to the prefix cache and queues the request to decode its
+        second token. Returns None, freeing the blocks, for an import aborted while
+        landing; UnknownRequestError if `request_id` is not importing.
+        """
+        req = self.importing.pop(request_id, None)
+        if req is None:
+            raise UnknownRequestError(request_id)
+        if request_id in self._abort_on_landing:
+            self._abort_on_landing.discard(request_id)
+            self._retire(req, FinishReason.ABORT)
+            return None
+        req.num_computed_tokens = req.num_prompt_tokens
+        self._publish_full_blocks(req)
+        req.arrival_time = time.monotonic()  # decode's queue starts now, not at reserve
+        self.add(req)
+        return req
+
+    def cancel_import(self, request_id: str) -> bool:
+        """WAITING_FOR_REMOTE_KV -> FINISHED_ABORTED, blocks freed; False if none.
+
+        The caller guarantees no transfer still writes into the blocks.
+        """
+        self._abort_on_landing.discard(request_id)
+        req = self.importing.pop(request_id, None)
+        if req is None:
+            return False
+        self._retire(req, FinishReason.ABORT)
+        return True
+
+    def handoff_blocks(self) -> tuple[int, int]:
+        """(blocks held for export, blocks reserved for imports)."""
+        return (
+            sum(len(r.block_ids) for r in self.held.values()),
+            sum(len(r.block_ids) for r in self.importing.values()),
+        )
 
 
 def _remaining(req: Request) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.request import Request, RequestStatus
+from engine.request import FinishReason, Request
 from engine.tokenizer import Tokenizer
 
 
@@ -19,22 +19,23 @@ class StopChecker:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    def check(self, req: Request) -> RequestStatus | None:
+    def check(self, req: Request) -> FinishReason | None:
+        """Why the last output token ends `req` (setting its `stop_reason`), or None."""
         token = req.output_token_ids[-1]
         p = req.sampling
         if not p.ignore_eos and token in self.eos_token_ids:
             req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
+            return FinishReason.STOP
         if token in p.stop_token_ids:
             req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
+            return FinishReason.STOP
         if p.stop:
             hit = self._stop_string(req)
             if hit is not None:
                 req.stop_reason = hit
-                return RequestStatus.FINISHED_STOPPED
+                return FinishReason.STOP
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+            return FinishReason.LENGTH
         return None
 
     def _stop_string(self, req: Request) -> str | None:

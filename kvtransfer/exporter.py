@@ -1,6 +1,7 @@
 """The prefill side of KV transfer: export held blocks under leases and serve importers.
 
-Lifecycle: `KvExporter.for_engine(engine, config)` registers the engine's KV pool with the backend
+Lifecycle: `KvExporter.for_engine(engine, config)` (any `ExportPort`: the exporter never
+sees the engine beyond it) registers the engine's KV pool with the backend
 (NIXL registers it once, for the process's life) and `start()` binds the KvTransfer gRPC
 service on loopback and starts a housekeeping thread. After the engine finishes a
 request added with `hold_kv=True`, `export(request_id)` grants a lease and returns the
@@ -17,20 +18,18 @@ import threading
 import uuid
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Protocol
 
 import grpc
 import torch
 
-from engine.engine import LLMEngine
 from engine.kv_cache import KvLayout
-from engine.kv_handoff import HeldKv
 from kvtransfer.backend import ExportBackend
 from kvtransfer.channel import CHANNEL_OPTIONS, PLAINTEXT, ChannelSecurity, bind
 from kvtransfer.config import TransferConfig
+from kvtransfer.engine_port import ExportPort, HeldKvSource
 from kvtransfer.handle import PROTOCOL_VERSION
 from kvtransfer.leases import LeaseStats, LeaseTable
-from kvtransfer.service import KvTransferService
+from kvtransfer.service import KvTransferService, ServedPool
 from kvtransfer.tcp_backend import TcpExportBackend
 from pdserve.v1 import common_pb2, kvtransfer_pb2_grpc
 
@@ -40,20 +39,13 @@ log = logging.getLogger(__name__)
 HOUSEKEEPING_INTERVAL_S = 0.005
 
 
-def make_export_backend(name: str, exporter: KvExporter) -> ExportBackend:
+def make_export_backend(name: str, kv_cache: torch.Tensor, agent_name: str) -> ExportBackend:
     if name == "nixl":
+        # Imported here: NIXL is an optional dependency, loaded only when chosen.
         from kvtransfer.nixl_backend import NixlExportBackend
 
-        return NixlExportBackend(exporter.kv_cache, exporter.agent_name)
+        return NixlExportBackend(kv_cache, agent_name)
     return TcpExportBackend()
-
-
-class HeldKvProvider(Protocol):
-    """Who pins exported blocks: an engine's `handoff` (or a bare pool in benchmarks)."""
-
-    def held_kv(self, request_id: str) -> HeldKv: ...
-
-    def release_held(self, request_id: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -70,7 +62,7 @@ class KvExporter:
         self,
         layout: KvLayout,
         kv_cache: torch.Tensor,
-        held: HeldKvProvider,
+        held: HeldKvSource,
         config: TransferConfig,
         *,
         engine_id: str | None = None,
@@ -85,11 +77,15 @@ class KvExporter:
         self.incarnation = uuid.uuid4().hex[:12]
         self.agent_name = f"{self.engine_id}.{self.incarnation}"
         self.leases = LeaseTable(config.kv_lease_ttl_s, on_release=held.release_held)
-        self.backend = make_export_backend(config.kv_backend, self)
+        self.backend = make_export_backend(config.kv_backend, kv_cache, self.agent_name)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS
         )
-        kvtransfer_pb2_grpc.add_KvTransferServicer_to_server(KvTransferService(self), self._server)
+        served = ServedPool(
+            self.engine_id, self.incarnation, layout, kv_cache, self.backend, self.leases
+        )
+        service = KvTransferService(served)
+        kvtransfer_pb2_grpc.add_KvTransferServicer_to_server(service, self._server)
         host = config.kv_transfer_host
         port = bind(self._server, f"{host}:{config.kv_transfer_port}", security)
         self.address = f"{host}:{port}"
@@ -99,14 +95,14 @@ class KvExporter:
     @classmethod
     def for_engine(
         cls,
-        engine: LLMEngine,
+        engine: ExportPort,
         config: TransferConfig,
         *,
         engine_id: str | None = None,
         security: ChannelSecurity = PLAINTEXT,
     ) -> KvExporter:
         return cls(
-            engine.layout, engine.kv_cache, engine.handoff, config,
+            engine.layout, engine.kv_cache, engine, config,
             engine_id=engine_id, security=security,
         )  # fmt: skip
 

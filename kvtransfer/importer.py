@@ -1,13 +1,15 @@
 """The decode side of KV transfer: pull a request's blocks from a prefill engine.
 
+The importer sees its engine only through `ImportPort` (kvtransfer/engine_port.py).
 Lifecycle of one `import_kv(handle, prompt, ...)`: check the handle against this
 engine's layout and the prompt; make sure the exporter's current incarnation has been
 handshaken (once per incarnation: a restarted exporter's stale NIXL metadata is dropped
-and the handshake redone); reserve blocks in the engine, reusing blocks already in its
-prefix cache so only the missing ones are read; read them with one batched transfer
-before the deadline; release the exporter's lease; commit the request to the engine's
-batch. Any failure cancels the reservation (nothing leaks here) and raises a typed
-TransferError; the exporter's lease expiry covers its side.
+and the handshake redone); reserve blocks in the engine (WAITING_FOR_REMOTE_KV), reusing
+blocks already in its prefix cache so only the missing ones are read; read them with one
+batched transfer before the deadline; release the exporter's lease; commit the request
+to the engine's batch (or learn why its first token already ended it: the result's
+`finish_reason`). Any failure cancels the reservation (nothing leaks here) and raises a
+typed TransferError; the exporter's lease expiry covers its side.
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
+import torch
 
-from engine.engine import LLMEngine
 from engine.errors import OutOfBlocksError
 from engine.kv_cache import KvLayout
+from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from kvtransfer.backend import ImportBackend
 from kvtransfer.channel import PLAINTEXT, ChannelSecurity, dial
 from kvtransfer.config import TransferConfig
+from kvtransfer.engine_port import ImportPort
 from kvtransfer.errors import (
     InvalidHandleError,
     LeaseExpiredError,
@@ -44,13 +48,14 @@ log = logging.getLogger(__name__)
 
 
 def make_import_backend(
-    name: str, engine: LLMEngine, agent_name: str, security: ChannelSecurity = PLAINTEXT
+    name: str, kv_cache: torch.Tensor, agent_name: str, security: ChannelSecurity = PLAINTEXT
 ) -> ImportBackend:
     if name == "nixl":
+        # Imported here: NIXL is an optional dependency, loaded only when chosen.
         from kvtransfer.nixl_backend import NixlImportBackend
 
-        return NixlImportBackend(engine.kv_cache, agent_name)
-    return TcpImportBackend(engine.kv_cache, security)
+        return NixlImportBackend(kv_cache, agent_name)
+    return TcpImportBackend(kv_cache, security)
 
 
 def handshake(
@@ -86,7 +91,12 @@ class ImportResult:
     bytes: int
     descriptors: int
     seconds: float
-    queued: bool = True  # False: the first token already ended the request
+    # None: the request was queued to decode; else why its first token already ended it.
+    finish_reason: FinishReason | None = None
+
+    @property
+    def queued(self) -> bool:
+        return self.finish_reason is None
 
     @property
     def gbps(self) -> float:
@@ -98,7 +108,7 @@ class KvImporter:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: ImportPort,
         config: TransferConfig,
         *,
         engine_id: str | None = None,
@@ -109,7 +119,9 @@ class KvImporter:
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.agent_name = f"{self.engine_id}.{uuid.uuid4().hex[:12]}"
         self.security = security
-        self.backend = make_import_backend(config.kv_backend, engine, self.agent_name, security)
+        self.backend = make_import_backend(
+            config.kv_backend, engine.kv_cache, self.agent_name, security
+        )
         self._lock = threading.Lock()
         self._peer_by_address: dict[str, str] = {}  # address -> "address|incarnation"
         self._peer_blocks: dict[str, int] = {}  # peer key -> blocks in its pool
@@ -134,7 +146,7 @@ class KvImporter:
         peer = self._peer(handle, deadline, metadata)
         self._check_block_ids(handle, peer)
         try:
-            slot = self.engine.handoff.reserve_import(
+            slot = self.engine.reserve_import(
                 prompt_token_ids,
                 handle.first_token_id,
                 sampling,
@@ -149,14 +161,14 @@ class KvImporter:
             if src:
                 result = self.backend.read(peer, handle, src, slot.blocks_to_fill, deadline)
             self.backend.release(peer, handle, deadline)
-            queued = self.engine.handoff.commit_import(request_id)
+            ended = self.engine.commit_import(request_id)
         except PeerUnavailableError:
-            self.engine.handoff.cancel_import(request_id)
+            self.engine.cancel_import(request_id)
             # The exporter died or restarted: its metadata is stale, re-handshake next time.
             self._drop_peer(handle.transfer_address, peer)
             raise
         except BaseException:
-            self.engine.handoff.cancel_import(request_id)
+            self.engine.cancel_import(request_id)
             raise
         return ImportResult(
             num_cached_blocks=slot.num_cached_blocks,
@@ -164,7 +176,7 @@ class KvImporter:
             bytes=result.bytes if result else 0,
             descriptors=result.descriptors if result else 0,
             seconds=time.monotonic() - start,
-            queued=queued,
+            finish_reason=ended,
         )
 
     def _peer(

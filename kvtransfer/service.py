@@ -1,30 +1,43 @@
 """The exporter's KvTransfer gRPC service: handshake, fallback block reads, releases.
 
-Runs inside the prefill process next to its engine. Handshake answers with the engine's
-identity (engine id + incarnation), layout and the backend's connection fields, after
-refusing a protocol or layout mismatch. ReadBlocks serves only blocks under an active
-lease; Release ends a lease early.
+Runs inside the prefill process next to its engine, made by the exporter with the
+`ServedPool` it serves (it knows nothing else of the exporter). Handshake answers with
+the engine's identity (engine id + incarnation), layout and the backend's connection
+fields, after refusing a protocol or layout mismatch. ReadBlocks serves only blocks
+under an active lease; Release ends a lease early.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import grpc
 import torch
 
+from engine.kv_cache import KvLayout
+from kvtransfer.backend import ExportBackend
 from kvtransfer.handle import PROTOCOL_VERSION
 from kvtransfer.layout import layout_to_proto
+from kvtransfer.leases import LeaseTable
 from pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
-if TYPE_CHECKING:
-    from kvtransfer.exporter import KvExporter
+
+@dataclass(frozen=True)
+class ServedPool:
+    """One exporter incarnation's pool, as the service answers about it and reads it."""
+
+    engine_id: str
+    incarnation: str
+    layout: KvLayout
+    kv_cache: torch.Tensor
+    backend: ExportBackend
+    leases: LeaseTable
 
 
 class KvTransferService(kvtransfer_pb2_grpc.KvTransferServicer):
-    def __init__(self, exporter: KvExporter) -> None:
-        self._exp = exporter
+    def __init__(self, served: ServedPool) -> None:
+        self._exp = served
 
     def Handshake(
         self, request: kvtransfer_pb2.HandshakeRequest, context: grpc.ServicerContext

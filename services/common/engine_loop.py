@@ -16,7 +16,7 @@ import logging
 import threading
 
 from engine.engine import LLMEngine
-from engine.request import RequestOutput
+from engine.request import FinishReason, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class EngineLoop:
         for rid in ids:
             self.engine.abort(rid)
         message = f"engine step failed: {type(exc).__name__}: {exc}"
-        return [RequestOutput(rid, [], True, "abort", error=message) for rid in ids]
+        return [RequestOutput(rid, [], True, FinishReason.ABORT, error=message) for rid in ids]
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         assert self._loop is not None

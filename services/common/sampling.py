@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from engine.errors import InvalidRequestError
+from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2
 
 DEFAULT_MAX_TOKENS = 16
 FINISH_REASONS = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
 }
 
 
@@ -46,5 +47,6 @@ def to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
     return msg
 
 
-def finish_reason(reason: str | None) -> int:
-    return FINISH_REASONS.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
+def finish_reason(reason: FinishReason | None) -> int:
+    """The proto enum for an engine finish reason (UNSPECIFIED while not finished)."""
+    return common_pb2.FINISH_REASON_UNSPECIFIED if reason is None else FINISH_REASONS[reason]

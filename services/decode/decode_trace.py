@@ -125,6 +125,6 @@ class DecodeTrace:
             attrs = {
                 **self._attrs,
                 "pdserve.output_tokens": out.num_output_tokens,
-                "pdserve.finish_reason": out.finish_reason or "",
+                "pdserve.finish_reason": out.finish_reason.value if out.finish_reason else "",
             }
             chunk.phases.extend(self._tel.emit([stream], self._parent, attrs))

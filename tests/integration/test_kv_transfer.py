@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from engine.engine import LLMEngine
+from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import (
@@ -109,6 +110,30 @@ def test_prefix_aware_import_reads_only_missing_blocks(
     assert second.num_cached_blocks == len(prompt) // bs
     assert second.num_read_blocks == (1 if len(prompt) % bs else 0)
     _decode_all(decode, "p2", 0)
+    assert peer.wait_stats(lambda s: s["held_blocks"] == 0)["held_blocks"] == 0
+    assert_no_leaks(decode)
+    decode.pool.reset_prefix_cache()
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "reason"), [(1, FinishReason.LENGTH), (4, FinishReason.STOP)]
+)
+def test_import_ended_by_its_first_token_reports_why(
+    peer: PeerProcess,
+    importer: KvImporter,
+    decode: LLMEngine,
+    max_tokens: int,
+    reason: FinishReason,
+) -> None:
+    """max_tokens 1 ends on LENGTH, an EOS first token on STOP; nothing is queued."""
+    prompt = decode.tokenizer.encode(SHORT[1])
+    handle = peer.prefill(prompt)
+    if reason is FinishReason.STOP:
+        handle.first_token_id = min(decode.stop_checker.eos_token_ids)
+    params = SamplingParams(max_tokens=max_tokens)
+    result = importer.import_kv(handle, prompt, params, request_id="ended")
+    assert result.finish_reason is reason and not result.queued
+    assert not decode.has_unfinished()
     assert peer.wait_stats(lambda s: s["held_blocks"] == 0)["held_blocks"] == 0
     assert_no_leaks(decode)
     decode.pool.reset_prefix_cache()

@@ -7,6 +7,7 @@ import pytest
 
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError, UnknownRequestError
+from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory, assert_no_leaks
 from tests.prompts import SHORT, long_prompt
@@ -61,7 +62,7 @@ def test_cancel_frees_blocks_on_next_step(engine: LLMEngine) -> None:
     engine.abort(rids[0])
     outs = engine.step()
     aborted = [o for o in outs if o.request_id == rids[0]]
-    assert aborted and aborted[0].finished and aborted[0].finish_reason == "abort"
+    assert aborted and aborted[0].finished and aborted[0].finish_reason is FinishReason.ABORT
     assert rids[0] not in engine.requests
     for rid in rids[1:]:
         engine.abort(rid)
@@ -74,7 +75,7 @@ def test_cancel_while_waiting_and_unknown_id(engine: LLMEngine) -> None:
     engine.abort(rid)
     engine.abort("no-such-request")
     outs = engine.step()
-    assert [o.finish_reason for o in outs if o.request_id == rid] == ["abort"]
+    assert [o.finish_reason for o in outs if o.request_id == rid] == [FinishReason.ABORT]
     assert_no_leaks(engine)
 
 
@@ -89,7 +90,7 @@ def test_stop_conditions(engine: LLMEngine) -> None:
     outs = []
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.request_id == rid]
-    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+    assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].stop_reason == stop
     assert len(outs) < 20
     (by_id,) = engine.generate(
         [prompt], SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(free[3],))
@@ -165,16 +166,16 @@ def test_kv_handoff_between_engines_matches_single_engine(
     rid = prefill.add_request(prompt, SamplingParams(max_tokens=1), hold_kv=True)
     while prefill.has_unfinished():
         prefill.step()
-    held = prefill.handoff.held_kv(rid)
+    held = prefill.held_kv(rid)
     assert held.num_tokens == len(prompt) and held.first_token_id == expected[0]
     assert prefill.stats().held_blocks == len(held.block_ids) > 0
 
-    slot = decode.handoff.reserve_import(prompt, held.first_token_id, params, request_id="d1")
+    slot = decode.reserve_import(prompt, held.first_token_id, params, request_id="d1")
     assert slot.num_cached_blocks == 0
     src = prefill.kv_cache[:, :, held.block_ids]
     decode.kv_cache[:, :, slot.blocks_to_fill] = src
-    prefill.handoff.release_held(rid)
-    decode.handoff.commit_import("d1")
+    prefill.release_held(rid)
+    decode.commit_import("d1")
     out: list[int] = [held.first_token_id]
     while decode.has_unfinished():
         for o in decode.step():
@@ -184,11 +185,11 @@ def test_kv_handoff_between_engines_matches_single_engine(
     assert_no_leaks(decode)
 
     # Second import of the same prompt: every full block is already cached locally.
-    slot2 = decode.handoff.reserve_import(prompt, held.first_token_id, params, request_id="d2")
+    slot2 = decode.reserve_import(prompt, held.first_token_id, params, request_id="d2")
     assert slot2.num_cached_blocks == len(prompt) // decode.config.block_size
-    assert decode.handoff.cancel_import("d2")
+    assert decode.cancel_import("d2")
     with pytest.raises(UnknownRequestError):
-        decode.handoff.commit_import("d2")
+        decode.commit_import("d2")
     assert_no_leaks(decode)
 
 
@@ -210,10 +211,10 @@ def test_abort_during_import_frees_blocks_only_after_the_bytes_land(
 ) -> None:
     eng = make_engine(num_kv_blocks=64)
     prompt = eng.tokenizer.encode(long_prompt(1))
-    slot = eng.handoff.reserve_import(prompt, 5, SamplingParams(max_tokens=4), request_id="imp")
+    slot = eng.reserve_import(prompt, 5, SamplingParams(max_tokens=4), request_id="imp")
     eng.abort("imp")
     eng.step()
     # A transfer may still be writing into these blocks: they must not be handed out yet.
     assert eng.stats().used_blocks == len(slot.block_ids)
-    assert eng.handoff.commit_import("imp") is False
+    assert eng.commit_import("imp") is FinishReason.ABORT
     assert_no_leaks(eng)

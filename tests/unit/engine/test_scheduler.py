@@ -1,144 +1,23 @@
-"""Scheduler on a real BlockPool, driven by the engine's step loop without a model.
-
-`Sim.step` does what `LLMEngine.step` does around the model: schedule, `advance` each
-scheduled request, and when a request has computed all its tokens, "sample" a token
-(derived from the request and position, so recomputation can be checked) and finish it
-once it has `max_tokens` outputs. After every step the harness checks the block
-accounting exactly: each block's reference count equals the number of live requests
-whose block table holds it. Every test ends with a leak check.
+"""Scheduler on a real BlockPool, driven by the engine's step loop without a model
+(`scheduler_sim.Sim`: exact block accounting after every step). Every test ends with a
+leak check. The hand-off states have their own file, test_scheduler_handoff.py.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import BlockPool
 from engine.prefix_hash import hash_seed
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-
-SEED = hash_seed("m")
-
-
-def make_req(
-    rid: str,
-    prompt: list[int] | range,
-    max_tokens: int,
-    *,
-    hold_kv: bool = False,
-    seed: int = SEED,
-) -> Request:
-    return Request(
-        request_id=rid,
-        prompt_token_ids=list(prompt),
-        sampling=SamplingParams(max_tokens=max_tokens),
-        hash_seed=seed,
-        hold_kv=hold_kv,
-    )
-
-
-def token_for(req: Request, index: int) -> int:
-    """The 'sampled' token for output position `index`: stable across recomputation."""
-    return 1000 + 100 * (sum(map(ord, req.request_id)) % 50) + index
-
-
-@dataclass
-class Sim:
-    sched: Scheduler
-    finished: list[Request] = field(default_factory=list)
-    held: list[Request] = field(default_factory=list)  # finished with hold_kv, not released
-    extra_live: list[Request] = field(default_factory=list)  # blocks held outside the sched
-    steps: int = 0
-
-    @property
-    def pool(self) -> BlockPool:
-        return self.sched.pool
-
-    def add(self, *reqs: Request) -> None:
-        for r in reqs:
-            self.sched.add(r)
-
-    def step(self) -> ScheduledBatch:
-        sched = self.sched
-        batch = sched.schedule()
-        self.steps += 1
-        assert batch.num_tokens <= sched.config.max_num_batched_tokens
-        assert len(sched.running) <= sched.config.max_num_seqs
-        ids = [id(r) for r, _ in batch.items]
-        assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
-        for req, n in batch.items:
-            assert n >= 1
-            assert req.status is RequestStatus.RUNNING
-            assert req.num_computed_tokens + n <= req.num_tokens
-            # The block table covers what this step will write.
-            assert len(req.block_ids) * sched.config.block_size >= req.num_computed_tokens + n
-        for req, n in batch.items:
-            sched.advance(req, n)
-            if req.num_computed_tokens == req.num_tokens:
-                req.output_token_ids.append(token_for(req, len(req.output_token_ids)))
-                if len(req.output_token_ids) >= req.sampling.max_tokens:
-                    sched.finish(req, RequestStatus.FINISHED_LENGTH)
-                    self.finished.append(req)
-                    if req.hold_kv:
-                        self.held.append(req)
-        self.check_accounting()
-        return batch
-
-    def run(self, max_steps: int = 2000) -> list[ScheduledBatch]:
-        batches = []
-        while self.sched.has_work():
-            assert self.steps < max_steps, "scheduler made no progress"
-            batches.append(self.step())
-        return batches
-
-    def live(self) -> list[Request]:
-        return [*self.sched.running, *self.sched.waiting, *self.held, *self.extra_live]
-
-    def check_accounting(self) -> None:
-        """Each block's refcount == how many live block tables hold it; hashes agree."""
-        pool, bs = self.pool, self.sched.config.block_size
-        refs = [0] * pool.num_blocks
-        for req in self.live():
-            assert len(req.block_ids) == len(set(req.block_ids))
-            for b in req.block_ids:
-                refs[b] += 1
-        assert [pool.ref_count(b) for b in range(pool.num_blocks)] == refs
-        s = pool.stats()
-        assert s.free + s.used == s.total
-        assert s.used == sum(1 for r in refs if r)
-        for req in self.sched.running:
-            # A published block holds exactly the KV its chained hash names.
-            for j in range(req.num_computed_tokens // bs):
-                h = pool.block_hash(req.block_ids[j])
-                assert h is None or h == req.block_hashes[j]
-
-    def assert_no_leaks(self) -> None:
-        assert not self.sched.has_work()
-        assert not self.sched.running and not self.sched.waiting
-        assert self.pool.stats().used == 0, self.pool.stats()
-        assert all(self.pool.ref_count(b) == 0 for b in range(self.pool.num_blocks))
-
-
-def make_sim(
-    num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 64, budget: int = 512
-) -> Sim:
-    cfg = SchedulerConfig(
-        block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget
-    )
-    return Sim(Scheduler(cfg, BlockPool(num_blocks)))
-
-
-def assert_complete(req: Request) -> None:
-    assert req.status is RequestStatus.FINISHED_LENGTH
-    n = req.sampling.max_tokens
-    assert req.output_token_ids == [token_for(req, i) for i in range(n)]
-    assert req.block_ids == [] or req.hold_kv
-
+from engine.request import FinishReason, Request, RequestStatus
+from engine.scheduler import SchedulerConfig
+from tests.unit.engine.scheduler_sim import (
+    assert_complete,
+    make_req,
+    make_sim,
+    token_for,
+)
 
 # -- config ------------------------------------------------------------------------
 
@@ -484,34 +363,6 @@ def test_decode_publishes_blocks_as_they_fill() -> None:
 # -- endings -----------------------------------------------------------------------
 
 
-def test_hold_kv_finish_keeps_blocks_until_released() -> None:
-    sim = make_sim(block_size=16)
-    req = make_req("p", range(40), max_tokens=1, hold_kv=True)
-    sim.add(req)
-    sim.step()
-    assert req.status is RequestStatus.FINISHED_LENGTH
-    assert req not in sim.sched.running and not sim.sched.has_work()
-    assert len(req.block_ids) == 3
-    assert sim.pool.stats().used == 3
-    assert all(sim.pool.ref_count(b) == 1 for b in req.block_ids)
-    sim.held.remove(req)
-    sim.sched.release_blocks(req)
-    assert req.block_ids == []
-    sim.assert_no_leaks()
-
-
-def test_hold_kv_abort_frees_blocks() -> None:
-    sim = make_sim(block_size=16, budget=16)
-    req = make_req("p", range(40), max_tokens=1, hold_kv=True)
-    sim.add(req)
-    sim.step()  # mid-prefill
-    assert sim.pool.stats().used == 1
-    sim.sched.finish(req, RequestStatus.FINISHED_ABORTED)
-    assert req.status is RequestStatus.FINISHED_ABORTED
-    assert req.block_ids == []
-    sim.assert_no_leaks()
-
-
 def test_abort_running_and_waiting_requests_frees_blocks() -> None:
     sim = make_sim(num_blocks=4, block_size=4)
     a = make_req("a", range(12), max_tokens=4)
@@ -519,14 +370,14 @@ def test_abort_running_and_waiting_requests_frees_blocks() -> None:
     sim.add(a, b)
     sim.step()
     assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.WAITING
-    sim.sched.finish(b, RequestStatus.FINISHED_ABORTED)
+    sim.sched.finish(b, FinishReason.ABORT)
     assert b.status is RequestStatus.FINISHED_ABORTED and not sim.sched.waiting
     sim.check_accounting()
-    sim.sched.finish(a, RequestStatus.FINISHED_ABORTED)
+    sim.sched.finish(a, FinishReason.ABORT)
     assert a.status is RequestStatus.FINISHED_ABORTED and not sim.sched.running
     assert a.block_ids == []
     # Finishing twice is harmless.
-    sim.sched.finish(a, RequestStatus.FINISHED_ABORTED)
+    sim.sched.finish(a, FinishReason.ABORT)
     assert sim.sched.schedule().empty
     sim.assert_no_leaks()
 
@@ -538,7 +389,7 @@ def test_abort_mid_prefill_frees_blocks() -> None:
     sim.step()
     sim.step()
     assert req.num_computed_tokens == 32 and sim.pool.stats().used == 2
-    sim.sched.finish(req, RequestStatus.FINISHED_ABORTED)
+    sim.sched.finish(req, FinishReason.ABORT)
     sim.assert_no_leaks()
 
 
@@ -549,73 +400,10 @@ def test_abort_preempted_request_in_waiting() -> None:
     sim.add(a, b)
     while not sim.sched.num_preemptions:
         sim.step()
-    sim.sched.finish(b, RequestStatus.FINISHED_ABORTED)
+    sim.sched.finish(b, FinishReason.ABORT)
     assert b not in sim.sched.waiting
     sim.run()
     assert_complete(a)
-    sim.assert_no_leaks()
-
-
-def test_abort_waiting_request_that_holds_blocks_frees_them() -> None:
-    """An imported request (KV reserved elsewhere) waits in the queue holding blocks."""
-    sim = make_sim(num_blocks=8, block_size=4)
-    imported = make_req("imp", range(8), max_tokens=4)
-    imported.block_ids = sim.pool.allocate(2)
-    imported.num_computed_tokens = 8
-    imported.output_token_ids.append(token_for(imported, 0))
-    sim.sched.add(imported)
-    sim.check_accounting()
-    sim.sched.finish(imported, RequestStatus.FINISHED_ABORTED)
-    assert imported.block_ids == []
-    sim.assert_no_leaks()
-
-
-def test_imported_request_decodes_without_recompute() -> None:
-    sim = make_sim(num_blocks=8, block_size=4)
-    imported = make_req("imp", range(8), max_tokens=3)
-    imported.block_ids = sim.pool.allocate(2)
-    imported.num_computed_tokens = 8
-    imported.output_token_ids.append(token_for(imported, 0))
-    sim.sched.publish_full_blocks(imported)
-    sim.sched.add(imported)
-    batch = sim.step()
-    assert batch.decodes == [imported]
-    sim.run()
-    assert_complete(imported)
-    sim.assert_no_leaks()
-
-
-def test_imported_request_keeps_its_blocks_while_waiting_for_a_decode_block() -> None:
-    """A waiting request that already holds blocks (an imported prompt, as
-    `KvHandoff.commit_import` queues it) must keep them if admission has to wait.
-
-    Here the pool is full when the imported request first tries to join: its prompt
-    (8 tokens, bs 4) fills its 2 blocks exactly, so its first decode needs a third.
-    """
-    sim = make_sim(num_blocks=4, block_size=4)
-    a = make_req("a", range(100, 107), max_tokens=2)  # 2 blocks, no growth
-    sim.add(a)
-    sim.step()
-    imported = make_req("imp", range(8), max_tokens=3)
-    imported.block_ids = sim.pool.allocate(2)
-    imported_blocks = list(imported.block_ids)
-    imported.num_computed_tokens = 8
-    imported.output_token_ids.append(token_for(imported, 0))
-    sim.sched.publish_full_blocks(imported)
-    sim.sched.add(imported)
-    assert sim.pool.stats().free == 0
-    batch = sim.sched.schedule()  # no block is free for imp's first decode: it waits
-    assert [r for r, _ in batch.items] == [a]
-    assert imported.status is RequestStatus.WAITING
-    assert imported.block_ids == imported_blocks, "waiting request lost its block table"
-    assert imported.num_computed_tokens == 8, "imported KV dropped: prompt will be recomputed"
-    sim.sched.advance(a, 1)
-    a.output_token_ids.append(token_for(a, 1))
-    sim.sched.finish(a, RequestStatus.FINISHED_LENGTH)
-    sim.check_accounting()
-    sim.run()
-    assert_complete(a)
-    assert_complete(imported)
     sim.assert_no_leaks()
 
 
@@ -658,7 +446,7 @@ def test_random_workload_completes_without_leaks(
                 arrivals[i] = at - 1
         if sim.sched.has_work() and data.draw(st.integers(0, 9)) == 0:
             victim = data.draw(st.sampled_from([*sim.sched.running, *sim.sched.waiting]))
-            sim.sched.finish(victim, RequestStatus.FINISHED_ABORTED)
+            sim.sched.finish(victim, FinishReason.ABORT)
             aborted.add(id(victim))
             sim.check_accounting()
         if sim.sched.has_work():

@@ -1,5 +1,6 @@
-"""Calls from other threads while a step is running: the hand-off and stats never queue
-behind the engine lock for longer than the step in flight (the prefill side not at all).
+"""Calls from other threads while a step is running: the hand-off methods and stats never
+queue behind the engine lock for longer than the step in flight (the prefill side not at
+all).
 
 A test stands in for the stepping thread by holding `engine.lock` itself, so "a step is
 running" lasts exactly as long as the test says; each call under test runs on a helper
@@ -67,18 +68,18 @@ def test_export_release_and_stats_do_not_wait_for_a_running_step(engine: LLMEngi
     pinned = engine.stats().held_blocks
     assert pinned > 0
     with engine.lock:  # a step is running
-        export = Call(lambda: engine.handoff.held_kv(rid))
+        export = Call(lambda: engine.held_kv(rid))
         assert export.finished_within(2.0), "held_kv waited for the step"
         assert export.error is None and export.result.block_ids  # type: ignore[attr-defined]
         stats = Call(engine.stats)
         assert stats.finished_within(2.0), "stats waited for the step"
         assert stats.result.held_blocks == pinned  # type: ignore[attr-defined]
-        release = Call(lambda: engine.handoff.release_held(rid))
+        release = Call(lambda: engine.release_held(rid))
         assert release.finished_within(2.0), "release_held waited for the step"
         assert release.result is True
         # The unpin is queued for the next step, and a second release finds nothing.
         assert engine.has_unfinished()
-        assert engine.handoff.release_held(rid) is False
+        assert engine.release_held(rid) is False
     engine.step()
     assert_no_leaks(engine)
 
@@ -87,7 +88,7 @@ def test_import_calls_run_first_thing_in_the_next_step(engine: LLMEngine) -> Non
     prompt = engine.tokenizer.encode(long_prompt(1))
     params = SamplingParams(max_tokens=4)
     with engine.lock:  # a step is running
-        reserve = Call(lambda: engine.handoff.reserve_import(prompt, 5, params, request_id="imp"))
+        reserve = Call(lambda: engine.reserve_import(prompt, 5, params, request_id="imp"))
         _wait_until(engine.has_unfinished)  # the call is queued, not contending
         assert not reserve.finished_within(0.2)
         engine.step()  # the stepping thread's next step (the lock is reentrant)
@@ -96,7 +97,7 @@ def test_import_calls_run_first_thing_in_the_next_step(engine: LLMEngine) -> Non
     slot = reserve.result
     assert isinstance(slot, ImportSlot) and slot.block_ids
     assert engine.stats().importing_blocks == len(slot.block_ids)
-    assert engine.handoff.cancel_import("imp") is True
+    assert engine.cancel_import("imp") is True
     assert_no_leaks(engine)
 
 
@@ -104,9 +105,9 @@ def test_a_queued_call_runs_on_the_caller_when_nothing_steps(engine: LLMEngine) 
     """No stepping thread (none started, or stopped): the caller runs its own call once
     the lock is free, and its error reaches it."""
     with engine.lock:
-        cancel = Call(lambda: engine.handoff.cancel_import("never-reserved"))
+        cancel = Call(lambda: engine.cancel_import("never-reserved"))
         _wait_until(engine.has_unfinished)
-        commit = Call(lambda: engine.handoff.commit_import("never-reserved"))
+        commit = Call(lambda: engine.commit_import("never-reserved"))
     assert cancel.finished_within(2.0) and commit.finished_within(2.0)
     assert cancel.result is False
     assert commit.error is not None and "never-reserved" in str(commit.error)

@@ -1,0 +1,82 @@
+"""What KV transfer needs from an engine: the blocks it may read or fill, and their states.
+
+kvtransfer depends on these Protocols, never on `LLMEngine` (which satisfies both; so
+does a bare pool in the transfer benchmark). Lifecycle, prefill side: the engine pins a
+finished request's blocks (HELD_FOR_EXPORT); the exporter reads `held_kv`, leases the
+blocks, lets a peer read them from `kv_cache`, and calls `release_held` exactly once when
+the lease ends. Decode side: the importer calls `reserve_import`, fills the slot's
+`blocks_to_fill` in `kv_cache`, then calls exactly one of `commit_import` or
+`cancel_import`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from engine.kv_cache import KvLayout
+from engine.kv_handoff import HeldKv, ImportSlot
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+
+
+class HeldKvSource(Protocol):
+    """Who pins exported blocks: an engine, or a bare pool in a benchmark."""
+
+    def held_kv(self, request_id: str) -> HeldKv:
+        """The pinned blocks of a held request; UnknownRequestError if none. Must not
+        wait for an engine step (the exporter calls it from an event loop)."""
+        ...
+
+    def release_held(self, request_id: str) -> bool:
+        """Unpin the request's blocks; False if not held. Must not wait for a step."""
+        ...
+
+
+class ExportPort(HeldKvSource, Protocol):
+    """A prefill engine as the exporter sees it: its pinned blocks and its pool."""
+
+    @property
+    def layout(self) -> KvLayout: ...
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The pool [layers, 2, blocks, ...] that peers read held blocks from."""
+        ...
+
+
+class ImportPort(Protocol):
+    """A decode engine as the importer sees it: reservations and the pool it fills.
+
+    The three calls may wait for the step in flight; call them off an event loop.
+    """
+
+    @property
+    def layout(self) -> KvLayout: ...
+
+    @property
+    def kv_cache(self) -> torch.Tensor: ...
+
+    def reserve_import(
+        self,
+        prompt_token_ids: Sequence[int],
+        first_token_id: int,
+        sampling: SamplingParams,
+        *,
+        request_id: str,
+        cache_salt: str = "",
+    ) -> ImportSlot:
+        """Reserve blocks for the prompt; raises OutOfBlocksError when short (taking
+        nothing) and InvalidRequestError for a request the engine refuses."""
+        ...
+
+    def commit_import(self, request_id: str) -> FinishReason | None:
+        """The slot's blocks hold the prompt's KV: queue the request (None), or say why it
+        already ended (its blocks then freed)."""
+        ...
+
+    def cancel_import(self, request_id: str) -> bool:
+        """Free the reservation; no transfer may still be writing into it."""
+        ...
