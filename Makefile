@@ -2,6 +2,7 @@
 #   make demo   install, start a local cluster, stream a completion, stop it
 #   make test   install, lint, type-check and run the test suite
 #   make bench  install and run the benchmarks (results in bench-results/)
+#   make bench-docs  regenerate docs/benchmarks.md from the results committed in docs/results/
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +10,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 DEMO_PROMPT ?= Explain in two sentences why splitting prefill from decode helps LLM serving.
 
-.PHONY: install model demo test lint bench clean
+.PHONY: install model demo test lint bench bench-docs clean
 
 install: $(STAMP)
 
@@ -35,6 +36,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	$(BIN)/python -m loadtest.results --check true
 
 test: model lint
 	$(BIN)/python -m pytest -q
@@ -51,6 +53,11 @@ bench: model
 	$(BIN)/python -m loadtest.headline --out-dir bench-results --rates 0.3,0.5 \
 		--num-requests 12 --duration-s 60 --long-fraction 0.2 --long-prompt-tokens 1024-2048 \
 		--short-num-requests 20 --short-duration-s 40
+
+# The docs quote only committed results: copy (or write, with --out) a result JSON into
+# docs/results/, commit it, then run this. `make lint` fails while the page is stale.
+bench-docs: install
+	$(BIN)/python -m loadtest.results
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache .mypy_cache .ruff_cache

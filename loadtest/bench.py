@@ -1,19 +1,20 @@
-"""`pdserve bench` / `python -m loadtest`: load one gateway, point by point, and report.
+"""`pdserve-bench` / `python -m loadtest`: load one gateway, point by point, and report.
 
-Lifecycle: `run_bench(cfg, traffic, model)` loads the model's tokenizer (for prompt text
-of known token lengths), sends `warmup_requests` unmeasured requests one at a time, then
-runs one point per arrival rate (Poisson; a trace's own timestamps) or per concurrency
-level (closed loop), each with fresh requests of the workload, bounded by
-`num_requests` and `duration_s`. After every point it rewrites `results.json`; at the end
-it draws the plots (TTFT and ITL CDFs per point, goodput and SLO attainment against the
-rate) and writes `summary.md` next to them. It never starts or stops a cluster.
+Lifecycle: `run_bench(cfg, traffic, settings)` collects the run's provenance, loads the
+tokenizer of the settings' model (for prompt text of known token lengths), sends
+`warmup_requests` unmeasured requests one at a time, then runs one point per arrival
+rate (Poisson; a trace's own timestamps) or per concurrency level (closed loop), each
+with fresh requests of the workload, bounded by `num_requests` and `duration_s`. After
+every point it rewrites `results.json` (with the provenance); at the end it draws the
+plots (TTFT and ITL CDFs per point, goodput and SLO attainment against the rate) and
+writes `summary.md` next to them. It never starts or stops a cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -23,25 +24,22 @@ from loadtest.bench_config import BenchConfig
 from loadtest.metrics import RequestRecord, summarize
 from loadtest.plots import cdf_plot, curve_plot
 from loadtest.prompt_text import TextSynth
-from loadtest.report import BenchResults, PointResult, write_json, write_markdown
+from loadtest.provenance import collect_provenance
+from loadtest.report import BenchResults, PointResult, write_markdown
+from loadtest.result_file import ResultFile
 from loadtest.runner import Pace, run_point
+from loadtest.settings import RunSettings
 from loadtest.traffic import TrafficConfig, make_requests
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    """Which model's tokenizer sizes the prompts (the one the cluster serves)."""
-
-    model: str | None
-    model_cache_dir: Path
 
 
 def now_iso() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-def load_synth(model: ModelRef) -> TextSynth:
-    model_dir = resolve_model_dir(model.model, model.model_cache_dir.expanduser(), progress=True)
+def load_synth(settings: RunSettings) -> TextSynth:
+    """Prompt text sized by the tokenizer of the model the cluster serves."""
+    cache = settings.model_cache_dir.expanduser()
+    model_dir = resolve_model_dir(settings.model, cache, progress=True)
     return TextSynth.from_tokenizer(Tokenizer(model_dir))
 
 
@@ -102,9 +100,9 @@ async def run_points(
     traffic: TrafficConfig,
     synth: TextSynth,
     results: BenchResults,
-    results_path: Path | None = None,
+    result_file: ResultFile | None = None,
 ) -> None:
-    """Run every point of the sweep into `results` (rewriting `results_path` after each)."""
+    """Run every point of the sweep into `results` (rewriting `result_file` after each)."""
     for i, (label, pace) in enumerate(point_paces(cfg)):
         requests = make_requests(traffic, synth, cfg.num_requests, stream=i + 1)
         started = now_iso()
@@ -122,8 +120,8 @@ async def run_points(
                 requests=records,
             )
         )
-        if results_path is not None:
-            write_json(results_path, results)
+        if result_file is not None:
+            result_file.write(results)
 
 
 def plot_points(out_dir: Path, points: list[PointResult], cfg: BenchConfig) -> dict[str, str]:
@@ -166,18 +164,18 @@ def plot_points(out_dir: Path, points: list[PointResult], cfg: BenchConfig) -> d
     return {name: f"{name}.png" for name in names}
 
 
-def run_bench(cfg: BenchConfig, traffic: TrafficConfig, model: ModelRef) -> BenchResults:
-    """The whole `pdserve bench` run; writes results.json, summary.md and the PNGs."""
-    synth = load_synth(model)
+def run_bench(cfg: BenchConfig, traffic: TrafficConfig, settings: RunSettings) -> BenchResults:
+    """The whole `pdserve-bench` run; writes results.json, summary.md and the PNGs."""
+    result_file = ResultFile(cfg.out_dir / "results.json", collect_provenance())
+    synth = load_synth(settings)
     results = BenchResults(created=now_iso(), bench=cfg, traffic=traffic, slo=cfg.slo)
-    results_path = cfg.out_dir / "results.json"
 
     async def go() -> None:
         await warm_up(cfg.gateway, cfg, traffic, synth)
-        await run_points(cfg.gateway, cfg, traffic, synth, results, results_path)
+        await run_points(cfg.gateway, cfg, traffic, synth, results, result_file)
 
     asyncio.run(go())
     results.plots = plot_points(cfg.out_dir, results.points, cfg)
-    write_json(results_path, results)
+    result_file.write(results)
     write_markdown(cfg.out_dir / "summary.md", results)
     return results

@@ -1,4 +1,5 @@
-"""Settings of one `pdserve bench` run (the workload has its own `TrafficConfig`).
+"""Settings of one `pdserve-bench` run (the workload has its own `TrafficConfig`, the
+model the shared `RunSettings`).
 
 Every field is a flag with a `PDSERVE_*` env var (`services/common/config.py`); the
 config validates itself at construction and is recorded in the results file.
@@ -11,18 +12,9 @@ from pathlib import Path
 
 from loadtest.metrics import Slo
 from loadtest.runner import ARRIVALS
+from loadtest.settings import parse_numbers
 
 _LOOPBACK = ("localhost", "::1")
-
-
-def parse_numbers(text: str, kind: type[int] | type[float], name: str) -> list[float]:
-    try:
-        values = [float(kind(v)) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{name} must be comma-separated numbers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise ValueError(f"{name} must hold at least one value, all > 0, got {text!r}")
-    return values
 
 
 def is_loopback(address: str) -> bool:

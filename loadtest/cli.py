@@ -12,9 +12,9 @@ import logging
 import sys
 
 from loadtest.bench_config import BenchConfig
+from loadtest.bench_main import add_settings_args, settings_from_args
 from loadtest.traffic import TrafficConfig
 from services.common.config import add_config_args, config_from_args
-from services.common.model_config import ModelConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,24 +26,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     add_config_args(parser, BenchConfig)
     add_config_args(parser, TrafficConfig)
-    add_config_args(parser, ModelConfig)
+    add_settings_args(parser, ("model", "model_cache_dir"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
-    from loadtest.bench import ModelRef, run_bench
+    from loadtest.bench import run_bench
     from loadtest.report import point_row
 
     try:
         cfg = config_from_args(BenchConfig, args)
         traffic = config_from_args(TrafficConfig, args)
-        model = config_from_args(ModelConfig, args)
+        settings = settings_from_args(args)
     except ValueError as exc:
         print(f"pdserve-bench: error: {exc}", file=sys.stderr)
         return 2
-    results = run_bench(cfg, traffic, ModelRef(model.model, model.model_cache_dir))
+    results = run_bench(cfg, traffic, settings)
     for p in results.points:
         print(point_row(p.label, p.metrics))
     print(

@@ -1,11 +1,14 @@
 """Gateway overhead: p50 TTFT through the gateway minus p50 of a direct Prefill call.
 
-Lifecycle: start a local cluster (1 prefill + 1 decode worker, KV over NIXL), warm it
-up, then alternate the two measurements on the same prompt so machine noise hits both:
-(a) a Generate stream through the gateway, timed to its first message (TTFT), closed at
-once; (b) a Prefill RPC straight to the same prefill worker, timed to its reply (its
-lease is dropped with Abort). The difference of the medians is what the gateway adds
-(tokenization, validation, placement, the extra hop). Writes JSON; stops the cluster.
+Lifecycle (`python -m loadtest.gateway_bench`): flags become the run's `RunSettings` and
+a `GatewayBenchConfig` (`bench_main`). Start a local cluster (1 prefill + 1 decode
+worker, KV over NIXL), warm it up, then alternate the two measurements on the same
+prompt so machine noise hits both: (a) a Generate stream through the gateway, timed to
+its first message (TTFT), closed at once; (b) a Prefill RPC straight to the same prefill
+worker, timed to its reply (its lease is dropped with Abort). The difference of the
+medians is what the gateway adds (tokenization, validation, placement, the extra hop).
+The cluster is stopped on every exit path (SIGTERM included); the report goes to `--out`
+as JSON with the run's provenance.
 
 Fairness on a small host: after token 1 the gateway starts the decode call, which the
 client then cancels. Each measurement starts only once both workers are idle again
@@ -16,32 +19,57 @@ first after the pause.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
+import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import grpc
 
-from engine.config import DEFAULT_MODEL_CACHE
+from engine.model_store import resolve_model_dir
+from engine.tokenizer import Tokenizer
+from loadtest.bench_main import BenchSpec, run_main
+from loadtest.settings import RunSettings
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.common import sampling
 from services.gateway.client import GatewayClient, build_request
 
+SCHEMA = "pdserve.gateway_bench/1"
+PLACEMENTS = ("redis", "static")
 TARGET_MS = 3.0
 PROMPT = "Explain briefly why the sky is blue."
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    reps: int = 300  # ~100 ms prefills vary by a few ms: fewer reps leave +-2 ms of noise
-    warmup: int = 5
-    out: Path = Path("bench-results/gateway.json")
+class GatewayBenchConfig:
+    # ~100 ms prefills vary by a few ms: fewer reps leave +-2 ms of noise.
+    reps: int = field(default=300, metadata={"help": "measured (gateway, direct) pairs"})
+    warmup: int = field(default=5, metadata={"help": "unmeasured pairs first"})
+    placement: str = field(default="redis", metadata={"help": "redis or static placement"})
+
+    def __post_init__(self) -> None:
+        if self.reps < 1 or self.warmup < 0:
+            raise ValueError("reps must be >= 1 and warmup >= 0")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+
+
+@dataclass(frozen=True)
+class GatewayReport:
+    schema: str
+    settings: RunSettings
+    config: GatewayBenchConfig
+    gateway_ttft_p50_ms: float
+    direct_prefill_p50_ms: float
+    overhead_p50_ms: float
+    overhead_paired_p50_ms: float
+    target_ms: float
+    met: bool
+    reps: int
 
 
 async def _gateway_ttft(client: GatewayClient) -> float:
@@ -79,18 +107,20 @@ async def _until_idle(workers: list[worker_pb2_grpc.WorkerStub], timeout: float 
     raise TimeoutError("workers did not go idle between measurements")
 
 
-async def _measure(cluster: LocalCluster, cfg: BenchConfig) -> dict[str, object]:
+async def _measure(
+    cluster: LocalCluster, settings: RunSettings, cfg: GatewayBenchConfig
+) -> tuple[list[float], list[float]]:
+    """(gateway TTFTs, direct Prefill times) in seconds, one pair per measured rep."""
     prefill = next(c for c in cluster.children if c.name == "prefill-0")
+    model_dir = resolve_model_dir(
+        settings.model, settings.model_cache_dir.expanduser(), progress=False
+    )
+    prompt = Tokenizer(model_dir).encode(PROMPT)
     async with (
         GatewayClient(cluster.gateway_address) as client,
         grpc.aio.insecure_channel(prefill.address) as channel,
     ):
         stub = worker_pb2_grpc.WorkerStub(channel)
-        from engine.model_store import resolve_model_dir
-        from engine.tokenizer import Tokenizer
-
-        tok = Tokenizer(resolve_model_dir(None, DEFAULT_MODEL_CACHE.expanduser(), progress=False))
-        prompt = tok.encode(PROMPT)
         workers = [
             worker_pb2_grpc.WorkerStub(grpc.aio.insecure_channel(c.address))
             for c in cluster.children
@@ -111,50 +141,61 @@ async def _measure(cluster: LocalCluster, cfg: BenchConfig) -> dict[str, object]
             if i >= cfg.warmup:
                 gw.append(g)
                 direct.append(d)
+    return gw, direct
+
+
+def run(settings: RunSettings, cfg: GatewayBenchConfig) -> GatewayReport:
+    cluster = LocalCluster(
+        ClusterConfig(gateway_port=0, num_prefill=1, num_decode=1, placement=cfg.placement,
+                      model=settings.model, model_cache_dir=settings.model_cache_dir)
+    )  # fmt: skip
+    try:
+        cluster.start()
+        gw, direct = asyncio.run(_measure(cluster, settings, cfg))
+    finally:
+        cluster.stop()
     p50_gw, p50_direct = statistics.median(gw) * 1e3, statistics.median(direct) * 1e3
     # Each rep's pair ran back to back: the median of their differences cancels the slow
     # drift of a shared machine that the difference of two medians still carries.
     paired = statistics.median(g - d for g, d in zip(gw, direct, strict=True)) * 1e3
-    return {
-        "gateway_ttft_p50_ms": p50_gw,
-        "direct_prefill_p50_ms": p50_direct,
-        "overhead_p50_ms": p50_gw - p50_direct,
-        "overhead_paired_p50_ms": paired,
-        "target_ms": TARGET_MS,
-        "met": p50_gw - p50_direct <= TARGET_MS,
-        "reps": cfg.reps,
-    }
+    return GatewayReport(
+        schema=SCHEMA,
+        settings=settings,
+        config=cfg,
+        gateway_ttft_p50_ms=p50_gw,
+        direct_prefill_p50_ms=p50_direct,
+        overhead_p50_ms=p50_gw - p50_direct,
+        overhead_paired_p50_ms=paired,
+        target_ms=TARGET_MS,
+        met=p50_gw - p50_direct <= TARGET_MS,
+        reps=len(gw),
+    )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=BenchConfig.reps)
-    parser.add_argument("--out", type=Path, default=BenchConfig.out)
-    parser.add_argument("--placement", default="redis", help="redis (default) or static")
-    args = parser.parse_args(argv)
-    cfg = BenchConfig(reps=args.reps, out=args.out)
-    cluster = LocalCluster(
-        ClusterConfig(gateway_port=0, num_prefill=1, num_decode=1, placement=args.placement)
+def format_table(r: GatewayReport) -> str:
+    return (
+        f"gateway TTFT p50 {r.gateway_ttft_p50_ms:.2f} ms, direct Prefill p50 "
+        f"{r.direct_prefill_p50_ms:.2f} ms -> gateway overhead {r.overhead_p50_ms:.2f} ms "
+        f"(paired-difference median {r.overhead_paired_p50_ms:.2f} ms; target <= "
+        f"{r.target_ms} ms: {'met' if r.met else 'NOT met'}; {r.reps} pairs, placement "
+        f"{r.config.placement})"
     )
-    try:
-        cluster.start()
-        result = asyncio.run(_measure(cluster, cfg))
-    finally:
-        cluster.stop()
-    result["config"] = {k: str(v) for k, v in asdict(cfg).items()}
-    result["placement"] = args.placement
-    result["finished_unix"] = time.time()
-    print(
-        f"gateway TTFT p50 {result['gateway_ttft_p50_ms']:.2f} ms, direct Prefill p50 "
-        f"{result['direct_prefill_p50_ms']:.2f} ms -> gateway overhead "
-        f"{result['overhead_p50_ms']:.2f} ms (paired-difference median "
-        f"{result['overhead_paired_p50_ms']:.2f} ms; target <= {TARGET_MS} ms: "
-        f"{'met' if result['met'] else 'NOT met'})"
-    )
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out.write_text(json.dumps(result, indent=2))
-    return 0
+
+
+SPEC = BenchSpec(
+    name="gateway",
+    description="Gateway overhead: p50 TTFT through the gateway minus p50 of a direct "
+    "Prefill call to the same worker, measured in alternation.",
+    config=GatewayBenchConfig,
+    run=run,
+    table=format_table,
+    settings=("out", "model", "model_cache_dir"),
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_main(SPEC, argv)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -1,7 +1,8 @@
 """The headline benchmark: disaggregated (1 prefill + 1 decode worker) against colocated
 (2 mixed workers), one CPU core per worker, same router, model and workload.
 
-Lifecycle: `run_headline(cfg, traffic, model)` loads the tokenizer, starts both
+Lifecycle: `run_headline(cfg, traffic, settings)` collects the run's provenance (commit,
+time, host: it goes into headline.json), loads the tokenizer, starts both
 deployments as `LocalCluster`s (embedded Redis, router placement, workers pinned to a
 core each with one torch thread), sends each a few unmeasured requests, then sweeps the
 arrival rate of the long-prompt interference mix with the two taking turns at every
@@ -28,24 +29,26 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from loadtest.bench import ModelRef, load_synth, now_iso, warm_up
+from loadtest.bench import load_synth, now_iso, warm_up
+from loadtest.bench_main import add_settings_args, settings_from_args
 from loadtest.headline_config import HeadlineConfig
 from loadtest.headline_report import HeadlineResults, SystemResult, write_outputs
 from loadtest.metrics import summarize
 from loadtest.prompt_text import TextSynth
+from loadtest.provenance import Provenance, collect_provenance
 from loadtest.report import PointResult
 from loadtest.request_spec import BenchRequest
 from loadtest.runner import Pace, run_point
+from loadtest.settings import RunSettings
 from loadtest.traffic import TrafficConfig, make_requests
 from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.common.config import add_config_args, config_from_args
-from services.common.model_config import ModelConfig
 
 SYSTEMS = ("disaggregated", "colocated")
 SHORT_STREAM = 10_000  # request stream of the short-only point (apart from the sweep's)
 
 
-def cluster_config(name: str, cfg: HeadlineConfig, model: ModelRef) -> ClusterConfig:
+def cluster_config(name: str, cfg: HeadlineConfig, model: RunSettings) -> ClusterConfig:
     prefill, workers = (1, 1) if name == "disaggregated" else (0, 2)
     return ClusterConfig(
         num_prefill=prefill,
@@ -119,6 +122,7 @@ async def _interleaved(
     mix: TrafficConfig,
     synth: TextSynth,
     results: HeadlineResults,
+    provenance: Provenance,
 ) -> None:
     for d in deployments:
         await warm_up(d.address, cfg, mix, synth)
@@ -134,7 +138,7 @@ async def _interleaved(
             if point.metrics.slo_attainment < cfg.stop_below_attainment:
                 d.stopped = True
                 d.result.skipped_rates = rates[i + 1 :]
-        write_outputs(results, plots=False)
+        write_outputs(results, provenance, plots=False)
     chat = replace(mix, workload="chat")
     requests = make_requests(chat, synth, cfg.short_num_requests, stream=SHORT_STREAM)
     for d in _turns(deployments, len(rates)):
@@ -142,10 +146,11 @@ async def _interleaved(
         d.result.short_only = await d.measure(f"chat {cfg.short_rate:g}", requests, pace, cfg)
 
 
-def run_headline(cfg: HeadlineConfig, traffic: TrafficConfig, model: ModelRef) -> Path:
+def run_headline(cfg: HeadlineConfig, traffic: TrafficConfig, model: RunSettings) -> Path:
     """Both deployments up at once, rate points interleaved, then the report; returns the
     markdown path. The idle cluster only polls (its workers wait on an event), so it
     costs the measured one next to nothing."""
+    provenance = collect_provenance()
     synth = load_synth(model)
     mix = replace(traffic, workload="long_mix")
     results = HeadlineResults(
@@ -163,11 +168,11 @@ def run_headline(cfg: HeadlineConfig, traffic: TrafficConfig, model: ModelRef) -
             address = cluster.start()
             print(f"headline: {result.name} cluster up at {address}", file=sys.stderr)
             deployments.append(_Deployment(result, address))
-        asyncio.run(_interleaved(deployments, cfg, mix, synth, results))
+        asyncio.run(_interleaved(deployments, cfg, mix, synth, results, provenance))
     finally:
         for cluster in clusters:
             cluster.stop()
-    return write_outputs(results, plots=True)
+    return write_outputs(results, provenance, plots=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,12 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_config_args(parser, HeadlineConfig)
     add_config_args(parser, TrafficConfig, exclude=("workload", "trace_path", "trace_time_scale"))
-    add_config_args(parser, ModelConfig)
+    add_settings_args(parser, ("model", "model_cache_dir"))
     args = parser.parse_args(argv)
-    cfg = config_from_args(HeadlineConfig, args)
-    traffic = config_from_args(TrafficConfig, args)
-    model = config_from_args(ModelConfig, args)
-    summary = run_headline(cfg, traffic, ModelRef(model.model, model.model_cache_dir))
+    try:
+        cfg = config_from_args(HeadlineConfig, args)
+        traffic = config_from_args(TrafficConfig, args)
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    summary = run_headline(cfg, traffic, settings)
     print(summary.read_text())
     return 0
 

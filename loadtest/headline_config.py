@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest.bench_config import parse_numbers
 from loadtest.metrics import Slo
+from loadtest.settings import parse_numbers
 
 
 @dataclass(frozen=True)

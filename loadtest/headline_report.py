@@ -4,7 +4,8 @@ Lifecycle: `headline.run_headline` appends one `SystemResult` per deployment to 
 `HeadlineResults` and calls `write_outputs` after each; it derives the per-rate goodput
 comparison, the capacity ratio (disaggregated / colocated highest rate holding the
 attainment target) and the short-prompt-only ratio, then writes `headline.json`
-(schema `pdserve.headline/1`), `headline.md` and, at the end, the `headline_*.png` plots.
+(schema `pdserve.headline/1`, with the run's provenance: `result_file`), `headline.md`
+and, at the end, the `headline_*.png` plots.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from pathlib import Path
 from loadtest.headline_config import HeadlineConfig
 from loadtest.metrics import Slo, max_rate_at
 from loadtest.plots import cdf_plot, curve_plot
-from loadtest.report import POINT_HEADER, PointResult, detail_lines, point_row, slo_text, write_json
+from loadtest.provenance import Provenance
+from loadtest.report import POINT_HEADER, PointResult, detail_lines, point_row, slo_text
+from loadtest.result_file import write_result
 from loadtest.traffic import TrafficConfig
 from services.cluster.local_cluster import ClusterConfig
 
@@ -222,13 +225,13 @@ def _plots(results: HeadlineResults, out: Path) -> dict[str, str]:
     return {name: f"{name}.png" for name in names}
 
 
-def write_outputs(results: HeadlineResults, *, plots: bool) -> Path:
+def write_outputs(results: HeadlineResults, provenance: Provenance, *, plots: bool) -> Path:
     """Derive, then write headline.json and headline.md (and the plots); returns the md."""
     out = results.config.out_dir
     derive(results)
     if plots and results.systems:
         results.plots = _plots(results, out)
-    write_json(out / "headline.json", results)
+    write_result(out / "headline.json", results, provenance)
     md = out / "headline.md"
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(markdown(results))

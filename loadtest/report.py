@@ -1,17 +1,16 @@
 """The results of a bench run: the JSON file, the markdown summary, and their shape.
 
-Lifecycle: the bench appends a `PointResult` per run point to a `BenchResults` and calls
-`write_json` after each point (a crash keeps what was measured); at the end it writes the
-plots and `write_markdown`. JSON schema `pdserve.bench/1`: the top-level fields of
-`BenchResults`; every point holds its `RunMetrics` (latencies in ms, NaN written as null)
-and one record per request sent (times in s from the point's start).
+Lifecycle: the bench appends a `PointResult` per run point to a `BenchResults` and
+rewrites the file after each point with `result_file.write_result` (a crash keeps what
+was measured); at the end it writes the plots and `write_markdown`. JSON schema
+`pdserve.bench/1`: the run's `provenance`, then the fields of `BenchResults`; every point
+holds its `RunMetrics` (latencies in ms, NaN written as null) and one record per request
+sent (times in s from the point's start).
 """
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest.bench_config import BenchConfig
@@ -48,28 +47,6 @@ class BenchResults:
     points: list[PointResult] = field(default_factory=list)
     plots: dict[str, str] = field(default_factory=dict)  # name -> file next to the JSON
     schema: str = SCHEMA
-
-
-def jsonable(obj: object) -> object:
-    """NaN/inf -> null (JSON has neither), Paths -> strings, recursively."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
-
-
-def write_json(path: Path, payload: object) -> Path:
-    """Write a dataclass tree as JSON, atomically (a reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(jsonable(asdict(payload)), indent=1, allow_nan=False))  # type: ignore[call-overload]
-    tmp.replace(path)
-    return path
 
 
 def _ms(d: Dist) -> str:

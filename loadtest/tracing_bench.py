@@ -9,44 +9,54 @@ last one ends) alternately on each cluster, in ABBA order so drift and noise hit
 alike; only one cluster is loaded at a time, the other idles. Then stop both and do it
 again with the clusters started in the other order (start order alone moved throughput
 by 10% and more in A/A runs here). Report output tokens/s and TTFT p50 per side and
-their ratios (on / off), write JSON.
+their ratios (on / off). Flags become `RunSettings` and a `TracingBenchConfig`
+(`bench_main`), which writes the report to `--out` as JSON with the run's provenance;
+the clusters and the receiver are stopped on every exit path (SIGTERM included).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
+import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent import futures
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from loadtest.bench_main import BenchSpec, Progress, run_main
+from loadtest.settings import RunSettings
 from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.common.telemetry_config import TelemetryConfig
 from services.gateway.client import GatewayClient, build_request
 
+SCHEMA = "pdserve.tracing_bench/1"
 TARGET_COST = 0.05
 TOPICS = ("tides", "volcanoes", "glaciers", "comets", "coral reefs", "deserts", "rainbows")
 
 
+progress = Progress("tracing_bench")
+
+
 @dataclass(frozen=True)
-class BenchConfig:
-    rounds: int = 2  # per side and start order (two orders: 4 rounds per side in all)
-    round_s: float = 8.0
-    concurrency: int = 4
-    max_tokens: int = 32
-    warmup_requests: int = 4
-    out: Path = Path("bench-results/tracing.json")
+class TracingBenchConfig:
+    rounds: int = field(
+        default=2, metadata={"help": "rounds per side and start order (2 orders: x2 in all)"}
+    )
+    round_s: float = field(default=8.0, metadata={"help": "seconds of load per round"})
+    concurrency: int = field(default=4, metadata={"help": "closed-loop clients"})
+    max_tokens: int = field(default=32, metadata={"help": "output tokens per request"})
+    warmup_requests: int = field(default=4, metadata={"help": "unmeasured requests per side"})
 
     def __post_init__(self) -> None:
-        if self.rounds <= 0 or self.round_s <= 0 or self.concurrency <= 0:
-            raise ValueError("rounds, round_s and concurrency must be > 0")
+        if min(self.rounds, self.round_s, self.concurrency, self.max_tokens) <= 0:
+            raise ValueError("rounds, round_s, concurrency and max_tokens must be > 0")
+        if self.warmup_requests < 0:
+            raise ValueError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
 
 
 class SpanSink(trace_service_pb2_grpc.TraceServiceServicer):
@@ -96,7 +106,7 @@ async def _client_loop(
                 out.ttfts.append(first)
 
 
-async def _round(address: str, cfg: BenchConfig, seed: int) -> RoundResult:
+async def _round(address: str, cfg: TracingBenchConfig, seed: int) -> RoundResult:
     result = RoundResult(0, 0, 0.0, [])
     start = time.monotonic()
     deadline = start + cfg.round_s
@@ -137,7 +147,7 @@ class Side:
         )
 
 
-async def _measure(on: str, off: str, cfg: BenchConfig) -> dict[str, list[RoundResult]]:
+async def _measure(on: str, off: str, cfg: TracingBenchConfig) -> dict[str, list[RoundResult]]:
     await asyncio.gather(_warm(on, cfg.warmup_requests), _warm(off, cfg.warmup_requests))
     results: dict[str, list[RoundResult]] = {"on": [], "off": []}
     # ABBA: on, off, off, on, on, off, ... so neither side always goes first.
@@ -146,23 +156,39 @@ async def _measure(on: str, off: str, cfg: BenchConfig) -> dict[str, list[RoundR
         for side in pair:
             address = on if side == "on" else off
             results[side].append(await _round(address, cfg, seed=r * 100_000))
-            print(
-                f"round {r + 1}/{cfg.rounds} tracing {side}: "
-                f"{results[side][-1].tokens / results[side][-1].seconds:.1f} tok/s",
-                flush=True,
-            )
+            last = results[side][-1]
+            progress(f"round {r + 1}/{cfg.rounds} tracing {side}: "
+                     f"{last.tokens / last.seconds:.1f} tok/s")  # fmt: skip
     return results
 
 
-def _cluster(telemetry: TelemetryConfig) -> LocalCluster:
-    cfg = ClusterConfig(gateway_port=0, num_prefill=1, num_decode=1, placement="redis")
+@dataclass(frozen=True)
+class TracingReport:
+    schema: str
+    settings: RunSettings
+    config: TracingBenchConfig
+    tracing_on: Side
+    tracing_off: Side
+    throughput_ratio_on_off: float
+    ttft_p50_ratio_on_off: float
+    throughput_cost: float
+    target_cost: float
+    met: bool
+    spans_exported: int
+
+
+def _cluster(settings: RunSettings, telemetry: TelemetryConfig) -> LocalCluster:
+    cfg = ClusterConfig(gateway_port=0, num_prefill=1, num_decode=1, placement="redis",
+                        model=settings.model, model_cache_dir=settings.model_cache_dir)  # fmt: skip
     return LocalCluster(cfg, telemetry)
 
 
-def _phase(cfg: BenchConfig, otlp_port: int, traced_first: bool) -> dict[str, list[RoundResult]]:
+def _phase(
+    settings: RunSettings, cfg: TracingBenchConfig, otlp_port: int, traced_first: bool
+) -> dict[str, list[RoundResult]]:
     """Start both clusters (the traced one first or second), measure, stop them."""
-    traced = _cluster(TelemetryConfig(otlp_endpoint=f"127.0.0.1:{otlp_port}"))
-    plain = _cluster(TelemetryConfig())
+    traced = _cluster(settings, TelemetryConfig(otlp_endpoint=f"127.0.0.1:{otlp_port}"))
+    plain = _cluster(settings, TelemetryConfig())
     try:
         for cluster in (traced, plain) if traced_first else (plain, traced):
             cluster.start()
@@ -172,7 +198,7 @@ def _phase(cfg: BenchConfig, otlp_port: int, traced_first: bool) -> dict[str, li
         plain.stop()
 
 
-def run(cfg: BenchConfig) -> dict[str, object]:
+def run(settings: RunSettings, cfg: TracingBenchConfig) -> TracingReport:
     sink = SpanSink()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
@@ -183,52 +209,53 @@ def run(cfg: BenchConfig) -> dict[str, object]:
         # The cluster started first ran measurably faster on this host (A/A runs showed it),
         # so each start order gets half the rounds.
         for traced_first in (True, False):
-            for side, results in _phase(cfg, port, traced_first).items():
+            for side, results in _phase(settings, cfg, port, traced_first).items():
                 rounds[side].extend(results)
     finally:
         server.stop(grace=1.0)
     on, off = Side.of(rounds["on"]), Side.of(rounds["off"])
     throughput_ratio = on.output_tokens_per_s / off.output_tokens_per_s
-    return {
-        "tracing_on": asdict(on),
-        "tracing_off": asdict(off),
-        "throughput_ratio_on_off": throughput_ratio,
-        "ttft_p50_ratio_on_off": on.ttft_p50_ms / off.ttft_p50_ms,
-        "throughput_cost": 1.0 - throughput_ratio,
-        "target_cost": TARGET_COST,
-        "met": 1.0 - throughput_ratio <= TARGET_COST,
-        "spans_exported": sink.spans,
-        "config": {k: str(v) for k, v in asdict(cfg).items()},
-        "finished_unix": time.time(),
-    }
+    return TracingReport(
+        schema=SCHEMA,
+        settings=settings,
+        config=cfg,
+        tracing_on=on,
+        tracing_off=off,
+        throughput_ratio_on_off=throughput_ratio,
+        ttft_p50_ratio_on_off=on.ttft_p50_ms / off.ttft_p50_ms,
+        throughput_cost=1.0 - throughput_ratio,
+        target_cost=TARGET_COST,
+        met=1.0 - throughput_ratio <= TARGET_COST,
+        spans_exported=sink.spans,
+    )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=BenchConfig.rounds)
-    parser.add_argument("--round-s", type=float, default=BenchConfig.round_s)
-    parser.add_argument("--concurrency", type=int, default=BenchConfig.concurrency)
-    parser.add_argument("--out", type=Path, default=BenchConfig.out)
-    args = parser.parse_args(argv)
-    cfg = BenchConfig(
-        rounds=args.rounds, round_s=args.round_s, concurrency=args.concurrency, out=args.out
+def format_table(r: TracingReport) -> str:
+    on, off = r.tracing_on, r.tracing_off
+    return (
+        f"tracing on: {on.output_tokens_per_s:.1f} tok/s, TTFT p50 {on.ttft_p50_ms:.1f} ms; "
+        f"off: {off.output_tokens_per_s:.1f} tok/s, TTFT p50 {off.ttft_p50_ms:.1f} ms -> "
+        f"throughput on/off {r.throughput_ratio_on_off:.3f}x, TTFT p50 on/off "
+        f"{r.ttft_p50_ratio_on_off:.3f}x; cost {100 * r.throughput_cost:.1f}% "
+        f"(target <= {100 * r.target_cost:.0f}%: {'met' if r.met else 'NOT met'}); "
+        f"{r.spans_exported} spans exported"
     )
-    result = run(cfg)
-    on, off = result["tracing_on"], result["tracing_off"]
-    assert isinstance(on, dict) and isinstance(off, dict)
-    cost = 1.0 - float(result["throughput_ratio_on_off"])  # type: ignore[arg-type]
-    print(
-        f"tracing on: {on['output_tokens_per_s']:.1f} tok/s, TTFT p50 {on['ttft_p50_ms']:.1f} ms; "
-        f"off: {off['output_tokens_per_s']:.1f} tok/s, TTFT p50 {off['ttft_p50_ms']:.1f} ms -> "
-        f"throughput on/off {result['throughput_ratio_on_off']:.3f}x, TTFT p50 on/off "
-        f"{result['ttft_p50_ratio_on_off']:.3f}x; cost {100 * cost:.1f}% "
-        f"(target <= {100 * TARGET_COST:.0f}%: {'met' if result['met'] else 'NOT met'}); "
-        f"{result['spans_exported']} spans exported"
-    )
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out.write_text(json.dumps(result, indent=2))
-    return 0
+
+
+SPEC = BenchSpec(
+    name="tracing",
+    description="Cost of tracing: throughput and TTFT with every request traced against "
+    "tracing off, on two identical clusters loaded in turn.",
+    config=TracingBenchConfig,
+    run=run,
+    table=format_table,
+    settings=("out", "model", "model_cache_dir"),
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_main(SPEC, argv)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -10,7 +10,9 @@ from PIL import Image
 from loadtest.bench import plot_points
 from loadtest.bench_config import BenchConfig
 from loadtest.metrics import RequestRecord, summarize
-from loadtest.report import BenchResults, PointResult, write_json, write_markdown
+from loadtest.provenance import collect_provenance
+from loadtest.report import BenchResults, PointResult, write_markdown
+from loadtest.result_file import write_result
 from loadtest.traffic import TrafficConfig
 
 
@@ -56,11 +58,12 @@ def test_results_json_markdown_and_plots(tmp_path: Path) -> None:
     results = BenchResults("2026-01-01T00:00:00+00:00", cfg, TrafficConfig(), cfg.slo)
     results.points = [_point("rate=1", 1.0, 8), _point("rate=2", 2.0, 8)]
     results.plots = plot_points(tmp_path, results.points, cfg)
-    write_json(tmp_path / "results.json", results)
+    write_result(tmp_path / "results.json", results, collect_provenance())
     md = write_markdown(tmp_path / "summary.md", results).read_text()
 
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["schema"] == "pdserve.bench/1"
+    assert list(data)[:2] == ["schema", "provenance"]
     assert data["bench"]["out_dir"] == str(tmp_path)
     first = data["points"][0]
     assert first["metrics"]["sent"] == 9 and first["metrics"]["errors_by_code"] == {

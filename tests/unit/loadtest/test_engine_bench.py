@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from engine.model_spec import ModelSpec
-from loadtest import engine_bench
-from loadtest.engine_bench import PRESETS, PhasePlan, log_uniform, make_workload, parse_args
+from loadtest import engine_report, engine_workload
+from loadtest.engine_bench import main, parse_args
+from loadtest.engine_workload import PRESETS, PhasePlan, log_uniform, make_workload
 
 pytest.importorskip("transformers")
 
@@ -39,7 +40,7 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
-            rc = engine_bench.main(argv)
+            rc = main(argv)
     finally:
         torch.set_num_threads(threads)  # the bench sets it process-wide
     assert rc == 0
@@ -52,9 +53,11 @@ def report(bench_run: tuple[dict[str, Any], str]) -> dict[str, Any]:
 
 
 def test_top_level_schema(report: dict[str, Any]) -> None:
-    assert report["schema"] == engine_bench.SCHEMA
+    assert report["schema"] == engine_report.SCHEMA
     assert set(report) == {
         "schema",
+        "provenance",
+        "settings",
         "started_at",
         "finished_at",
         "wall_s",
@@ -69,10 +72,10 @@ def test_top_level_schema(report: dict[str, Any]) -> None:
     finished = datetime.fromisoformat(report["finished_at"])
     assert started <= finished
     assert report["wall_s"] > 0
-    assert report["machine"]["torch_threads"] == 1
-    assert report["machine"]["cpu_count"] >= 1
+    assert report["machine"]["torch_threads"] == report["config"]["threads"] == 1
+    assert report["provenance"]["host"]["cpu_count"] >= 1
     assert report["config"]["preset"] == "smoke"
-    assert [p["batch_size"] for p in report["config"]["phases"]] == [1, 2]
+    assert [p["batch_size"] for p in report["phases"]] == [1, 2]
 
 
 def test_kv_pool_numbers(report: dict[str, Any]) -> None:
@@ -89,7 +92,7 @@ def test_kv_pool_numbers(report: dict[str, Any]) -> None:
 def test_token_counts_add_up(report: dict[str, Any]) -> None:
     spec = ModelSpec.from_dir(Path(report["model_dir"]))
     for plan, phase in zip(SMOKE, report["phases"], strict=True):
-        requests = make_workload(plan, spec.vocab_size, seed=report["config"]["seed"])
+        requests = make_workload(plan, spec.vocab_size, seed=report["settings"]["seed"])
         outputs = sum(r.max_tokens for r in requests)
         prompts = sum(len(r.prompt) for r in requests)
         assert phase["batch_size"] == plan.batch_size
@@ -123,7 +126,7 @@ def test_ratios_and_targets(report: dict[str, Any]) -> None:
         assert math.isclose(phase["ratio"], pd["tokens_per_s"] / hf["tokens_per_s"])
         assert 0.0 <= phase["greedy_agreement"] <= 1.0
         assert phase["load_before"] >= 0 and phase["load_after"] >= 0
-        target = engine_bench.TARGETS.get(phase["batch_size"])
+        target = engine_report.TARGETS.get(phase["batch_size"])
         assert phase["target"] == target
         assert phase["met"] == (None if target is None else phase["ratio"] >= target)
     assert report["targets_met"] == all(p["met"] is not False for p in report["phases"])
@@ -157,12 +160,16 @@ def test_workload_is_seeded_and_in_range() -> None:
     assert a != make_workload(plan, 49152, seed=4)
     for r in a:
         assert 16 <= len(r.prompt) <= 1024 and 16 <= r.max_tokens <= 256
-        assert all(engine_bench.FIRST_REGULAR_ID <= t < 49152 for t in r.prompt)
+        assert all(engine_workload.FIRST_REGULAR_ID <= t < 49152 for t in r.prompt)
 
 
 def test_presets_from_flags() -> None:
-    assert parse_args([]).preset == "short"
-    assert parse_args(["--full"]).preset == "full"
-    assert [p.batch_size for p in parse_args([]).phases] == [1, 8, 32]
-    with pytest.raises(SystemExit):
-        parse_args(["--full", "--smoke"])
+    settings, cfg = parse_args([])
+    assert cfg.preset == "short" and settings.out == Path("bench-results/engine.json")
+    assert parse_args(["--full"])[1].preset == "full"
+    assert parse_args(["--preset", "smoke"])[1].phases == SMOKE
+    assert [p.batch_size for p in cfg.phases] == [1, 8, 32]
+    assert parse_args(["--no-warmup"])[1].warmup is False
+    for bad in (["--full", "--smoke"], ["--preset", "huge"], ["--threads", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)

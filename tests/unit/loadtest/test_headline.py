@@ -16,14 +16,16 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from loadtest.bench import ModelRef, load_synth
+from loadtest.bench import load_synth
 from loadtest.headline import SYSTEMS, _Deployment, _interleaved, cluster_config
 from loadtest.headline_config import HeadlineConfig
 from loadtest.headline_report import HeadlineResults, SystemResult, write_outputs
 from loadtest.metrics import RequestRecord, summarize
+from loadtest.provenance import collect_provenance
 from loadtest.report import PointResult
 from loadtest.request_spec import BenchRequest
 from loadtest.runner import Pace
+from loadtest.settings import RunSettings
 from loadtest.traffic import TrafficConfig
 
 # attainment of each deployment at each rate of the sweep below
@@ -77,14 +79,15 @@ def run(tmp_path: Path, model_dir: Path) -> tuple[HeadlineResults, list[tuple[st
         rates="0.2,0.3,0.4,0.5", num_requests=10, short_num_requests=10, warmup_requests=0,
         out_dir=tmp_path, progress=False,
     )  # fmt: skip
-    model = ModelRef(str(model_dir), model_dir.parent)
+    model = RunSettings(model=str(model_dir), model_cache_dir=model_dir.parent)
     mix = replace(TrafficConfig(), workload="long_mix")
     results = HeadlineResults("2026-01-01T00:00:00+00:00", cfg, mix, cfg.slo, host_cpus=2)
     results.systems = [SystemResult(n, cluster_config(n, cfg, model)) for n in SYSTEMS]
     log: list[tuple[str, str]] = []
     stand_ins = [StandIn(r, log) for r in results.systems]
-    asyncio.run(_interleaved(stand_ins, cfg, mix, load_synth(model), results))  # type: ignore[arg-type]
-    write_outputs(results, plots=True)  # derives the capacities
+    provenance = collect_provenance()
+    asyncio.run(_interleaved(stand_ins, cfg, mix, load_synth(model), results, provenance))  # type: ignore[arg-type]
+    write_outputs(results, provenance, plots=True)  # derives the capacities
     return results, log
 
 
@@ -110,6 +113,7 @@ def test_report_carries_capacities_ratio_and_plots(
 ) -> None:
     results, _ = run
     data = json.loads((tmp_path / "headline.json").read_text())
+    assert data["schema"] == "pdserve.headline/1" and data["provenance"]["taken_at"]
     disagg, coloc = data["systems"]
     # disaggregated holds 0.9 through 0.3 and drops to 0.8 at 0.4: crossing at 0.35;
     # colocated holds at 0.2 and drops to 0.3 at 0.3: crossing at 0.2 + 0.1 * (0.1 / 0.7).

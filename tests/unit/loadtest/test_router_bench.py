@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from loadtest import router_bench
+from loadtest import router_bench, router_report
 from loadtest.prefix_workload import (
     ClusterSim,
     OraclePlacer,
@@ -31,7 +31,10 @@ from loadtest.prefix_workload import (
     upper_bound_hit_ratio,
     zipf_weights,
 )
-from loadtest.router_bench import BenchConfig, RoundTripCounter, parse_args
+from loadtest.router_bench import parse_args
+from loadtest.router_bench_config import RouterBenchConfig
+from loadtest.router_latency import RoundTripCounter
+from loadtest.settings import RunSettings
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.prefix_key import prefix_key, tenant_seed
 from services.router.redis_client import connect
@@ -62,16 +65,18 @@ def report(bench_run: tuple[dict[str, Any], str]) -> dict[str, Any]:
 
 
 def test_schema_and_config(report: dict[str, Any]) -> None:
-    assert report["schema"] == router_bench.SCHEMA
-    for key in ("started_at", "finished_at", "wall_s", "redis_pid", "machine", "config",
-                "latency", "hit_rate", "targets", "targets_met"):  # fmt: skip
+    assert report["schema"] == router_report.SCHEMA
+    for key in ("provenance", "started_at", "finished_at", "wall_s", "redis_pid", "machine",
+                "settings", "config", "workload", "latency", "hit_rate", "targets",
+                "targets_met"):  # fmt: skip
         assert key in report
     assert report["started_at"] < report["finished_at"] and report["wall_s"] > 0
     assert report["config"]["decisions"] == DECISIONS
-    assert report["config"]["workload"]["requests"] == 800
+    assert report["workload"]["requests"] == 800
+    assert report["workload"]["seed"] == report["settings"]["seed"] == 0
+    assert report["provenance"]["host"]["cpu_count"] >= 1
     machine = report["machine"]
-    assert machine["cpu_count"] >= 1 and len(machine["loadavg_start"]) == 3
-    assert machine["redis_server"]
+    assert len(machine["loadavg_start"]) == 3 and machine["redis_server"]
 
 
 def test_latency_is_measured_against_ping(report: dict[str, Any]) -> None:
@@ -161,6 +166,7 @@ def test_table_printed(bench_run: tuple[dict[str, Any], str]) -> None:
     for name in ("oracle", "oracle_bounded", *POLICIES):
         assert any(line.split()[:1] == [name] for line in table.splitlines())
     assert "all targets met" in table
+    assert report["provenance"]["taken_at"] in table
 
 
 # -- helpers --------------------------------------------------------------------------
@@ -232,13 +238,21 @@ def test_round_trip_counter_counts_a_pipeline_once() -> None:
 
 
 def test_config_from_flags(tmp_path: Path) -> None:
-    cfg = parse_args([*ARGV, "--policies", "bounded,random", "--system-tokens", "32,64",
-                      "--pools", "pd", "--out", str(tmp_path / "x.json")])  # fmt: skip
-    assert cfg.policies == ("bounded", "random") and cfg.pools == ("pd",)
-    assert cfg.workload.system_tokens == (32, 64) and cfg.workload.tenants == 4
-    assert cfg.out == tmp_path / "x.json"
-    assert parse_args([]) == BenchConfig()
+    settings, cfg = parse_args([*ARGV, "--policies", "bounded,random", "--system-tokens",
+                                "32,64", "--pools", "pd", "--seed", "7", "--out",
+                                str(tmp_path / "x.json")])  # fmt: skip
+    assert cfg.policy_names == ("bounded", "random") and cfg.pool_shapes == ("pd",)
+    workload = cfg.workload(settings.seed)
+    assert workload.system_tokens == (32, 64) and workload.tenants == 4 and workload.seed == 7
+    assert settings.out == tmp_path / "x.json"
+    assert parse_args([]) == (RunSettings(out=Path("bench-results/router.json")),
+                              RouterBenchConfig())  # fmt: skip
+    assert RouterBenchConfig().workload(0) == WorkloadConfig()
     with pytest.raises(ValueError):
-        BenchConfig(policies=("nope",))
+        RouterBenchConfig(policies="nope")
     with pytest.raises(ValueError):
-        BenchConfig(window=64, warmup_requests=10)  # statistics need a full window
+        RouterBenchConfig(system_tokens="64")  # a range needs lo,hi
+    with pytest.raises(ValueError):
+        RouterBenchConfig(window=64, warmup_requests=10)  # statistics need a full window
+    with pytest.raises(SystemExit):
+        parse_args(["--pools", "ring"])  # a bad value is a usage error, not a traceback

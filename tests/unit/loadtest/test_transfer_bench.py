@@ -20,16 +20,12 @@ from typing import Any
 
 import pytest
 
-from loadtest import transfer_bench
-from loadtest.transfer_bench import (
-    BLOCK_SIZE,
-    BenchConfig,
-    ExporterPeer,
-    PinnedRanges,
-    block_ids,
-    merged_descriptors,
-    parse_args,
-)
+from loadtest import transfer_report
+from loadtest.transfer_bench import main, parse_args
+from loadtest.transfer_bench_config import HEADROOM_BLOCKS, TransferBenchConfig
+from loadtest.transfer_exporter import BLOCK_SIZE, PinnedRanges
+from loadtest.transfer_measure import block_ids, merged_descriptors
+from loadtest.transfer_peer import ExporterPeer
 
 TOKENS = 32
 
@@ -40,7 +36,7 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     argv = ["--tokens", str(TOKENS), "--reps", "2", "--overhead-reps", "10", "--out", str(out)]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        rc = transfer_bench.main(argv)
+        rc = main(argv)
     assert rc == 0
     return json.loads(out.read_text()), printed.getvalue()
 
@@ -59,16 +55,17 @@ def _gone(pid: int) -> bool:
 
 
 def test_schema_and_config(report: dict[str, Any]) -> None:
-    assert report["schema"] == transfer_bench.SCHEMA
-    for key in ("started_at", "finished_at", "wall_s", "model_dir", "exporter_pid", "machine",
-                "layout", "config", "cases", "one_block", "leases", "verified", "leases_clean",
-                "targets", "targets_met"):  # fmt: skip
+    assert report["schema"] == transfer_report.SCHEMA
+    for key in ("provenance", "started_at", "finished_at", "wall_s", "model_dir",
+                "exporter_pid", "machine", "layout", "settings", "config", "cases", "one_block",
+                "leases", "verified", "leases_clean", "targets", "targets_met"):  # fmt: skip
         assert key in report
     assert report["wall_s"] > 0
-    assert report["config"]["token_counts"] == [TOKENS]
-    assert report["config"]["reps"] == report["config"]["tcp_reps"] == 2
+    assert report["config"]["tokens"] == str(TOKENS)
+    assert report["config"]["reps"] == report["config"]["tcp_reps"] == 2  # resolved
+    assert report["provenance"]["host"]["cpu_count"] >= 1
     machine = report["machine"]
-    assert machine["cpu_count"] >= 1 and len(machine["loadavg_start"]) == 3
+    assert len(machine["loadavg_start"]) == 3 and isinstance(machine["transport_env"], dict)
     assert machine["torch_threads"] == 1  # the memcpy baseline is single-threaded
 
 
@@ -117,7 +114,7 @@ def test_targets(report: dict[str, Any]) -> None:
     # No 8192-token case in this mode: only the one-block target is evaluated.
     assert [t["name"] for t in report["targets"]] == ["nixl one-block median ms"]
     target = report["targets"][0]
-    assert target["met"] == (target["measured"] <= transfer_bench.TARGET_ONE_BLOCK_MS)
+    assert target["met"] == (target["measured"] <= transfer_report.TARGET_ONE_BLOCK_MS)
     assert report["targets_met"] == target["met"]
 
 
@@ -174,10 +171,13 @@ def test_pinned_ranges_release_once() -> None:
 
 
 def test_config_from_flags() -> None:
-    cfg = parse_args(["--tokens", "16,64", "--reps", "3"], environ=lambda: {"UCX_TLS": "sm"})
-    assert cfg.token_counts == (16, 64) and cfg.tcp_reps == 3
-    assert cfg.transport_env == (("UCX_TLS", "sm"),)
-    assert cfg.num_blocks == 4 + transfer_bench.HEADROOM_BLOCKS
-    assert parse_args([]).token_counts == (512, 2048, 8192)
+    settings, cfg = parse_args(["--tokens", "16,64", "--reps", "3", "--seed", "2"])
+    assert cfg.token_counts == (16, 64) and cfg.tcp_rep_count == 3 and settings.seed == 2
+    assert cfg.num_blocks == 4 + HEADROOM_BLOCKS
+    assert parse_args([])[1].token_counts == (512, 2048, 8192)
+    assert parse_args([])[1].tcp_rep_count == 5
+    assert parse_args(["--tcp-reps", "2"])[1].tcp_rep_count == 2
     with pytest.raises(ValueError):
-        BenchConfig(token_counts=(16,), reps=2, tcp_reps=3)
+        TransferBenchConfig(tokens="16", reps=2, tcp_reps=3)
+    with pytest.raises(SystemExit):
+        parse_args(["--tokens", "16,x"])

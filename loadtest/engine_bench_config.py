@@ -1,0 +1,39 @@
+"""Settings of the engine benchmark: the preset and the engine's knobs.
+
+Every field is a flag with a `PDSERVE_*` env var (`bench_main`); `--full`, `--smoke`
+and `--no-warmup` are shorthands for `--preset full`, `--preset smoke` and
+`--warmup false`. The seed, output file and model cache are the run's `RunSettings`.
+`engine_bench.run` records the config with `threads` resolved (0 becomes torch's count).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loadtest.engine_workload import PRESETS, PhasePlan
+
+
+@dataclass(frozen=True)
+class EngineBenchConfig:
+    preset: str = field(
+        default="short",
+        metadata={"help": "short (minutes), full (tens of minutes) or smoke (tests)"},
+    )
+    threads: int = field(default=0, metadata={"help": "torch threads (0: torch's default)"})
+    kv_cache_bytes: int = field(default=2 << 30, metadata={"help": "pdserve's KV pool bytes"})
+    max_num_batched_tokens: int = field(
+        default=512, metadata={"help": "pdserve's token budget per step"}
+    )
+    warmup: bool = field(default=True, metadata={"help": "untimed warm-up runs on each side"})
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if self.kv_cache_bytes <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("kv_cache_bytes and max_num_batched_tokens must be > 0")
+
+    @property
+    def phases(self) -> tuple[PhasePlan, ...]:
+        return PRESETS[self.preset]

@@ -1,0 +1,190 @@
+"""The two sides of the engine benchmark, each timed on the same requests.
+
+Lifecycle of a phase's side (`engine_bench.run_phase` runs pdserve, then transformers):
+
+- pdserve at batch B (`run_pdserve`): a fresh `LLMEngine` with `max_num_seqs=B`, an
+  untimed warm-up on other prompts, then every request submitted at once and stepped
+  until done (continuous batching keeps B running). It raises if a request got other
+  than its requested tokens or the engine kept a block or a request afterwards.
+- transformers at batch B (`run_transformers`; the model is loaded once per run by
+  `load_hf_model`): consecutive static batches of B requests, left-padded with an
+  attention mask, greedy `generate` run to the batch's longest output.
+
+Both are greedy and ignore EOS, so each request gets exactly its requested tokens.
+Throughput = the requests' own requested output tokens / wall seconds, prefill included:
+a static batch's padding and over-generation are its honest cost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+from loadtest.engine_bench_config import EngineBenchConfig
+from loadtest.engine_workload import EngineRequest, PhasePlan, warmup_workload
+from loadtest.settings import RunSettings
+
+#: SmolLM2's pad id (= its EOS); left padding never reaches a sampled position.
+PAD_ID = 2
+#: Tokens compared when reporting how often both sides produced the same greedy output.
+AGREEMENT_PREFIX = 8
+
+
+@dataclass(frozen=True)
+class SideResult:
+    """One side's timed run of a phase.
+
+    `output_tokens` counts only each request's own requested tokens (the useful ones);
+    `computed_tokens` counts every position the model ran, padding and overrun included.
+    """
+
+    wall_s: float
+    output_tokens: int
+    prompt_tokens: int
+    computed_tokens: int
+    forward_passes: int
+    tokens_per_s: float
+    total_tokens_per_s: float
+
+
+def side_result(
+    wall_s: float, requests: Sequence[EngineRequest], computed: int, passes: int
+) -> SideResult:
+    out = sum(r.max_tokens for r in requests)
+    prompt = sum(len(r.prompt) for r in requests)
+    return SideResult(
+        wall_s=wall_s,
+        output_tokens=out,
+        prompt_tokens=prompt,
+        computed_tokens=computed,
+        forward_passes=passes,
+        tokens_per_s=out / wall_s,
+        total_tokens_per_s=(out + prompt) / wall_s,
+    )
+
+
+def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
+    """Fraction of requests whose first few greedy tokens match on both sides."""
+    same = sum(x[:AGREEMENT_PREFIX] == y[:AGREEMENT_PREFIX] for x, y in zip(a, b, strict=True))
+    return same / len(a)
+
+
+# -- pdserve --------------------------------------------------------------------------
+def build_engine(settings: RunSettings, cfg: EngineBenchConfig, batch_size: int) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model_cache_dir=settings.model_cache_dir.expanduser(),
+            kv_cache_bytes=cfg.kv_cache_bytes,
+            max_num_seqs=batch_size,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            num_threads=cfg.threads,
+        )
+    )
+
+
+def drive_engine(eng: LLMEngine, requests: Sequence[EngineRequest]) -> tuple[list[list[int]], int]:
+    """Submit every request at once and step until all finish; returns outputs and steps."""
+    ids = [
+        eng.add_request(
+            list(r.prompt),
+            SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True),
+        )
+        for r in requests
+    ]
+    produced: dict[str, list[int]] = {rid: [] for rid in ids}
+    steps = 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            produced[out.request_id].extend(out.new_token_ids)
+        steps += 1
+    return [produced[rid] for rid in ids], steps
+
+
+def run_pdserve(
+    settings: RunSettings,
+    cfg: EngineBenchConfig,
+    plan: PhasePlan,
+    requests: Sequence[EngineRequest],
+    vocab_size: int,
+) -> tuple[SideResult, list[list[int]], EngineStats]:
+    """Time pdserve on the phase; raises if a request got other than its requested tokens."""
+    eng = build_engine(settings, cfg, plan.batch_size)
+    if cfg.warmup:
+        drive_engine(eng, warmup_workload(min(plan.batch_size, 2), vocab_size, settings.seed))
+    start = time.perf_counter()
+    outputs, steps = drive_engine(eng, requests)
+    wall = time.perf_counter() - start
+    stats = eng.stats()
+    for r, out in zip(requests, outputs, strict=True):
+        if len(out) != r.max_tokens:
+            raise RuntimeError(f"pdserve produced {len(out)} tokens, {r.max_tokens} requested")
+    if stats.used_blocks or stats.running or stats.waiting:
+        raise RuntimeError(f"pdserve left work or blocks behind: {stats}")
+    computed = sum(len(r.prompt) + r.max_tokens - 1 for r in requests)
+    return side_result(wall, requests, computed, steps), outputs, stats
+
+
+# -- transformers ---------------------------------------------------------------------
+def load_hf_model(model_dir: Path) -> Any:
+    """The reference model, fp32 like pdserve on CPU (transformers is a test extra)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_static_batch(model: Any, batch: Sequence[EngineRequest]) -> tuple[list[list[int]], int]:
+    """Generate one left-padded static batch to its longest output; returns outputs, steps."""
+    width = max(len(r.prompt) for r in batch)
+    steps = max(r.max_tokens for r in batch)
+    ids = torch.tensor([[PAD_ID] * (width - len(r.prompt)) + list(r.prompt) for r in batch])
+    mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
+    with torch.inference_mode():
+        # min_new_tokens = max_new_tokens: EOS cannot end a row early, like ignore_eos.
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=PAD_ID,
+        )
+    if out.shape[1] != width + steps:
+        raise RuntimeError(f"transformers generated {out.shape[1] - width} of {steps} tokens")
+    new = out[:, width:].tolist()
+    return [row[: r.max_tokens] for row, r in zip(new, batch, strict=True)], steps
+
+
+def run_transformers(
+    settings: RunSettings,
+    cfg: EngineBenchConfig,
+    model: Any,
+    plan: PhasePlan,
+    requests: Sequence[EngineRequest],
+    vocab_size: int,
+) -> tuple[SideResult, list[list[int]]]:
+    """Time transformers on the phase in consecutive static batches of `batch_size`."""
+    if cfg.warmup:
+        warm = warmup_workload(min(plan.batch_size, 2), vocab_size, settings.seed)
+        hf_static_batch(model, warm)
+    b = plan.batch_size
+    batches = [requests[i : i + b] for i in range(0, len(requests), b)]
+    outputs: list[list[int]] = []
+    computed = passes = 0
+    start = time.perf_counter()
+    for batch in batches:
+        out, steps = hf_static_batch(model, batch)
+        outputs.extend(out)
+        computed += len(batch) * (max(len(r.prompt) for r in batch) + steps - 1)
+        passes += steps
+    wall = time.perf_counter() - start
+    return side_result(wall, requests, computed, passes), outputs

@@ -1,0 +1,248 @@
+"""Markdown sections of docs/benchmarks.md, one renderer per result schema.
+
+Lifecycle: `loadtest.results` reads each committed result file and calls `section` on
+it; `section` writes the heading, the provenance line (when, on which commit and host,
+with which command) and the renderer's tables. A renderer reads only the file: nothing
+is measured or recomputed here, so the page says exactly what the files say. A schema
+without a renderer gets its top-level numbers, so a new benchmark's results are quoted
+before anyone writes a table for them.
+
+The files are JSON written by `result_file.write_result`; they are read as plain dicts
+(the one place loadtest does so), through `_num`/`_fmt` so that a missing or null
+number prints as "-" rather than failing the whole page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+Json = dict[str, Any]
+Renderer = Callable[[Json], list[str]]
+LATENCY_HEADER = ("pool", "route p50 ms", "p99", "PING p50 ms", "route/PING p50", "p99",
+                  "round trips/route")  # fmt: skip
+HEADLINE_HEADER = ("rate req/s", "disagg. goodput", "attainment", "coloc. goodput",
+                   "attainment", "goodput ratio")  # fmt: skip
+
+
+def _num(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _fmt(value: object, spec: str = ".2f", suffix: str = "") -> str:
+    number = _num(value)
+    return "-" if number is None else f"{number:{spec}}{suffix}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
+def _targets(data: Json) -> list[str]:
+    targets = data.get("targets") or []
+    if not targets:
+        return []
+    rows = [
+        [t["name"], _fmt(t.get("measured"), ".3f"), f"{t['comparison']} {t['threshold']:g}",
+         "met" if t.get("met") else "**not met**", t.get("context", "")]
+        for t in targets
+    ]  # fmt: skip
+    return ["", *_table(["target", "measured", "wanted", "result", "context"], rows)]
+
+
+def provenance_line(data: Json, file: str) -> str:
+    p = data["provenance"]
+    host = p.get("host", {})
+    commit = p.get("commit")
+    where = f"commit `{commit[:12]}`" if commit else "no git checkout"
+    if p.get("dirty"):
+        where += " with uncommitted changes"
+    return (
+        f"Taken {p.get('taken_at', '?')} on {where}, host {host.get('hostname', '?')} "
+        f"({host.get('cpu_model', '?')}; {host.get('usable_cpus', '?')} of "
+        f"{host.get('cpu_count', '?')} CPUs usable). File [{file}]({file}); command "
+        f"`{p.get('command', '?')}`."
+    )
+
+
+def engine(data: Json) -> list[str]:
+    rows = [
+        [str(p["batch_size"]), str(p["num_requests"]), _fmt(p["pdserve"]["tokens_per_s"], ".1f"),
+         _fmt(p["transformers"]["tokens_per_s"], ".1f"), _fmt(p["ratio"], ".2f", "x"),
+         "-" if p.get("target") is None else f">= {p['target']:.2f}x",
+         "-" if p.get("met") is None else ("met" if p["met"] else "**not met**")]
+        for p in data.get("phases", [])
+    ]  # fmt: skip
+    header = ["batch", "requests", "pdserve tok/s", "transformers tok/s", "ratio", "target",
+              "result"]  # fmt: skip
+    kv = data.get("kv", {})
+    preset = data.get("config", {}).get("preset", "?")
+    caveat = (
+        [f"**Preset `{preset}`**: a few tiny requests per batch size, a check that the "
+         "benchmark runs end to end, not a throughput figure to quote.", ""]
+        if preset == "smoke" else []
+    )  # fmt: skip
+    return [
+        "Decode tokens/s of pdserve against HF transformers on the same requests, run back "
+        f"to back (preset `{preset}`; ratio = pdserve / transformers).",
+        "",
+        *caveat,
+        *_table(header, rows),
+        "",
+        f"KV pool: {kv.get('total_blocks', '?')} blocks x {kv.get('block_size', '?')} tokens, "
+        f"{_fmt(kv.get('pool_mib'), '.1f')} MiB; {kv.get('bytes_per_token', '?')} bytes/token.",
+    ]
+
+
+def transfer(data: Json) -> list[str]:
+    rows = [
+        [str(c["tokens"]), c["pattern"], _fmt(c["bytes"] / 2**20, ".1f"),
+         _fmt(c["memcpy_gbps"]), _fmt(c["nixl_gbps"]), _fmt(c["tcp_gbps"]),
+         _fmt(c["nixl_vs_memcpy"], ".2f", "x"), _fmt(c["nixl_vs_tcp"], ".2f", "x")]
+        for c in data.get("cases", [])
+    ]  # fmt: skip
+    header = ["tokens", "pattern", "MiB", "memcpy GB/s", "NIXL GB/s", "TCP GB/s", "NIXL/memcpy",
+              "NIXL/TCP"]  # fmt: skip
+    one_block = [
+        f"- one-block import (read + release) over {o['backend']}: median "
+        f"{_fmt(o['median_ms'], '.3f')} ms, p99 {_fmt(o['p99_ms'], '.3f')} ms ({o['reps']} reps)"
+        for o in data.get("one_block", [])
+    ]
+    return [
+        "KV transfer between two processes over NIXL and the TCP fallback, against a "
+        "single-thread memcpy of the same bytes measured in the same run (medians; every "
+        f"import verified bitwise: {data.get('verified')}; every lease released: "
+        f"{data.get('leases_clean')}).",
+        "",
+        *_table(header, rows),
+        "",
+        *one_block,
+        *_targets(data),
+    ]
+
+
+def router(data: Json) -> list[str]:
+    latency = [
+        [r["pool"], _fmt(r["route"]["p50_ms"], ".3f"), _fmt(r["route"]["p99_ms"], ".3f"),
+         _fmt(r["ping"]["p50_ms"], ".3f"), _fmt(r["route_vs_ping_p50"], ".2f", "x"),
+         _fmt(r["route_vs_ping_p99"], ".2f", "x"), _fmt(r["round_trips_per_route"], ".3f")]
+        for r in data.get("latency", [])
+    ]  # fmt: skip
+    hits = data.get("hit_rate", {})
+    everyone = [hits.get("oracle"), hits.get("oracle_bounded"), *hits.get("policies", [])]
+    policies = [
+        [p["policy"], _fmt(p["hit_ratio"], ".3f"), _fmt(p["vs_oracle"], ".3f", "x"),
+         _fmt(p.get("load_max_over_avg_peak"), ".2f")]
+        for p in everyone
+        if p
+    ]  # fmt: skip
+    return [
+        "Decision latency of one Router replica against Redis PING on the same connection "
+        "(interleaved), and the prefix-hit ratio of each policy against a cache-aware oracle "
+        f"(upper bound with an unlimited cache: {_fmt(hits.get('upper_bound_hit_ratio'), '.3f')}).",
+        "",
+        *_table(LATENCY_HEADER, latency),
+        "",
+        *_table(["policy", "hit ratio", "/oracle", "load max/avg peak"], policies),
+        *_targets(data),
+    ]
+
+
+def gateway(data: Json) -> list[str]:
+    return _table(
+        ["gateway TTFT p50 ms", "direct Prefill p50 ms", "overhead ms", "paired median ms",
+         "target ms", "pairs"],
+        [[_fmt(data.get("gateway_ttft_p50_ms")), _fmt(data.get("direct_prefill_p50_ms")),
+          _fmt(data.get("overhead_p50_ms")), _fmt(data.get("overhead_paired_p50_ms")),
+          f"<= {_fmt(data.get('target_ms'), 'g')}", str(data.get("reps", "-"))]],
+    )  # fmt: skip
+
+
+def tracing(data: Json) -> list[str]:
+    on, off = data.get("tracing_on", {}), data.get("tracing_off", {})
+    return _table(
+        ["tok/s on", "tok/s off", "throughput on/off", "TTFT p50 on/off", "cost", "target",
+         "spans"],
+        [[_fmt(on.get("output_tokens_per_s"), ".1f"), _fmt(off.get("output_tokens_per_s"), ".1f"),
+          _fmt(data.get("throughput_ratio_on_off"), ".3f", "x"),
+          _fmt(data.get("ttft_p50_ratio_on_off"), ".3f", "x"),
+          _fmt(100 * (_num(data.get("throughput_cost")) or 0.0), ".1f", "%"),
+          f"<= {_fmt(100 * (_num(data.get('target_cost')) or 0.0), '.0f', '%')}",
+          str(data.get("spans_exported", "-"))]],
+    )  # fmt: skip
+
+
+def headline(data: Json) -> list[str]:
+    rows = [
+        [f"{c['rate']:g}", _fmt(c.get("disaggregated_goodput"), ".3f"),
+         _fmt(c.get("disaggregated_attainment")), _fmt(c.get("colocated_goodput"), ".3f"),
+         _fmt(c.get("colocated_attainment")), _fmt(c.get("goodput_ratio"), ".2f", "x")]
+        for c in data.get("comparisons", [])
+    ]  # fmt: skip
+    capacities = [
+        f"- {s['name']}: capacity {_fmt(s.get('capacity_rate'), '.3f')} req/s "
+        f"({s.get('capacity_qualifier', '')})"
+        for s in data.get("systems", [])
+    ]
+    return [
+        "Disaggregated (1 prefill + 1 decode) against colocated (2 mixed) workers, one core "
+        "each, on the long-prompt mix; capacity = the highest rate holding the attainment "
+        "target.",
+        "",
+        *_table(HEADLINE_HEADER, rows),
+        "",
+        *capacities,
+        f"- capacity ratio disaggregated / colocated: "
+        f"{_fmt(data.get('capacity_ratio'), '.2f', 'x')}; short prompts only, goodput ratio "
+        f"{_fmt(data.get('short_only_goodput_ratio'), '.2f', 'x')}",
+    ]
+
+
+def sweep(data: Json) -> list[str]:
+    rows = [
+        [p["label"], str(p["metrics"]["sent"]), str(p["metrics"]["ok"]),
+         _fmt(p["metrics"]["goodput"], ".3f"), _fmt(p["metrics"]["slo_attainment"]),
+         _fmt(p["metrics"]["ttft_ms"]["p50"], ".0f"), _fmt(p["metrics"]["itl_ms"]["p50"], ".0f")]
+        for p in data.get("points", [])
+    ]  # fmt: skip
+    return _table(
+        ["point", "sent", "ok", "goodput req/s", "attainment", "TTFT p50 ms", "ITL p50 ms"], rows
+    )
+
+
+def generic(data: Json) -> list[str]:
+    """Top-level numbers and flags of a schema without its own renderer."""
+    rows = [
+        [f"`{k}`", _fmt(v, ".4g") if _num(v) is not None else str(v)]
+        for k, v in data.items()
+        if isinstance(v, int | float | bool)
+    ]
+    return _table(["field", "value"], rows)
+
+
+#: schema -> (title, renderer), in the page's order.
+SECTIONS: dict[str, tuple[str, Renderer]] = {
+    "pdserve.headline/1": ("Headline: disaggregated vs colocated", headline),
+    "pdserve.engine_bench/1": ("Engine: decode throughput", engine),
+    "pdserve.transfer_bench/1": ("KV transfer", transfer),
+    "pdserve.router_bench/1": ("Router", router),
+    "pdserve.gateway_bench/1": ("Gateway overhead", gateway),
+    "pdserve.tracing_bench/1": ("Tracing cost", tracing),
+    "pdserve.bench/1": ("Load sweep (pdserve-bench)", sweep),
+}
+
+
+def sort_key(schema: str, file: Path) -> tuple[int, str]:
+    order = list(SECTIONS)
+    return (order.index(schema) if schema in order else len(order), file.name)
+
+
+def section(data: Json, file: str) -> list[str]:
+    schema = str(data.get("schema", "unknown"))
+    title, render = SECTIONS.get(schema, (f"`{schema}`", generic))
+    return [f"## {title}", "", provenance_line(data, file), "", *render(data), ""]
