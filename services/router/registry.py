@@ -18,10 +18,10 @@ import logging
 from dataclasses import dataclass
 from importlib import resources
 
-import grpc
 import redis
 
 from services.common.role import Role
+from services.common.status import IncompatibleWorkerError as IncompatibleWorkerError
 from services.router.keyspace import Keyspace
 from services.router.redis_client import REDIS_DOWN_ERRORS
 
@@ -42,12 +42,6 @@ class WorkerInfo:
         object.__setattr__(self, "role", Role.parse(self.role))
         if not self.worker_id:
             raise ValueError("worker_id must be non-empty")
-
-
-class IncompatibleWorkerError(Exception):
-    """A worker's model, KV layout or role conflicts with the cluster's registry."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class Registry:
@@ -142,7 +136,9 @@ class Registry:
         for i in range(0, len(flat), 7):
             wid, r, model, layout, address, capacity, draining = flat[i : i + 7]
             out.append(
-                WorkerInfo(wid, r, model, layout, address, int(capacity or 0), draining == "1")
+                WorkerInfo(
+                    wid, Role.parse(r), model, layout, address, int(capacity or 0), draining == "1"
+                )
             )
         return sorted(out, key=lambda w: (w.role, w.worker_id))
 

@@ -16,7 +16,10 @@ POLICIES = ("bounded", "bounded_ring", "consistent", "round_robin", "least_loade
 class RouterConfig:
     redis_url: str = field(
         default="",
-        metadata={"help": "Redis URL (redis://host:port/db or unix:///path); empty = embedded"},
+        metadata={
+            "help": "Redis URL (redis://host:port/db or unix:///path); empty: the router "
+            "service starts an embedded one, the gateway's redis placement refuses to start"
+        },
     )
     namespace: str = field(
         default="pdserve", metadata={"help": "prefix of every Redis key this cluster uses"}
