@@ -6,15 +6,17 @@ then `cfg.requests` streams through the gateway with `cfg.concurrency` in flight
 random `cfg.cancel_ratio` of them is cancelled by the client, before the first token or
 after a few tokens. When half the requests are done it samples every process's resident
 memory (VmRSS from /proc/<pid>/status: the gateway and each worker), and again after the
-last one; then it waits until the cluster is idle and reads what is still held. The
-`SoakReport` says how each request ended, which endings were unexpected (anything but a
-finished stream or the client's own cancel), what leaked (blocks, requests and KV leases
-per worker, load leases in Redis), how many exported KV leases ended by expiry rather
-than a release (each one pinned blocks for the lease TTL), how much each process grew
-over the second half, and the gateway's router counters (Redis errors, releases Redis did
-not get at once, releases still owed), which tell a slow Redis from a lost release.
+last one; then the leak probe (`loadtest.leak_probe`, its baseline taken after the
+warmup) waits for the cluster to be idle and reads what is still held. The `SoakReport`
+says how each request ended, which endings were unexpected (anything but a finished
+stream or the client's own cancel), what leaked (blocks, requests and KV leases per
+worker, load leases in Redis, the gateway's held stream slots, load leases, quota
+charges, prefill leases and decode streams), how many exported KV and load leases ended
+by expiry rather than a release (each one pinned blocks or load for its TTL), how much
+each process grew over the second half, and the gateway's router counters (Redis
+errors, releases Redis did not get at once, releases still owed), which tell a slow
+Redis from a lost release.
 
-The same leak probe (`probe`, `wait_clean`) backs the fault-injection tests.
 `python -m loadtest.soak` starts a local cluster (1 prefill + 1 decode worker, Redis
 placement), runs the full soak and writes JSON (bench-results/soak.json by default);
 its exit status is 1 if any check failed.
@@ -33,17 +35,10 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from loadtest.leak_probe import LeakProbe, Leaks, ProbeTarget
 from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.common.metrics import scrape
 from services.gateway.client import GatewayClient, build_request
-from services.router.keyspace import Keyspace
-from services.router.load import LoadLedger
-from services.router.redis_client import connect
-
-#: WorkerStats counters that must all be zero on an idle worker.
-LEAK_FIELDS = ("used_blocks", "held_blocks", "running", "waiting", "active_leases")
-ROLES = ("prefill", "decode", "mixed")
 
 # Shared openings (about two KV blocks each) so that the prefix cache and the router's
 # affinity are exercised, each followed by a short unique tail.
@@ -65,23 +60,13 @@ class SoakConfig:
     warmup: int = 32
     seed: int = 0
     rss_growth_limit: float = 0.10
-    clean_timeout_s: float = 10.0  # well under the load (60 s) and KV (30 s) lease TTLs
+    clean_timeout_s: float = 10.0  # capped by the probe at half the shortest lease TTL
 
     def __post_init__(self) -> None:
         if self.requests < 2 or self.concurrency < 1 or self.max_tokens < 1:
             raise ValueError("requests must be >= 2, concurrency and max_tokens >= 1")
         if not 0 <= self.cancel_ratio <= 1:
             raise ValueError(f"cancel_ratio must be in [0, 1], got {self.cancel_ratio}")
-
-
-@dataclass(frozen=True)
-class Leaks:
-    workers: dict[str, dict[str, int]]  # worker name -> its non-zero LEAK_FIELDS
-    load: dict[str, int]  # pool role -> live load leases in Redis
-
-    @property
-    def clean(self) -> bool:
-        return not any(self.workers.values()) and not any(self.load.values())
 
 
 @dataclass
@@ -115,51 +100,7 @@ class SoakReport:
         return out
 
 
-# -- leak probe -----------------------------------------------------------------------
-
-
-async def worker_stats(address: str, timeout: float = 2.0) -> worker_pb2.WorkerStats:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stats: worker_pb2.WorkerStats = await worker_pb2_grpc.WorkerStub(channel).Stats(
-            worker_pb2.StatsRequest(), timeout=timeout
-        )
-    return stats
-
-
-def redis_load(url: str, namespace: str = "pdserve") -> dict[str, int]:
-    """Live load leases per pool; the snapshot purges expired ones first."""
-    client = connect(url, 2.0)
-    try:
-        ledger = LoadLedger(client, Keyspace(namespace))
-        return {role: ledger.snapshot(role).total for role in ROLES}
-    finally:
-        client.close()
-
-
-async def probe(cluster: LocalCluster) -> Leaks:
-    """What every running worker still holds, and the load leases left in Redis."""
-    workers: dict[str, dict[str, int]] = {}
-    for child in cluster.children:
-        if child.name == "gateway" or child.proc.poll() is not None:
-            continue
-        try:
-            stats = await worker_stats(child.address)
-        except grpc.aio.AioRpcError as exc:
-            workers[child.name] = {f"unreachable:{exc.code().name}": 1}
-            continue
-        workers[child.name] = {f: getattr(stats, f) for f in LEAK_FIELDS if getattr(stats, f)}
-    load = await asyncio.to_thread(redis_load, cluster.redis.url) if cluster.redis else {}
-    return Leaks(workers, load)
-
-
-async def wait_clean(cluster: LocalCluster, timeout: float) -> Leaks:
-    """Poll `probe` until nothing is held or `timeout` passes; returns the last probe."""
-    end = time.monotonic() + timeout
-    while True:
-        leaks = await probe(cluster)
-        if leaks.clean or time.monotonic() > end:
-            return leaks
-        await asyncio.sleep(0.1)
+# -- memory -------------------------------------------------------------------------
 
 
 def rss_kib(pid: int) -> int:
@@ -248,15 +189,15 @@ async def run_soak(cluster: LocalCluster, cfg: SoakConfig) -> SoakReport:
 
     async with GatewayClient(cluster.gateway_address) as client:
         await _drive(client, warm, cfg.concurrency, asyncio.Event())
-        expired_before = await _expired_leases(cluster)
+        probe = await LeakProbe.start(ProbeTarget.local(cluster))
         start = time.monotonic()
         sampler = asyncio.create_task(sample_at_half())
         results = await _drive(client, plans, cfg.concurrency, half)
         seconds = time.monotonic() - start
         await sampler
     rss_end = cluster_rss(cluster)
-    leaks = await wait_clean(cluster, cfg.clean_timeout_s)
-    expired = await _expired_leases(cluster) - expired_before
+    leaks = await probe.wait_clean(cfg.clean_timeout_s)
+    expired = sum(leaks.expired_kv.values())
     outcomes = Counter(kind for kind, _ in results)
     unexpected = [f"{k}: {d}" for k, d in results if k not in ("ok", "cancelled")][:10]
     growth = {n: (rss_end[n] - rss_mid[n]) / rss_mid[n] for n in rss_mid if n in rss_end}
@@ -277,12 +218,6 @@ def router_counters(cluster: LocalCluster) -> dict[str, float]:
         return {}
     page = scrape(port)
     return {name: page.get(f"pdserve_router_{name}", 0.0) for name in ROUTER_COUNTERS}
-
-
-async def _expired_leases(cluster: LocalCluster) -> int:
-    """KV leases the workers have ended by expiry so far (counted, never reset)."""
-    workers = [c for c in cluster.children if c.name != "gateway" and c.proc.poll() is None]
-    return sum([(await worker_stats(c.address)).expired_leases for c in workers])
 
 
 def soak_cluster_config(**overrides: object) -> ClusterConfig:

@@ -5,9 +5,10 @@
 -- KEYS[2]  ns:count:<role>  HASH worker id -> live lease count
 -- KEYS[3]  ns:rr:<role>     round-robin counter
 -- KEYS[4]  ns:cacheseq:<role>  counter ordering the cache model's uses (cache_aware only)
--- KEYS[5 .. 4+m]     ns:worker:<id>  registration of each of the m candidates, in order
--- KEYS[5+m .. 4+2m]  ns:cache:<role>:<id>   ZSET prefix key -> last use seq (cache_aware)
--- KEYS[5+2m .. 4+3m] ns:cachew:<role>:<id>  HASH prefix key -> weight, "~used" -> sum
+-- KEYS[5]  ns:expired:<role>   counter of leases purged because they expired unreleased
+-- KEYS[6 .. 5+m]     ns:worker:<id>  registration of each of the m candidates, in order
+-- KEYS[6+m .. 5+2m]  ns:cache:<role>:<id>   ZSET prefix key -> last use seq (cache_aware)
+-- KEYS[6+2m .. 5+3m] ns:cachew:<role>:<id>  HASH prefix key -> weight, "~used" -> sum
 -- ARGV[1]  mode: cache_aware | bounded | first | least | round_robin
 -- ARGV[2]  eps (a float's repr, so Lua and Python compute the same bound)
 -- ARGV[3]  lease id prefix "<role>:<token>:"; the lease id is prefix .. worker id
@@ -46,11 +47,12 @@ for _, lease in ipairs(expired) do
   end
   redis.call('ZREM', KEYS[1], lease)
 end
+if #expired > 0 then redis.call('INCRBY', KEYS[5], #expired) end
 
 local m = #ARGV - 9
 local live, slot, capacity = {}, {}, {}
 for j = 1, m do
-  local reg = redis.call('HMGET', KEYS[4 + j], 'draining', 'capacity')
+  local reg = redis.call('HMGET', KEYS[5 + j], 'draining', 'capacity')
   if reg[1] == '0' then
     live[#live + 1] = ARGV[9 + j]
     slot[#live] = j
@@ -73,7 +75,7 @@ local bound = math.ceil((1 + tonumber(ARGV[2])) * (total + 1) / n)
 
 local mode = ARGV[1]
 local cached = mode == 'cache_aware'
-if #KEYS ~= 4 + (cached and 3 or 1) * m then
+if #KEYS ~= 5 + (cached and 3 or 1) * m then
   return redis.error_reply('bounded_load: KEYS do not match the candidates for mode ' .. mode)
 end
 
@@ -81,7 +83,7 @@ end
 local function warm_pick()
   local best = nil
   for i = 1, n do
-    if loads[i] < bound and redis.call('ZSCORE', KEYS[4 + m + slot[i]], ARGV[6]) then
+    if loads[i] < bound and redis.call('ZSCORE', KEYS[5 + m + slot[i]], ARGV[6]) then
       if best == nil or loads[i] < loads[best] then best = i end
     end
   end
@@ -91,7 +93,7 @@ end
 -- Record the key as the pick's most recent use; evict least recently used keys until
 -- the model's summed weight fits the worker's capacity x share.
 local function remember(i)
-  local lru, weights = KEYS[4 + m + slot[i]], KEYS[4 + 2 * m + slot[i]]
+  local lru, weights = KEYS[5 + m + slot[i]], KEYS[5 + 2 * m + slot[i]]
   local weight = tonumber(ARGV[7])
   local old = tonumber(redis.call('HGET', weights, ARGV[6])) or 0
   redis.call('ZADD', lru, redis.call('INCR', KEYS[4]), ARGV[6])

@@ -7,6 +7,8 @@ Layout (`ns` = namespace, `role` in prefill / decode / mixed):
 - `ns:identity`      HASH {model, layout} every live worker shares, PX-expiring
 - `ns:load:<role>`   ZSET of load lease ids scored by expiry (Redis server ms)
 - `ns:count:<role>`  HASH worker id -> number of live load leases (kept equal to the ZSET)
+- `ns:expired:<role>` counter of load leases purged because they expired unreleased (a
+  holder that died, or a release that never came: what a leak check looks for)
 - `ns:rr:<role>`     round-robin counter
 - `ns:cache:<role>:<id>`   ZSET prefix key -> last use: the router's model of one worker's
   prefix cache (policy `bounded`), PX-expiring when idle
@@ -48,6 +50,9 @@ class Keyspace:
 
     def count(self, role: str) -> str:
         return f"{self.namespace}:count:{role}"
+
+    def expired(self, role: str) -> str:
+        return f"{self.namespace}:expired:{role}"
 
     def round_robin(self, role: str) -> str:
         return f"{self.namespace}:rr:{role}"

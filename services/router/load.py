@@ -5,7 +5,9 @@ expired leases, picks a worker from the candidate order, and records a lease (me
 `ns:load:<role>` scored by its expiry in Redis server time, plus +1 in `ns:count:<role>`)
 in one atomic call. The caller hands the lease id back through `release` (`release_load.lua`
 removes it and decrements); if the holder dies instead, the next placement or snapshot
-after the TTL purges it. Counts and the ZSET change only inside scripts, so they agree.
+after the TTL purges it and adds it to `ns:expired:<role>`, so a lease that was never
+released stays visible to a leak check after it is gone. Counts and the ZSET change
+only inside scripts, so they agree.
 
 Mode `cache_aware` (policy `bounded`, the default) also keeps, per worker, a model of its
 prefix cache: the prefix keys placed there, LRU-evicted at the worker's registered KV
@@ -66,6 +68,7 @@ class PlaceRequest:
 class LoadSnapshot:
     leases: int  # live leases in the pool's ZSET
     counts: dict[str, int]  # worker id -> live leases (workers with none are absent)
+    expired: int = 0  # leases ever purged because they expired unreleased (never reset)
 
     @property
     def total(self) -> int:
@@ -166,7 +169,8 @@ class LoadLedger:
             raise ValueError(f"unknown placement mode {r.mode!r}; expected one of {MODES}")
         lease_prefix = f"{r.role}:{new_token()}:"
         keys = [self.keys.load(r.role), self.keys.count(r.role), self.keys.round_robin(r.role)]
-        keys += [self.keys.cache_seq(r.role), *(self.keys.worker(w) for w in r.candidates)]
+        keys += [self.keys.cache_seq(r.role), self.keys.expired(r.role)]
+        keys += [self.keys.worker(w) for w in r.candidates]
         if r.mode == "cache_aware":
             keys += [self.keys.cache_lru(r.role, w) for w in r.candidates]
             keys += [self.keys.cache_weights(r.role, w) for w in r.candidates]
@@ -198,11 +202,13 @@ class LoadLedger:
         return released
 
     def snapshot(self, role: str) -> LoadSnapshot:
-        """Purge all expired leases of a pool, then read its live leases and counts."""
-        res = self._snapshot(keys=[self.keys.load(role), self.keys.count(role)])
-        flat = [str(x) for x in res[1:]]
+        """Purge all expired leases of a pool, then read its live leases, counts and how
+        many leases have ever expired unreleased."""
+        keys = [self.keys.load(role), self.keys.count(role), self.keys.expired(role)]
+        res = self._snapshot(keys=keys)
+        flat = [str(x) for x in res[2:]]
         counts = {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
-        return LoadSnapshot(int(res[0]), counts)
+        return LoadSnapshot(int(res[0]), counts, int(res[1]))
 
 
 def _placed(res: list[object], lease_prefix: str) -> Placed | None:

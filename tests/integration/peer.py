@@ -1,4 +1,5 @@
-"""Test-side handle on a `kv_peer` process (start, command, kill, always stop)."""
+"""Test-side handle on a `kv_peer` process (start, command, kill, always stop), and the
+exporter's side of a KV-transfer test's leak check (`assert_clean`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.v1 import common_pb2
+import grpc
+
+from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,6 +61,24 @@ class PeerProcess:
         while not predicate(stats) and time.monotonic() < end:
             time.sleep(0.05)
             stats = self.stats()
+        return stats
+
+    def release(self, lease_id: str) -> bool:
+        """Give a lease back over the real KvTransfer Release RPC, as the importer does
+        after its read; False if it had already ended."""
+        with grpc.insecure_channel(self.address) as channel:
+            reply = kvtransfer_pb2_grpc.KvTransferStub(channel).Release(
+                kvtransfer_pb2.ReleaseRequest(lease_id=lease_id), timeout=10
+            )
+        return bool(reply.released)
+
+    def assert_clean(self, expired_before: int) -> dict[str, Any]:
+        """The exporter's side of the leak check: no block used or held, no request held
+        for export, no live lease, and no lease ended by expiry since `expired_before`
+        (its `stats()["expired"]` when the test started)."""
+        stats = self.wait_stats(lambda s: s["used_blocks"] == s["active_leases"] == 0)
+        assert stats["used_blocks"] == stats["held_blocks"] == stats["held_requests"] == 0, stats
+        assert stats["active_leases"] == 0 and stats["expired"] == expired_before, stats
         return stats
 
     def kill(self) -> None:

@@ -1,5 +1,6 @@
 """End to end through real processes on 127.0.0.1: gateway, prefill and decode workers
-(KV over NIXL), the default model. Streams, cancels, crashes and bad input."""
+(KV over NIXL), the default model. Streams, cancels, crashes and bad input; every test
+that cancels, kills or sends bad input ends with the leak probe (`leak_check`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from engine.tokenizer import ChatMessage
 from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.gateway.client import GatewayClient, build_request
 from tests.conftest import MODEL_CACHE, EngineFactory
+from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.prompts import long_prompt
 
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -54,7 +56,8 @@ async def _collect(address: str, **kwargs: object) -> list[object]:
 
 
 async def _idle(address: str, timeout: float) -> list[object]:
-    """Poll until every worker holds no blocks; returns the last worker stats."""
+    """Poll until every worker holds no blocks; returns the last worker stats (the
+    caller asserts on them: reaching the timeout is not an error here)."""
     end = time.monotonic() + timeout
     async with GatewayClient(address) as client:
         while True:
@@ -83,6 +86,8 @@ def test_stream_equals_single_engine(cluster: LocalCluster, reference: LLMEngine
 
 
 def test_cancel_frees_blocks_on_both_workers_within_a_second(cluster: LocalCluster) -> None:
+    probe = start_probe(cluster)
+
     async def scenario() -> list[object]:
         async with GatewayClient(cluster.gateway_address) as client:
             call = client.generate(
@@ -98,6 +103,7 @@ def test_cancel_frees_blocks_on_both_workers_within_a_second(cluster: LocalClust
 
     workers = run(scenario())
     assert all(w.used_blocks == 0 and w.held_blocks == 0 for w in workers), workers  # type: ignore[attr-defined]
+    assert_cluster_clean(probe)
 
 
 @pytest.mark.parametrize(
@@ -124,15 +130,18 @@ def test_cancel_frees_blocks_on_both_workers_within_a_second(cluster: LocalClust
 def test_bad_input_gets_typed_status_and_servers_stay_up(
     cluster: LocalCluster, kwargs: dict[str, object], code: grpc.StatusCode, needle: str
 ) -> None:
+    probe = start_probe(cluster)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         run(_collect(cluster.gateway_address, **kwargs))
     assert info.value.code() == code
     assert needle in (info.value.details() or "")
     msgs = run(_collect(cluster.gateway_address, prompt="Hello", max_tokens=3))
     assert msgs[-1].finished  # type: ignore[attr-defined]
+    assert_cluster_clean(probe)
 
 
 def test_dead_prefill_worker_is_retried_on_the_other(cluster: LocalCluster) -> None:
+    probe = start_probe(cluster)
     victim = next(c for c in cluster.children if c.name == "prefill-0")
     os.kill(victim.proc.pid, signal.SIGKILL)
     victim.proc.wait(timeout=10)
@@ -141,11 +150,13 @@ def test_dead_prefill_worker_is_retried_on_the_other(cluster: LocalCluster) -> N
         msgs = run(_collect(cluster.gateway_address, prompt="The sea is", max_tokens=5))
         assert msgs[-1].finished  # type: ignore[attr-defined]
         assert msgs[0].prefill_worker == "prefill-1"  # type: ignore[attr-defined]
+    assert_cluster_clean(probe)
 
 
 def test_stream_cap_and_dead_decode_worker() -> None:
     c = _cluster(num_prefill=1, num_decode=1, max_streams=1)
     try:
+        probe = start_probe(c)
 
         async def scenario() -> tuple[grpc.StatusCode, float, grpc.StatusCode]:
             async with GatewayClient(c.gateway_address) as client:
@@ -169,6 +180,7 @@ def test_stream_cap_and_dead_decode_worker() -> None:
         assert busy_code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert dead_code == grpc.StatusCode.UNAVAILABLE
         assert elapsed < 2.0
+        assert_cluster_clean(probe)  # the prefill worker and the gateway hold nothing
     finally:
         c.stop()
 
@@ -176,13 +188,14 @@ def test_stream_cap_and_dead_decode_worker() -> None:
 def test_mixed_workers_serve_whole_requests(reference: LLMEngine) -> None:
     c = _cluster(num_prefill=0, num_decode=1)
     try:
+        probe = start_probe(c)
         msgs = run(_collect(c.gateway_address, prompt="Once upon a time", max_tokens=12))
         (expected,) = reference.generate(
             [reference.tokenizer.encode("Once upon a time")], SamplingParams(max_tokens=12)
         )
         assert [t for m in msgs for t in m.token_ids] == expected  # type: ignore[attr-defined]
         assert msgs[0].prefill_worker == "mixed-0"  # type: ignore[attr-defined]
-        assert run(_idle(c.gateway_address, timeout=2.0))
+        assert_cluster_clean(probe)
         procs = [ch.proc for ch in c.children]
     finally:
         c.stop()

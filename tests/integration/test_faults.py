@@ -4,8 +4,10 @@ a prefill worker restarted on its old ports, Redis restarted, a router replica k
 One module-scoped cluster (2 prefill + 2 decode workers, Redis placement) runs with short
 deadlines and leases so that every bound fires within seconds. Each test injects one
 fault and checks that (1) the client sees the documented typed outcome within the stated
-bound, (2) requests the fault does not touch complete, and (3) after recovery every
-worker holds no block, request or KV lease and Redis holds no load lease. A test that
+bound, (2) requests the fault does not touch complete, and (3) after recovery the leak
+probe (`leak_check`, baseline taken when the test starts) finds nothing held: no block,
+request or KV lease on a worker, no load lease in Redis, nothing in a gateway request
+record, and no lease ended by expiry unless the test says that one must. A test that
 kills a worker brings it back before it ends, so the next one starts from a whole
 cluster. RELIABILITY.md states the same bounds as the constants below.
 """
@@ -26,7 +28,7 @@ import grpc
 import pytest
 import redis
 
-from loadtest.soak import wait_clean
+from loadtest.leak_probe import LeakProbe, LeaseTtls, ProbeTarget
 from pdserve.v1 import (
     gateway_pb2,
     router_pb2,
@@ -51,6 +53,7 @@ from tests.integration.cluster_drills import (
     restart_on_same_ports,
     serve,
 )
+from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.integration.test_cluster import _cluster, _collect
 from tests.integration.test_router_service import _start_router
 from tests.prompts import long_prompt
@@ -107,15 +110,20 @@ def _wait_registry(
         time.sleep(0.1)
 
 
-def _assert_clean(cluster: LocalCluster, timeout: float = KV_LEASE_TTL_S + SLACK_S) -> None:
-    leaks = asyncio.run(wait_clean(cluster, timeout))
-    assert leaks.clean, leaks
+def _wait_kv_leases_ended(probe: LeakProbe) -> None:
+    """Until no worker holds a KV lease: one left un-pulled ends by expiry, within the TTL."""
+    end = time.monotonic() + KV_LEASE_TTL_S + SLACK_S
+    while any("active_leases" in held for held in asyncio.run(probe.read()).workers.values()):
+        assert time.monotonic() < end, "a KV lease outlived its TTL"
+        time.sleep(0.2)
 
 
 # -- workers killed or frozen ---------------------------------------------------------
 
 
 def test_kill9_decode_mid_stream(cluster: LocalCluster) -> None:
+    probe = start_probe(cluster)
+
     async def scenario() -> tuple[str, Ends]:
         async with GatewayClient(cluster.gateway_address) as client:
             # Four streams in flight: bounded load puts at least one on each decode worker.
@@ -138,13 +146,14 @@ def test_kill9_decode_mid_stream(cluster: LocalCluster) -> None:
         _wait_registry(cluster, present=set(), absent=frozenset({victim}))
         pairs = asyncio.run(serve(cluster, 3, "kd-after"))
         assert all(decode != victim for _, decode in pairs)
-        _assert_clean(cluster)
     finally:
         cluster.relaunch(victim)
         _wait_registry(cluster, present={victim})
+    assert_cluster_clean(probe)
 
 
 def test_sigstop_decode_fires_deadlines_then_recovers(cluster: LocalCluster) -> None:
+    probe = start_probe(cluster)
     frozen: list[Child] = []
 
     def freeze(name: str) -> float:
@@ -182,15 +191,18 @@ def test_sigstop_decode_fires_deadlines_then_recovers(cluster: LocalCluster) -> 
     assert late_code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert FIRST_TOKEN_TIMEOUT_S - 0.5 < late_wait < FIRST_TOKEN_TIMEOUT_S + SLACK_S
     # Thawed, the workers drop the cancelled streams, heartbeat back into the registry,
-    # and the un-pulled KV of the late request is unpinned by its lease expiry.
+    # and the un-pulled KV of the late request is unpinned by its lease expiry (or, if
+    # the thawed worker pulls it first, released): that one lease may expire, no other.
     _wait_registry(cluster, present={c.name for c in frozen})
-    _assert_clean(cluster)
+    _wait_kv_leases_ended(probe)
     assert asyncio.run(serve(cluster, 3, "ss-after"))
+    assert_cluster_clean(probe, allow_expired_kv=1)
 
 
 def test_kill9_prefill_mid_prefill_is_retried_then_restart_rehandshakes(
     cluster: LocalCluster,
 ) -> None:
+    probe = start_probe(cluster)
     before = asyncio.run(serve(cluster, 8, "kp-before"))  # decode workers meet both
     kv_ports = {c.name: asyncio.run(kv_transfer_port(c.address)) for c in pool(cluster, "prefill")}
 
@@ -227,10 +239,11 @@ def test_kill9_prefill_mid_prefill_is_retried_then_restart_rehandshakes(
         if served & stale:
             break
     assert stale and served & stale, (before, served)
-    _assert_clean(cluster)
+    assert_cluster_clean(probe)
 
 
 def test_kill9_last_prefill_worker_mid_prefill_is_unavailable(cluster: LocalCluster) -> None:
+    probe = start_probe(cluster)
     first, second = pool(cluster, "prefill")
     kv_ports = {c.name: asyncio.run(kv_transfer_port(c.address)) for c in (first, second)}
     kill(first)
@@ -258,7 +271,7 @@ def test_kill9_last_prefill_worker_mid_prefill_is_unavailable(cluster: LocalClus
             restart_on_same_ports(cluster, child.name, kv_ports[child.name])
     _wait_registry(cluster, present={first.name, second.name})
     assert asyncio.run(serve(cluster, 4, "lp-after"))
-    _assert_clean(cluster)
+    assert_cluster_clean(probe)
 
 
 # -- Redis and the router -------------------------------------------------------------
@@ -266,6 +279,7 @@ def test_kill9_last_prefill_worker_mid_prefill_is_unavailable(cluster: LocalClus
 
 def test_redis_restart_fails_open_then_resyncs_from_heartbeats(cluster: LocalCluster) -> None:
     assert cluster.redis is not None
+    probe = start_probe(cluster)
     workers = {c.name for c in cluster.children if c.name != "gateway"}
 
     async def scenario() -> tuple[grpc.StatusCode, int]:
@@ -287,7 +301,7 @@ def test_redis_restart_fails_open_then_resyncs_from_heartbeats(cluster: LocalClu
 
     code, placed = asyncio.run(scenario())
     assert code == grpc.StatusCode.OK and placed >= 1
-    _assert_clean(cluster)
+    assert_cluster_clean(probe)  # expiry counters restarted with Redis: counted from 0
 
 
 def test_killed_router_replica_load_expires_and_others_route() -> None:
@@ -299,8 +313,15 @@ def test_killed_router_replica_load_expires_and_others_route() -> None:
             for role in ("prefill", "decode"):
                 registry.register(WorkerInfo(f"{role}{i}", role, "m", "l", f"127.0.0.1:{4100 + i}"))
         routers = [_start_router(server.url, "--load-ttl-s", str(ttl)) for _ in range(2)]
+        # No worker process here (the registered addresses are not served): Redis only.
+        probe = start_probe(ProbeTarget(lambda: [], LeaseTtls(KV_LEASE_TTL_S, ttl),
+                                        lambda: server.url))  # fmt: skip
         try:
             asyncio.run(_replicas_scenario([a for _, a in routers], routers[0][0], ttl, client))
+            # The dead replica's 6 decisions (one lease per pool each) ended by expiry,
+            # exactly those: the survivor's were released.
+            leaks = assert_cluster_clean(probe, allow_expired_load=12)
+            assert leaks.expired_load == {"prefill": 6, "decode": 6}
         finally:
             for proc, _ in routers:
                 if proc.poll() is None:

@@ -5,9 +5,10 @@ Every answer must be one of the documented outcomes (RELIABILITY.md): a finished
 INVALID_ARGUMENT naming the field, NOT_FOUND (unknown model), RESOURCE_EXHAUSTED (KV pool
 or stream cap), and for a worker's Decode with a forged KV handle also UNAVAILABLE (its
 exporter address is dead). Never UNKNOWN, INTERNAL or a hang. After each group every
-server still answers its health check SERVING and every worker is idle with nothing
-held. The case counts are the constants below; outputs are capped at two tokens so the
-valid cases stay short.
+server still answers its health check SERVING and the leak probe (baseline taken before
+the group's first case) finds nothing held and no lease ended by expiry. The case
+counts are the constants below; outputs are capped at two tokens so the valid cases
+stay short.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loadtest.soak import wait_clean
+from loadtest.leak_probe import LeakProbe, ProbeTarget
 from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
 from services.cluster.local_cluster import LocalCluster
 from services.gateway.client import GatewayClient, build_request
@@ -85,7 +86,13 @@ def rig() -> Iterator[Rig]:
         cluster.stop()
 
 
-def _assert_healthy_and_clean(rig: Rig) -> None:
+@pytest.fixture
+def probe(rig: Rig) -> LeakProbe:
+    """The leak probe, its baseline taken before the test's first case."""
+    return rig.run(LeakProbe.start(ProbeTarget.local(rig.cluster)))
+
+
+def _assert_healthy_and_clean(rig: Rig, probe: LeakProbe) -> None:
     """Every server SERVING, a normal request still works, nothing held anywhere."""
 
     async def check() -> None:
@@ -97,7 +104,7 @@ def _assert_healthy_and_clean(rig: Rig) -> None:
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, child.name
         reply = await rig.client.complete(build_request(prompt="Hello", max_tokens=2))
         assert reply.finished
-        leaks = await wait_clean(rig.cluster, timeout=10.0)
+        leaks = await probe.wait_clean()
         assert leaks.clean, leaks
 
     rig.run(check())
@@ -183,7 +190,7 @@ async def _generate(
     return OK, "", msgs
 
 
-def test_fuzzed_generate_requests_get_documented_statuses(rig: Rig) -> None:
+def test_fuzzed_generate_requests_get_documented_statuses(rig: Rig, probe: LeakProbe) -> None:
     @settings(FUZZ, max_examples=GATEWAY_CASES)
     @given(request=_generate_request(rig.model))
     def case(request: gateway_pb2.GenerateRequest) -> None:
@@ -196,7 +203,7 @@ def test_fuzzed_generate_requests_get_documented_statuses(rig: Rig) -> None:
             assert ": " in details, details  # "field: limit"
 
     case()
-    _assert_healthy_and_clean(rig)
+    _assert_healthy_and_clean(rig, probe)
 
 
 # -- bytes that are not a valid request -------------------------------------------------
@@ -241,7 +248,7 @@ async def _raw_call(
     return OK, ""
 
 
-def test_malformed_request_bytes_get_invalid_argument(rig: Rig) -> None:
+def test_malformed_request_bytes_get_invalid_argument(rig: Rig, probe: LeakProbe) -> None:
     @settings(FUZZ, max_examples=WIRE_CASES)
     @given(body=_WIRE, stream=st.booleans())
     def case(body: bytes, stream: bool) -> None:
@@ -251,7 +258,7 @@ def test_malformed_request_bytes_get_invalid_argument(rig: Rig) -> None:
             assert ": " in details, details
 
     case()
-    _assert_healthy_and_clean(rig)
+    _assert_healthy_and_clean(rig, probe)
 
 
 # -- workers called directly --------------------------------------------------------------
@@ -274,7 +281,7 @@ async def _prefill(
     return OK, "", reply
 
 
-def test_fuzzed_prefill_calls_get_documented_statuses(rig: Rig) -> None:
+def test_fuzzed_prefill_calls_get_documented_statuses(rig: Rig, probe: LeakProbe) -> None:
     @settings(FUZZ, max_examples=PREFILL_CASES)
     @given(tokens=_TOKENS, sampling=_sampling(), salt=st.text(max_size=16))
     def case(tokens: list[int], sampling: common_pb2.SamplingParams, salt: str) -> None:
@@ -288,7 +295,7 @@ def test_fuzzed_prefill_calls_get_documented_statuses(rig: Rig) -> None:
             assert reply.finished or len(reply.kv_handle.block_ids) > 0
 
     case()
-    _assert_healthy_and_clean(rig)
+    _assert_healthy_and_clean(rig, probe)
 
 
 def _template(rig: Rig) -> tuple[list[int], common_pb2.KvHandle]:
@@ -341,7 +348,7 @@ async def _decode(address: str, request: worker_pb2.DecodeRequest) -> tuple[grpc
     return OK, ""
 
 
-def test_forged_kv_handles_get_documented_statuses(rig: Rig) -> None:
+def test_forged_kv_handles_get_documented_statuses(rig: Rig, probe: LeakProbe) -> None:
     prompt, real = _template(rig)
 
     @settings(FUZZ, max_examples=DECODE_CASES)
@@ -356,13 +363,13 @@ def test_forged_kv_handles_get_documented_statuses(rig: Rig) -> None:
         assert code in DECODE_CODES, (code, details, request)
 
     case()
-    _assert_healthy_and_clean(rig)
+    _assert_healthy_and_clean(rig, probe)
 
 
 # -- junk on the wire -------------------------------------------------------------------
 
 
-def test_junk_on_raw_connections_leaves_every_server_up(rig: Rig) -> None:
+def test_junk_on_raw_connections_leaves_every_server_up(rig: Rig, probe: LeakProbe) -> None:
     _, handle = _template(rig)
     targets = {c.name: c.address for c in rig.cluster.children}
     targets["kv-transfer"] = handle.transfer_address
@@ -372,10 +379,12 @@ def test_junk_on_raw_connections_leaves_every_server_up(rig: Rig) -> None:
             if kind in ("truncated-message", "message-past-limit", "unknown-method"):
                 # The server ends that call with a status (HEADERS) or a reset, no hang.
                 assert {(1, 1), (3, 1)} & set(frames(reply)), (name, kind, reply)
-    _assert_healthy_and_clean(rig)
+    _assert_healthy_and_clean(rig, probe)
 
 
-def test_concurrent_requests_with_one_client_request_id_both_finish(rig: Rig) -> None:
+def test_concurrent_requests_with_one_client_request_id_both_finish(
+    rig: Rig, probe: LeakProbe
+) -> None:
     """A client-chosen id is not trusted to be unique: the workers see distinct ids."""
 
     async def both() -> list[tuple[grpc.StatusCode, str, list[gateway_pb2.GenerateResponse]]]:
@@ -386,4 +395,4 @@ def test_concurrent_requests_with_one_client_request_id_both_finish(rig: Rig) ->
     for code, details, msgs in rig.run(both()):
         assert code == OK, details
         assert msgs[-1].usage.completion_tokens == 8 and msgs[0].request_id == "same-id"
-    _assert_healthy_and_clean(rig)
+    _assert_healthy_and_clean(rig, probe)

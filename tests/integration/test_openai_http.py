@@ -1,7 +1,8 @@
 """The gateway's OpenAI-compatible HTTP API, driven by the official `openai` client against
 real processes on 127.0.0.1 (1 prefill + 1 decode worker, KV over NIXL, the default
 model): answers equal the gRPC path's, SSE streaming, stop strings, usage, refusals in
-OpenAI's error shape, and a disconnect that frees every block on both workers."""
+OpenAI's error shape, and a disconnect that frees every block on both workers. Tests
+that are refused or disconnect end with the leak probe (`leak_check`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pdserve.v1 import common_pb2, gateway_pb2
 from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.gateway.client import GatewayClient, build_request
 from tests.conftest import MODEL_CACHE
+from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.prompts import long_prompt
 
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -191,12 +193,14 @@ def test_stop_strings_cut_the_text_streamed_or_not(
     ],
 )
 def test_invalid_requests_are_refused_naming_the_parameter(
+    cluster: LocalCluster,
     client: openai.OpenAI,
     model: str,
     kwargs: dict[str, object],
     error: type[openai.APIStatusError],
     param: str,
 ) -> None:
+    probe = start_probe(cluster)
     settings: dict[str, object] = {"model": model, "prompt": "Hello", "max_tokens": 4}
     settings.update(kwargs)
     with pytest.raises(error) as info:
@@ -205,11 +209,13 @@ def test_invalid_requests_are_refused_naming_the_parameter(
     assert param in info.value.message
     # The server is still up and answering.
     assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices
+    assert_cluster_clean(probe)
 
 
 def test_chat_refusals_and_openai_error_shape(
     cluster: LocalCluster, client: openai.OpenAI, model: str
 ) -> None:
+    probe = start_probe(cluster)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
             model=model,
@@ -235,12 +241,14 @@ def test_chat_refusals_and_openai_error_shape(
         assert http.value.code == status
         err = json.loads(http.value.read())["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert_cluster_clean(probe)
 
 
 def test_disconnect_mid_stream_frees_blocks_on_both_workers(
     cluster: LocalCluster, client: openai.OpenAI, model: str
 ) -> None:
     assert _idle(cluster, timeout=5.0).active_streams == 0
+    probe = start_probe(cluster)
     stream = client.completions.create(
         model=model, prompt=long_prompt(3), max_tokens=400, temperature=0, stream=True
     )
@@ -258,3 +266,4 @@ def test_disconnect_mid_stream_frees_blocks_on_both_workers(
     assert all(w.used_blocks == 0 and w.held_blocks == 0 and w.running == 0
                for w in status.workers), status  # fmt: skip
     assert time.monotonic() - start < 2.0
+    assert_cluster_clean(probe)

@@ -2,7 +2,8 @@
 
 One module-scoped cluster (the default model, KV over NIXL): generation end to end
 through the gateway, `scale` at runtime, and a killed worker actor that Ray restarts,
-which registers again under the same worker id and serves the next request.
+which registers again under the same worker id and serves the next request; that test
+ends with the leak probe (`leak_check`) over the workers registered in Redis.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 
 ray = pytest.importorskip("ray")  # the `ray` extra (part of `test`)
 
+from loadtest.leak_probe import LeaseTtls, ProbeTarget  # noqa: E402
 from services.cluster.local_cluster import ClusterConfig  # noqa: E402
 from services.gateway.client import GatewayClient, build_request  # noqa: E402
 from services.ray import launcher  # noqa: E402
@@ -26,6 +28,7 @@ from services.router.keyspace import Keyspace  # noqa: E402
 from services.router.redis_client import connect  # noqa: E402
 from services.router.registry import Registry  # noqa: E402
 from tests.conftest import MODEL_CACHE  # noqa: E402
+from tests.integration.leak_check import assert_cluster_clean, start_probe  # noqa: E402
 
 NAMESPACE = "pdserve-test"
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -125,6 +128,8 @@ def test_generation_through_the_gateway_actor(cluster: RayCluster) -> None:
 
 
 def test_killed_worker_actor_restarts_registers_again_and_serves(cluster: RayCluster) -> None:
+    ttls = LeaseTtls.of(cluster.cluster)
+    probe = start_probe(ProbeTarget.registry(cluster.status()["redis_url"], NAMESPACE, ttls))
     actor = ray.get_actor("pdserve-decode-0", namespace=NAMESPACE)
     old_pid = ray.get(actor.pid.remote())
     old_address = _registered(cluster.status())["decode-0"]
@@ -139,6 +144,7 @@ def test_killed_worker_actor_restarts_registers_again_and_serves(cluster: RayClu
            30, "the gateway to route to the new decode-0")  # fmt: skip
     msgs = _generate(cluster.gateway_address)
     assert msgs[-1].finished and _workers(msgs) == ({"prefill-0"}, {"decode-0"})
+    assert_cluster_clean(probe)
 
 
 def test_scale_decode_at_runtime(cluster: RayCluster, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,5 @@
-"""Router service replicas on one real Redis, and a worker draining out of a live cluster."""
+"""Router service replicas on one real Redis, and a worker draining out of a live cluster
+(which ends with the leak probe, `leak_check`)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from services.router.load import LoadLedger
 from services.router.redis_client import connect
 from services.router.registry import Registry, WorkerInfo
 from tests.conftest import MODEL_CACHE
+from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.integration.peer import REPO
 from tests.prompts import long_prompt
 
@@ -98,6 +100,7 @@ def test_draining_decode_worker_finishes_its_stream_then_leaves() -> None:
     )
     cluster.start()
     try:
+        probe = start_probe(cluster)
 
         async def scenario() -> tuple[list[object], str]:
             async with GatewayClient(cluster.gateway_address) as client:
@@ -135,5 +138,6 @@ def test_draining_decode_worker_finishes_its_stream_then_leaves() -> None:
         ids, served = asyncio.run(after())
         assert victim not in ids
         assert served and all(w != victim for w in served)
+        assert_cluster_clean(probe)
     finally:
         cluster.stop()

@@ -3,14 +3,15 @@
 One cluster (1 prefill + 1 decode, embedded Redis) runs with mutual TLS on every gRPC
 hop (client → gateway → workers, and the decode worker's KV reads from the prefill
 worker over the TCP backend, so the KV bytes cross TLS too), HTTPS on the OpenAI API,
-and an API keys file with three tenants and an admin.
+and an API keys file with three tenants and an admin. Every test that is refused ends
+with the leak probe (`leak_check`, over the same mutual TLS); the quota test also checks
+that the tenant's window was charged exactly the tokens its request used.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,11 +20,13 @@ import openai
 import pytest
 
 from engine.model_store import DEFAULT_MODEL_NAME
+from pdserve.v1 import gateway_pb2
 from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.common.tls import TlsConfig
 from services.gateway.client import GatewayClient, build_request
 from tests.certs import TestCA
 from tests.conftest import MODEL_CACHE
+from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.prompts import long_prompt
 
 KEY_A = "tenant-a-key-000000000001"
@@ -80,6 +83,7 @@ async def _final(client: Callable[[], GatewayClient], prompt: str, max_tokens: i
 
 
 def test_mutual_tls_every_hop(cluster: LocalCluster, pki: tuple[TlsConfig, TlsConfig]) -> None:
+    probe = start_probe(cluster)
     last = run(_final(lambda: _client(cluster, pki, KEY_A), "Name three colours."))
     assert last.finished and last.usage.completion_tokens == 4  # type: ignore[attr-defined]
     for tls in (TlsConfig(), TlsConfig(tls_ca=pki[1].tls_ca)):  # plaintext; TLS without a cert
@@ -90,21 +94,26 @@ def test_mutual_tls_every_hop(cluster: LocalCluster, pki: tuple[TlsConfig, TlsCo
                 )
             )
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert_cluster_clean(probe)
 
 
 @pytest.mark.parametrize("key", ["", "not-a-real-key-0000000000"])
 def test_missing_or_wrong_key_is_unauthenticated(
     cluster: LocalCluster, pki: tuple[TlsConfig, TlsConfig], key: str
 ) -> None:
+    probe = start_probe(cluster)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         run(_final(lambda: _client(cluster, pki, key), "hi"))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "API key" in (err.value.details() or "")
+    assert_cluster_clean(probe)
 
 
 def test_cluster_status_needs_an_admin_key(
     cluster: LocalCluster, pki: tuple[TlsConfig, TlsConfig]
 ) -> None:
+    probe = start_probe(cluster)
+
     async def status(key: str) -> object:
         async with _client(cluster, pki, key) as client:
             return await client.cluster_status()
@@ -113,11 +122,13 @@ def test_cluster_status_needs_an_admin_key(
         run(status(KEY_A))
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert len(run(status(KEY_ADMIN)).workers) == 2  # type: ignore[attr-defined]
+    assert_cluster_clean(probe)
 
 
 def test_tenants_never_share_prefix_cache_hits(
     cluster: LocalCluster, pki: tuple[TlsConfig, TlsConfig]
 ) -> None:
+    probe = start_probe(cluster)
     prompt = long_prompt(1)[:600]  # several full KV blocks
     first_a = run(_final(lambda: _client(cluster, pki, KEY_A), prompt))
     again_a = run(_final(lambda: _client(cluster, pki, KEY_A), prompt))
@@ -127,12 +138,15 @@ def test_tenants_never_share_prefix_cache_hits(
     assert again_a.usage.cached_tokens >= 16  # type: ignore[attr-defined]
     assert first_b.usage.cached_tokens == 0  # B never hits A's blocks...  # type: ignore[attr-defined]
     assert again_b.usage.cached_tokens >= 16  # ...but does hit its own  # type: ignore[attr-defined]
+    assert_cluster_clean(probe)
 
 
 def test_quota_refuses_with_a_retry_hint(
     cluster: LocalCluster, pki: tuple[TlsConfig, TlsConfig]
 ) -> None:
-    async def scenario() -> grpc.aio.AioRpcError:
+    probe = start_probe(cluster)
+
+    async def scenario() -> tuple[grpc.aio.AioRpcError, gateway_pb2.GenerateResponse]:
         async with _client(cluster, pki, KEY_C) as holder, _client(cluster, pki, KEY_C) as other:
             # Charged prompt + max_tokens > TPM_C while it streams: the next is refused.
             call = holder.generate(build_request(prompt="Count to fifty.", max_tokens=60))
@@ -140,23 +154,31 @@ def test_quota_refuses_with_a_retry_hint(
             try:
                 await other.complete(build_request(prompt="hi", max_tokens=2))
             except grpc.aio.AioRpcError as exc:
-                return exc
-            finally:
+                refused = exc
+            else:
                 call.cancel()
-        raise AssertionError("the second request was admitted")
+                raise AssertionError("the second request was admitted")
+            last = [m async for m in call][-1]  # the holder finishes: its unused part is refunded
+        return refused, last
 
-    err = run(scenario())
-    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
-    assert "tokens_per_minute" in (err.details() or "")  # type: ignore[attr-defined]
-    hint = dict(err.trailing_metadata() or ())  # type: ignore[attr-defined]
+    err, last = asyncio.run(scenario())
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "tokens_per_minute" in (err.details() or "")
+    hint = dict(err.trailing_metadata() or ())
     assert 0 < int(hint["retry-after-ms"]) <= 60_000
     # Other tenants are not affected.
     assert run(_final(lambda: _client(cluster, pki, KEY_B), "hi", 2)).finished  # type: ignore[attr-defined]
+    # Tenant C's window holds exactly what its one admitted request used; nobody else's
+    # (tenants A and B are unmetered) holds anything.
+    assert last.finished and last.usage.completion_tokens < 60
+    used = last.usage.prompt_tokens + last.usage.completion_tokens
+    assert_cluster_clean(probe, quota_used={"tenant-c": used})
 
 
 def test_https_openai_api_with_keys(
     cluster: LocalCluster, pki: tuple[TlsConfig, TlsConfig], tmp_path: Path
 ) -> None:
+    probe = start_probe(cluster)
     tls = pki[1]
     context = ssl.create_default_context(cafile=tls.tls_ca)
     context.load_cert_chain(tls.tls_cert, tls.tls_key)  # mutual TLS: the client's certificate
@@ -171,18 +193,4 @@ def test_https_openai_api_with_keys(
                         max_retries=0)  # fmt: skip
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=DEFAULT_MODEL_NAME, prompt="Say hi.", max_tokens=3)
-
-
-def test_nothing_leaks(cluster: LocalCluster, pki: tuple[TlsConfig, TlsConfig]) -> None:
-    async def idle() -> list[object]:
-        end = time.monotonic() + 5
-        async with _client(cluster, pki, KEY_ADMIN) as client:
-            while True:
-                workers = list((await client.cluster_status()).workers)
-                done = all(w.used_blocks == 0 and w.held_blocks == 0 for w in workers)
-                if done or time.monotonic() > end:
-                    return workers
-                await asyncio.sleep(0.05)
-
-    workers = run(idle())
-    assert all(w.used_blocks == 0 and w.held_blocks == 0 for w in workers), workers  # type: ignore[attr-defined]
+    assert_cluster_clean(probe)

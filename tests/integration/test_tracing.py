@@ -1,7 +1,8 @@
 """Traces and metrics through real processes: gateway (Redis placement), one prefill and one
 decode worker (KV over NIXL), exporting spans over OTLP/gRPC to a real TraceService
 server started here, and serving Prometheus /metrics. One cluster serves both the trace
-checks and the metric checks (the metrics acceptance tests live here to share it)."""
+checks and the metric checks (the metrics acceptance tests live here to share it). The
+cancel test ends with the leak probe (`leak_check`)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from services.common.metrics import scrape
 from services.common.telemetry_config import TelemetryConfig
 from services.gateway.client import GatewayClient, build_request
 from tests.conftest import MODEL_CACHE
+from tests.integration.leak_check import assert_cluster_clean, start_probe
 
 PHASES = [
     "gateway.generate",
@@ -281,6 +283,7 @@ def test_repeated_prompt_raises_prefix_hit_ratio(cluster: LocalCluster) -> None:
 
 def test_cancelled_request_is_counted(cluster: LocalCluster) -> None:
     gateway = _port(cluster, "gateway")
+    probe = start_probe(cluster)
     before = _scrape(gateway).get("pdserve_requests_cancelled_total", 0.0)
 
     async def cancel_after_two() -> None:
@@ -307,3 +310,4 @@ def test_cancelled_request_is_counted(cluster: LocalCluster) -> None:
         time.sleep(0.1)
     assert after["pdserve_requests_cancelled_total"] == before + 1
     assert after["pdserve_active_streams"] == 0
+    assert_cluster_clean(probe)

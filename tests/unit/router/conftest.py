@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 import redis
@@ -50,3 +51,25 @@ def register_pool(
     for info in infos:
         registry.register(info)
     return infos
+
+
+def lease_expiries(client: redis.Redis, namespace: str, role: str) -> dict[str, float]:
+    """Load lease id -> its expiry (Redis server ms) for every lease of a pool."""
+    key = Keyspace(namespace).load(role)
+    pairs = cast(list[tuple[str, float]], client.zrange(key, 0, -1, withscores=True))
+    return dict(pairs)
+
+
+def age_leases(client: redis.Redis, namespace: str, role: str, by_s: float) -> int:
+    """Bring every load lease of a pool `by_s` seconds closer to its expiry, as if that
+    much time had passed; returns how many leases moved.
+
+    The test's clock: the Lua scripts read Redis's own TIME, which a test cannot stop or
+    advance, so a test that waits out a short TTL races the host's scheduler. Leases are
+    placed with TTLs far longer than any test and then aged here instead.
+    """
+    leases = lease_expiries(client, namespace, role)
+    aged: dict[str, float] = {lease: at - by_s * 1000 for lease, at in leases.items()}
+    if aged:
+        client.zadd(Keyspace(namespace).load(role), dict(aged), xx=True)
+    return len(aged)

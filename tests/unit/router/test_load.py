@@ -14,7 +14,7 @@ from services.router.keyspace import Keyspace
 from services.router.load import MODES, LoadLedger, PlaceRequest, choose, load_bound
 from services.router.registry import Registry
 from services.router.ring import HashRing
-from tests.unit.router.conftest import register_pool, worker
+from tests.unit.router.conftest import age_leases, register_pool, worker
 
 WORKERS = [f"w{i}" for i in range(6)]
 RING = HashRing(WORKERS, virtual_nodes=16)
@@ -106,15 +106,16 @@ def test_leases_expire_and_late_release_is_a_noop(client: redis.Redis, namespace
     register_pool(client, namespace, "mixed", 3)
     ledger = LoadLedger(client, Keyspace(namespace))
     order = ["m0", "m1", "m2"]
-    short = [ledger.place(PlaceRequest("mixed", order, "bounded", 0.25, 0.05)) for _ in range(5)]
-    long = ledger.place(PlaceRequest("mixed", order, "bounded", 0.25, 30))
+    short = [ledger.place(PlaceRequest("mixed", order, "bounded", 0.25, 10)) for _ in range(5)]
+    long = ledger.place(PlaceRequest("mixed", order, "bounded", 0.25, 60))
     assert ledger.snapshot("mixed").total == 6
-    time.sleep(0.1)
+    assert age_leases(client, namespace, "mixed", 10) == 6  # the short ones are due now
     snap = ledger.snapshot("mixed")
-    assert (snap.total, snap.leases) == (1, 1)
+    assert (snap.total, snap.leases, snap.expired) == (1, 1, 5)
     assert ledger.release([p.lease_id for p in short if p is not None]) == 0
     assert long is not None and ledger.release([long.lease_id]) == 1
-    assert ledger.snapshot("mixed").counts == {}
+    snap = ledger.snapshot("mixed")
+    assert (snap.counts, snap.expired) == ({}, 5)  # a release is not an expiry
 
 
 def test_expired_leases_are_purged_by_the_next_placement(
@@ -125,11 +126,13 @@ def test_expired_leases_are_purged_by_the_next_placement(
     ledger = LoadLedger(client, keys)
     for _ in range(4):
         ledger.place(PlaceRequest("mixed", ["m0", "m1"], "first", 0.25, 0.05))
-    time.sleep(0.1)
+    time.sleep(0.1)  # only a lower bound: any delay past the TTL is fine
     placed = ledger.place(PlaceRequest("mixed", ["m0", "m1"], "bounded", 0.25, 30))
     assert placed is not None and (placed.worker_id, placed.load, placed.total) == ("m0", 0, 0)
     assert client.zcard(keys.load("mixed")) == 1
+    assert int(client.get(keys.expired("mixed")) or 0) == 4  # counted by the placement
     ledger.release([placed.lease_id])
+    assert ledger.snapshot("mixed").expired == 4
 
 
 def test_pipelined_pools_and_unknown_mode(client: redis.Redis, namespace: str) -> None:

@@ -6,7 +6,6 @@ import collections
 import math
 import random
 import threading
-import time
 from collections.abc import Callable
 
 import redis
@@ -16,7 +15,7 @@ from services.router.load import LoadSnapshot
 from services.router.redis_client import connect
 from services.router.router import Routed, Router
 from services.router.router_config import RouterConfig
-from tests.unit.router.conftest import register_pool
+from tests.unit.router.conftest import age_leases, lease_expiries, register_pool
 
 EPS = 0.25
 N_WORKERS = 4
@@ -114,14 +113,28 @@ def test_killed_replica_leaks_nothing_after_the_lease_ttl(
 ) -> None:
     register_pool(client, namespace, "prefill", N_WORKERS)
     register_pool(client, namespace, "decode", N_WORKERS)
+    ttl_s = 60.0  # far longer than the run: no lease may expire before it is aged below
+    before_ms = redis_ms(client)
     held = run_replicas(
-        redis_server.url, namespace, [300] * 3, release_p=0.5, ttl_s=2.0, abandon=lambda i: i == 2
+        redis_server.url, namespace, [300] * 3, release_p=0.5, ttl_s=ttl_s, abandon=lambda i: i == 2
     )
-    killed_at = time.monotonic()
+    after_ms = redis_ms(client)
     release_all(client, namespace, held[:2])  # the survivors release everything they hold
     leaked = collections.Counter(lease.split(":", 1)[0] for lease in held[2])
     for role, snap in snapshots(client, namespace).items():
         assert snap.total == leaked[role] > 0  # the dead replica's load is still there ...
-    time.sleep(max(0.0, killed_at + 2.05 - time.monotonic()))
-    for snap in snapshots(client, namespace).values():
-        assert (snap.total, snap.leases, snap.counts) == (0, 0, {})  # ... until its TTL
+        assert snap.expired == 0
+        # ... each lease due one load TTL after it was placed (Redis server time) ...
+        for expiry in lease_expiries(client, namespace, role).values():
+            assert before_ms + ttl_s * 1000 <= expiry <= after_ms + ttl_s * 1000
+    for role in leaked:  # ... so once the TTL has passed,
+        assert age_leases(client, namespace, role, ttl_s) == leaked[role]
+    for role, snap in snapshots(client, namespace).items():
+        assert (snap.total, snap.leases, snap.counts) == (0, 0, {})  # it is all purged
+        assert snap.expired == leaked[role]  # and counted as expired, not released
+
+
+def redis_ms(client: redis.Redis) -> int:
+    """Redis server time in ms: the clock the lease scripts use."""
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000

@@ -4,7 +4,6 @@ import argparse
 import asyncio
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -186,12 +185,13 @@ def test_release_while_redis_is_down_is_sent_once_it_answers(
     register_pool(client, namespace, "decode", 1)
     router = make_router(client, namespace, redis_retry_s=30.0)
     decision = router.route("r", list(range(40)), "t")
-    admin = connect(redis_server.url, timeout_s=2.0)
-    admin.execute_command("CLIENT", "PAUSE", 400, "ALL")
+    admin = connect(redis_server.url, timeout_s=10.0)
+    # 1.5 s against a 0.2 s timeout: the refresh times out unless the host stalls 1.3 s.
+    admin.execute_command("CLIENT", "PAUSE", 1500, "ALL")
     assert router.refresh() is False  # times out: Redis counts as down for 30 s
     router.release(decision.load_lease_ids)  # skipped, nothing sent: kept
     assert router.stats.owed_releases == router.stats.release_failures == 2
-    time.sleep(0.5)  # the pause is over
+    admin.ping()  # answered once the pause is over (no fixed sleep to race)
     ledger = LoadLedger(admin, Keyspace(namespace))
     assert ledger.snapshot("decode").total == ledger.snapshot("prefill").total == 1
     assert router.refresh() is True  # reaches Redis: the kept releases go with it
