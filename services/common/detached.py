@@ -1,17 +1,18 @@
 """Work that must run to its end even when whoever started it is cancelled.
 
 The gateway gives back what a request held (load leases, the prefill worker's KV lease,
-unused quota) from cleanup code that runs in the request's task, and that task can be
-cancelled again while it cleans up (the client's RPC torn down, sometimes twice in one
-loop turn). Anything cut short there stays held until its TTL. Two tools keep a cancel
-from cutting it short:
+unused quota: see `services.gateway.request_record`) when the request's task ends, and
+that task can be cancelled again while it cleans up (the client's RPC torn down,
+sometimes twice in one loop turn). Anything cut short there stays held until its TTL.
+Two tools keep a cancel from cutting it short:
 
 - `in_thread(fn, *args)` hands a blocking call (a Redis round trip) to the default
   executor at once, at call time, and returns an awaitable that only waits for it. A
   coroutine doing the same would not start until its first step, and a cancel that lands
   before that step drops it unseen.
 - `Detached.finish(coro)` runs a coroutine as its own task, held until it ends (the
-  loop keeps only weak references to tasks), and returns an awaitable that only waits;
+  loop keeps only weak references to tasks), and returns an awaitable that only waits
+  (`start` returns the task itself, for a caller that awaits it more than once);
   `close` gives the unfinished ones a moment at shutdown, then cancels them.
 
 `done()` is the finished awaitable for the nothing-to-do branch of either.
@@ -49,13 +50,18 @@ class Detached:
     def __len__(self) -> int:
         return len(self._tasks)
 
-    def finish(self, work: Coroutine[Any, Any, T]) -> Awaitable[T]:
-        """Run `work` as its own task to its end; awaiting the result waits for it, and
-        cancelling that await does not cancel the work."""
+    def start(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Run `work` as its own task to its end, held here until it ends. Await it only
+        through `asyncio.shield` (an await cancelled directly cancels the task)."""
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._ended)
-        return asyncio.shield(task)
+        return task
+
+    def finish(self, work: Coroutine[Any, Any, T]) -> Awaitable[T]:
+        """`start` `work`; awaiting the result waits for it, and cancelling that await
+        does not cancel the work."""
+        return asyncio.shield(self.start(work))
 
     def _ended(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)

@@ -5,9 +5,9 @@ tests and several services in one process never share counters), builds its role
 metric set on it (`GatewayMetrics`, `WorkerMetrics`, plus scrape-time collectors over
 state that already exists: `EngineCollector` reads the engine's stats; the router's
 `services.router.metrics.RouterCollector` its counters), and starts `MetricsServer` on
-the configured port, whose bound port goes into the service's JSON ready line. Request paths only observe histograms and
-bump counters (a few microseconds); gauges derived from engine state cost nothing until
-a scrape. `close()` stops the HTTP server.
+the configured port, whose bound port goes into the service's JSON ready line. Request
+paths only observe histograms and bump counters (a few microseconds); gauges derived
+from engine state cost nothing until a scrape. `close()` stops the HTTP server.
 
 Names (all prefixed `pdserve_`): see docs/observability.md.
 """

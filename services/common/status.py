@@ -1,25 +1,155 @@
-"""Mapping pdserve's typed errors onto gRPC status codes, with messages users can act on."""
+"""pdserve's typed errors and the one table of their gRPC statuses, used by every server.
+
+Lifecycle of an error: a component raises a typed error (the engine's and kvtransfer's
+live with them; the ones the services raise are defined here, so that this module can
+name them without importing the layers above). A server that answers a call with it
+looks its status up here: `status_for(exc)` gives the code and a message a user can act
+on, `abort_with(context, exc)` ends the call with them. The gateway's HTTP API maps the
+same code onto an HTTP status (`services.gateway.openai_schema.http_for_status`), so one
+error gets one answer on both front doors.
+
+`STATUS` is the table: an error class maps to its code, and a subclass without its own
+row takes its nearest ancestor's. `StatusError` is the one kind whose code is a value,
+not a type: a status a peer answered with, passed on (or a deadline the gateway enforces
+on a peer). Anything else is INTERNAL, with its type in the message.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Final
+
 import grpc
 
-from engine.errors import InvalidRequestError, ModelNotFoundError, OutOfBlocksError
-from kvtransfer.errors import TransferError
+from engine.errors import (
+    InvalidRequestError,
+    ModelNotFoundError,
+    OutOfBlocksError,
+    UnknownRequestError,
+)
+from kvtransfer.errors import (
+    InvalidHandleError,
+    LayoutMismatchError,
+    LeaseExpiredError,
+    NoBlocksError,
+    PeerUnavailableError,
+    TransferError,
+    TransferTimeoutError,
+)
+
+Code = grpc.StatusCode
+
+
+class ServiceError(Exception):
+    """Base of the errors the services raise on purpose; `code` reads `STATUS`."""
+
+    @property
+    def code(self) -> grpc.StatusCode:
+        return code_for(self)
+
+
+class UnknownModelError(ServiceError, LookupError):
+    """The request names a model this gateway does not serve (NOT_FOUND, HTTP 404)."""
+
+
+class AuthError(ServiceError):
+    """No valid API key (UNAUTHENTICATED, HTTP 401)."""
+
+    @property
+    def denied(self) -> bool:
+        """True for a valid key without the right (`PermissionDeniedError`)."""
+        return False
+
+
+class PermissionDeniedError(AuthError):
+    """A valid API key without the right to the call (PERMISSION_DENIED, HTTP 403)."""
+
+    @property
+    def denied(self) -> bool:
+        return True
+
+
+class QuotaExceeded(ServiceError):
+    """The tenant used its tokens for this minute (RESOURCE_EXHAUSTED, HTTP 429);
+    `retry_after_s` is the time left in the window, the client's retry hint."""
+
+    def __init__(self, tenant: str, limit: int, retry_after_s: float) -> None:
+        super().__init__(
+            f"tokens_per_minute: tenant {tenant!r} used its {limit} tokens for this minute; "
+            f"retry in {retry_after_s:.1f}s"
+        )
+        self.retry_after_s = retry_after_s
+
+
+class NoWorkerError(ServiceError):
+    """No eligible worker is left for this request (UNAVAILABLE, HTTP 503)."""
+
+
+class IncompatibleWorkerError(ServiceError):
+    """A worker's model, KV layout or role conflicts with the cluster's registry
+    (FAILED_PRECONDITION: the worker must not serve)."""
+
+
+class StatusError(Exception):
+    """An error whose status is a value: a peer's status passed on, or a deadline."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+#: The one mapping from error class to gRPC status. Subclasses inherit their ancestor's
+#: row unless they have their own (LayoutMismatchError is an InvalidHandleError).
+STATUS: Final[Mapping[type[BaseException], grpc.StatusCode]] = MappingProxyType(
+    {
+        # engine
+        InvalidRequestError: Code.INVALID_ARGUMENT,
+        ModelNotFoundError: Code.NOT_FOUND,
+        OutOfBlocksError: Code.RESOURCE_EXHAUSTED,
+        UnknownRequestError: Code.NOT_FOUND,
+        # kvtransfer
+        TransferError: Code.INTERNAL,
+        InvalidHandleError: Code.INVALID_ARGUMENT,
+        LayoutMismatchError: Code.INVALID_ARGUMENT,
+        PeerUnavailableError: Code.UNAVAILABLE,
+        TransferTimeoutError: Code.DEADLINE_EXCEEDED,
+        LeaseExpiredError: Code.NOT_FOUND,
+        NoBlocksError: Code.RESOURCE_EXHAUSTED,
+        # services
+        UnknownModelError: Code.NOT_FOUND,
+        AuthError: Code.UNAUTHENTICATED,
+        PermissionDeniedError: Code.PERMISSION_DENIED,
+        QuotaExceeded: Code.RESOURCE_EXHAUSTED,
+        NoWorkerError: Code.UNAVAILABLE,
+        IncompatibleWorkerError: Code.FAILED_PRECONDITION,
+    }
+)
+
+
+def code_for(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status `exc` ends a call with: its row in `STATUS` (or its nearest
+    ancestor's), a `StatusError`'s own code, else INTERNAL."""
+    if isinstance(exc, StatusError):
+        return exc.code
+    for cls in type(exc).__mro__:
+        code = STATUS.get(cls)
+        if code is not None:
+            return code
+    return Code.INTERNAL
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, TransferError):
-        return exc.code, str(exc)
+    """The status and the message to end a call with."""
+    code = code_for(exc)
     if isinstance(exc, OutOfBlocksError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"no KV blocks free: {exc}"
-    if isinstance(exc, ModelNotFoundError):
-        return grpc.StatusCode.NOT_FOUND, str(exc)
-    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+        return code, f"no KV blocks free: {exc}"
+    if code == Code.INTERNAL and not isinstance(exc, StatusError | TransferError):
+        return code, f"{type(exc).__name__}: {exc}"  # a bug or an untyped failure: say what
+    return code, str(exc)
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """End the call with `exc`'s status (raises, as `context.abort` does)."""
     code, message = status_for(exc)
     await context.abort(code, message)

@@ -17,10 +17,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from engine.request import RequestOutput
+from engine.request import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.importer import ImportResult, KvImporter
-from pdserve.v1 import common_pb2, worker_pb2
+from pdserve.v1 import worker_pb2
 from services.common import sampling
 from services.common.engine_loop import EngineLoop
 from services.common.worker_telemetry import WorkerTelemetry
@@ -49,11 +49,11 @@ class DecodeHandler:
         queue = self.loop.open(rid)
         finished = False
         try:
-            kv_bytes, queued = await self._start(request, prompt, params, trace)
-            if not queued:
+            kv_bytes, ended = await self._start(request, prompt, params, trace)
+            if ended is not None:  # the imported first token already ended it
                 finished = True
                 chunk = worker_pb2.DecodeChunk(
-                    finished=True, finish_reason=common_pb2.FINISH_REASON_STOP
+                    finished=True, finish_reason=sampling.finish_reason(ended)
                 )
                 chunk.phases.extend(trace.take())
                 yield chunk
@@ -81,8 +81,9 @@ class DecodeHandler:
         prompt: list[int],
         params: SamplingParams,
         trace: DecodeTrace,
-    ) -> tuple[int, bool]:
-        """Get the request into the batch; returns (KV bytes imported, queued?)."""
+    ) -> tuple[int, FinishReason | None]:
+        """Get the request into the batch; returns (KV bytes imported, None), or, when
+        the import's first token already ended the request, (bytes, why)."""
         rid = request.request_id
         if request.HasField("kv_handle"):
             if self.importer is None:
@@ -103,10 +104,10 @@ class DecodeHandler:
                     raise
                 span.done(result)
             self.loop.wake()
-            return result.bytes, result.queued
+            return result.bytes, result.finish_reason
         self.engine.add_request(prompt, params, request_id=rid, cache_salt=request.cache_salt)
         self.loop.wake()
-        return 0, True
+        return 0, None
 
     def _abort_after(self, request_id: str, importing: asyncio.Future[ImportResult]) -> None:
         if not importing.cancelled():

@@ -3,9 +3,10 @@
 Lifecycle: `Access.from_config(config, redis_client)` is built once at start: with no
 keys file every caller is the anonymous tenant "" and nothing is metered, which suits a
 single team on a private network. Per call, both front doors run
-`authenticate(headers)` → `Principal`, then the shared stream path runs
-`admit(principal, prompt_tokens, max_tokens)` before routing and `settle(grant,
-completion_tokens)` when the request ends, however it ends.
+`authenticate(headers)` → `Principal`, then the request's record
+(`services.gateway.request_record`) runs `admit(principal, prompt_tokens, max_tokens)`
+before routing and `settle(grant, completion_tokens)` when the request ends, however it
+ends.
 """
 
 from __future__ import annotations
@@ -59,13 +60,21 @@ class Access:
     def limit(self, principal: Principal) -> int:
         return principal.tokens_per_minute or self.default_tpm
 
-    async def admit(self, principal: Principal, prompt_tokens: int, max_tokens: int) -> Grant:
-        """Charge the tenant's quota; raises QuotaExceeded (RESOURCE_EXHAUSTED / 429)."""
+    def admit(
+        self, principal: Principal, prompt_tokens: int, max_tokens: int
+    ) -> asyncio.Future[Grant]:
+        """Start charging the tenant's quota now; the future is the grant, or raises
+        QuotaExceeded (RESOURCE_EXHAUSTED / 429). The Redis call is handed to a thread at
+        call time and keeps going if an await of the future is cancelled: whoever holds
+        the future owns the charge and must `settle` it (see `RequestRecord`)."""
         limit = self.limit(principal)
+        loop = asyncio.get_running_loop()
         if self.quota is None or limit <= 0:
-            return NO_GRANT
-        return await asyncio.to_thread(
-            self.quota.admit, principal.tenant, limit, prompt_tokens, max_tokens
+            free: asyncio.Future[Grant] = loop.create_future()
+            free.set_result(NO_GRANT)
+            return free
+        return loop.run_in_executor(
+            None, self.quota.admit, principal.tenant, limit, prompt_tokens, max_tokens
         )
 
     def settle(self, grant: Grant, completion_tokens: int) -> Awaitable[None]:

@@ -23,17 +23,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+# Refusals: no valid key (UNAUTHENTICATED / HTTP 401), or a valid key without the right
+# (PERMISSION_DENIED / HTTP 403); their statuses live in the one table.
+from services.common.status import AuthError as AuthError
+from services.common.status import PermissionDeniedError
+
 MIN_KEY_CHARS = 16
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
-
-class AuthError(Exception):
-    """A refused call. `denied` False: no valid key (UNAUTHENTICATED / HTTP 401);
-    True: a valid key without the right (PERMISSION_DENIED / HTTP 403)."""
-
-    def __init__(self, message: str, *, denied: bool = False) -> None:
-        super().__init__(message)
-        self.denied = denied
 
 
 @dataclass(frozen=True)
@@ -44,8 +40,9 @@ class Principal:
 
     def require_admin(self, what: str) -> None:
         if not self.admin:
-            raise AuthError(f"{what} needs an admin key; tenant {self.tenant!r} has none",
-                            denied=True)  # fmt: skip
+            raise PermissionDeniedError(
+                f"{what} needs an admin key; tenant {self.tenant!r} has none"
+            )
 
 
 #: The caller when the gateway runs without a keys file: one anonymous tenant.

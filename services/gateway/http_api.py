@@ -7,10 +7,12 @@ same path as gRPC Generate (`GatewayService.stream`: validation, tokenization, t
 stream cap, placement, `RequestStream`). The handler waits for the first message before
 it answers, so every failure before token 1 gets its own HTTP status; a streamed answer
 then writes SSE chunks and `data: [DONE]`, and a failure after that is sent as one last
-`data: {"error": ...}` event. A client that disconnects gets its handler task cancelled
-(`handler_cancellation`), and the stream's generator is always closed, which cancels
-the decode stream and aborts an un-pulled prefill lease. `stop()` stops accepting and
-gives open requests the drain time to finish.
+`data: {"error": ...}` event. Errors get the HTTP status of their gRPC status (one
+table: `services.common.status`, then `openai_schema.http_for_status`). A client that
+disconnects gets its handler task cancelled (`handler_cancellation`), and the stream's
+generator is always closed, which runs the request record's cleanup (decode stream
+cancelled, un-pulled prefill lease aborted, load and quota given back). `stop()` stops
+accepting and gives open requests the drain time to finish.
 """
 
 from __future__ import annotations
@@ -24,17 +26,21 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
-import grpc
 from aiohttp import web
 
 from engine.errors import InvalidRequestError
 from pdserve.v1 import gateway_pb2
+from services.common.status import (
+    AuthError,
+    NoWorkerError,
+    QuotaExceeded,
+    StatusError,
+    UnknownModelError,
+    code_for,
+)
 from services.gateway import openai_schema as oa
-from services.gateway.auth import AuthError, Principal
-from services.gateway.quota import QuotaExceeded
-from services.gateway.request_stream import StreamError
-from services.gateway.service import GatewayService, UnknownModelError
-from services.router.placement import NoWorkerError
+from services.gateway.auth import Principal
+from services.gateway.service import GatewayService
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +66,7 @@ def _failure(exc: Exception, req: oa.OpenAIRequest) -> tuple[int, oa.Json]:
     if isinstance(exc, oa.SchemaError):
         return 400, oa.error_body(str(exc), "invalid_request_error", exc.param)
     if isinstance(exc, UnknownModelError):
-        status, kind = oa.http_for_status(grpc.StatusCode.NOT_FOUND)
+        status, kind = oa.http_for_status(code_for(exc))
         return status, oa.error_body(str(exc), kind, "model", "model_not_found")
     if isinstance(exc, InvalidRequestError):
         # The gateway's field names become the OpenAI parameter the client sent.
@@ -68,9 +74,10 @@ def _failure(exc: Exception, req: oa.OpenAIRequest) -> tuple[int, oa.Json]:
         shown = exc.field if exc.field.startswith(param) else param  # keep "messages.role"
         message = shown + str(exc)[len(exc.field) :]
         return 400, oa.error_body(message, "invalid_request_error", param)
-    if isinstance(exc, StreamError | NoWorkerError):
-        status, kind = oa.http_for_status(exc.code)
-        return status, oa.error_body(str(exc), kind, None, exc.code.name.lower())
+    if isinstance(exc, StatusError | NoWorkerError):
+        code = code_for(exc)
+        status, kind = oa.http_for_status(code)
+        return status, oa.error_body(str(exc), kind, None, code.name.lower())
     raise exc
 
 
@@ -112,8 +119,8 @@ def _auth_middleware(service: GatewayService) -> Callable[..., Awaitable[web.Str
 
 
 def _quota_response(exc: QuotaExceeded) -> web.Response:
-    body = oa.error_body(str(exc), "rate_limit_error", None, "rate_limit_exceeded")
-    response = _json(429, body)
+    status, kind = oa.http_for_status(code_for(exc))  # 429
+    response = _json(status, oa.error_body(str(exc), kind, None, "rate_limit_exceeded"))
     response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
     return response
 
@@ -200,7 +207,7 @@ class HttpApi:
                 first = await anext(messages)
                 if not req.stream:
                     return _json(200, await self._whole(answer, first, messages))
-            except (InvalidRequestError, UnknownModelError, StreamError, NoWorkerError) as exc:
+            except (InvalidRequestError, UnknownModelError, StatusError, NoWorkerError) as exc:
                 return _json(*_failure(exc, req))
             except QuotaExceeded as exc:
                 return _quota_response(exc)
@@ -237,7 +244,7 @@ class HttpApi:
                     await _event(response, answer.chunk(msg.text, first=opening))
                     opening = False
                 msg = await anext(messages)
-        except (StreamError, NoWorkerError) as exc:
+        except (StatusError, NoWorkerError) as exc:
             await _event(response, _failure(exc, answer.req)[1])
         except ConnectionResetError:
             raise

@@ -22,19 +22,11 @@ from importlib import resources
 
 import redis
 
+from services.common.status import QuotaExceeded as QuotaExceeded  # raised by admit
 from services.router.redis_client import REDIS_DOWN_ERRORS
 
 log = logging.getLogger(__name__)
 WINDOW_MS = 60_000
-
-
-class QuotaExceeded(Exception):
-    def __init__(self, tenant: str, limit: int, retry_after_s: float) -> None:
-        super().__init__(
-            f"tokens_per_minute: tenant {tenant!r} used its {limit} tokens for this minute; "
-            f"retry in {retry_after_s:.1f}s"
-        )
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,11 @@ from services.common.tls import TlsConfig, server_ssl_context
 from services.gateway.access import Access
 from services.gateway.config import GatewayConfig
 from services.gateway.http_api import HttpApi
-from services.gateway.service import GatewayService, WorkerStubs
+from services.gateway.record_book import HeldCollector
+from services.gateway.service import GatewayService
 from services.gateway.stream_telemetry import GatewayTelemetry
 from services.gateway.wire import add_servicer
+from services.gateway.worker_stubs import WorkerStubs
 from services.router.placement import Placement, StaticPlacement
 from services.router.redis_client import connect
 from services.router.redis_placement import RedisPlacement
@@ -58,10 +60,14 @@ def build_service(
     name = model_cfg.model or DEFAULT_MODEL_NAME
     tel = GatewayTelemetry.on(telemetry, placement) if telemetry else None
     access = build_access(config, placement, router)
-    return GatewayService(
+    service = GatewayService(
         config, placement, Tokenizer(model_dir), name, spec.max_position_embeddings,
         spec.vocab_size, tel, access, WorkerStubs(tls or TlsConfig()),
     )  # fmt: skip
+    if telemetry is not None:
+        # pdserve_gateway_held{resource}: what live requests hold (a leak check wants 0s).
+        telemetry.registry.register(HeldCollector(service.book))
+    return service
 
 
 def build_access(config: GatewayConfig, placement: Placement, router: RouterConfig) -> Access:

@@ -1,93 +1,47 @@
-"""The Gateway gRPC service: validation, tokenization, the stream cap, and streaming.
+"""The Gateway gRPC service: validation, tokenization, admission, and streaming.
 
 Lifecycle of a call: check the model name and the input, tokenize (chat template for a
-message list), validate sampling against the context length, take a stream slot (or
-fail fast with RESOURCE_EXHAUSTED), then relay a `RequestStream`. Typed errors become
-gRPC statuses naming the field; the slot is always given back.
+message list), validate sampling against the context length; then open the request's
+`RequestRecord`, take a stream slot (or fail fast with RESOURCE_EXHAUSTED), charge the
+tenant's quota (or fail with RESOURCE_EXHAUSTED and a retry hint), and relay a
+`RequestStream`. When the stream ends, however it ends (finished, failed, or closed by a
+client that went away), the record's one cleanup gives back everything it holds. Typed
+errors become gRPC statuses through the one table (`services.common.status`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
-from typing import Any
 
 import grpc
 
 from engine.errors import InvalidRequestError
 from engine.tokenizer import ChatMessage, Tokenizer
-from pdserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2
 from services.common import sampling
-from services.common.detached import Detached
 from services.common.detokenizer import IncrementalDetokenizer
-from services.common.grpc_server import CHANNEL_OPTIONS
-from services.common.status import status_for
-from services.common.tls import TlsConfig, open_aio_channel
+from services.common.status import (
+    QuotaExceeded,
+    ServiceError,
+    StatusError,
+    UnknownModelError,
+    abort_with,
+    status_for,
+)
 from services.gateway.access import Access
 from services.gateway.auth import ANONYMOUS, AuthError, Principal
 from services.gateway.config import GatewayConfig
-from services.gateway.quota import QuotaExceeded
-from services.gateway.request_stream import Prepared, RequestStream, StreamError
+from services.gateway.record_book import RecordBook, Resource
+from services.gateway.request_record import Keepers, Prepared, RequestRecord
+from services.gateway.request_stream import RequestStream
 from services.gateway.stream_telemetry import GatewayTelemetry
-from services.router.placement import NoWorkerError, Placement
+from services.gateway.worker_stubs import WorkerStubs
+from services.router.placement import Placement
 
 MAX_PROMPT_CHARS = 1_000_000
-CLEANUP_GRACE_S = 3.0  # at shutdown: request cleanups still running (an Abort is <= 2 s)
-
-
-class UnknownModelError(LookupError):
-    """The request names a model this gateway does not serve (NOT_FOUND, HTTP 404)."""
-
-
-class WorkerStubs:
-    """One channel per worker address, opened on first use (membership changes), and the
-    work on workers that outlives a request's task: reads left to finish (`linger`) and
-    cleanups run to their end (`finish`)."""
-
-    def __init__(self, tls: TlsConfig | None = None) -> None:
-        self.tls = tls or TlsConfig()
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
-        self._lingering: set[asyncio.Future[Any]] = set()
-        self._detached = Detached()
-
-    def __getitem__(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        stub = self._stubs.get(address)
-        if stub is None:
-            channel = open_aio_channel(address, self.tls, CHANNEL_OPTIONS)
-            self._channels[address] = channel
-            stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
-        return stub
-
-    def linger(self, read: asyncio.Future[Any], call: grpc.aio.Call) -> None:
-        """Keep a read whose reader left alive until it ends, then cancel its call
-        (`RequestStream._decode` says why). Held here: the loop keeps only weak references
-        to tasks."""
-        self._lingering.add(read)
-
-        def done(future: asyncio.Future[Any]) -> None:
-            self._lingering.discard(future)
-            if not future.cancelled():
-                future.exception()  # retrieved: the stream it belonged to is gone
-            call.cancel()
-
-        read.add_done_callback(done)
-
-    def finish(self, work: Coroutine[Any, Any, None]) -> Awaitable[None]:
-        """Run a request's cleanup to its end however its task ends (`Detached`)."""
-        return self._detached.finish(work)
-
-    async def close(self) -> None:
-        for read in list(self._lingering):
-            read.cancel()
-        await self._detached.close(CLEANUP_GRACE_S)  # their Abort calls need the channels
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
-        self._stubs.clear()
 
 
 class GatewayService(gateway_pb2_grpc.GatewayServicer):
@@ -111,8 +65,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.active = 0
         self.stubs = stubs or WorkerStubs()
+        self.book: RecordBook[RequestRecord] = RecordBook()
+        self.keepers = Keepers(placement, self.access, self.stubs, self.book)
+
+    @property
+    def active(self) -> int:
+        """Streams running: the stream slots live request records hold."""
+        return self.book.count(Resource.STREAM_SLOT)
 
     async def close(self) -> None:
         await self.stubs.close()
@@ -162,50 +122,43 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     async def stream(
         self, request: gateway_pb2.GenerateRequest, principal: Principal = ANONYMOUS
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
-        """Validate, charge the tenant's quota, take a stream slot, relay a RequestStream.
+        """Validate, take a stream slot, charge the tenant's quota, relay a RequestStream.
 
         `principal` (from `access.authenticate`) names the tenant: its prefix-cache salt
         and routing key. Raises before the first message: UnknownModelError,
-        InvalidRequestError (naming the field), QuotaExceeded, StreamError
-        RESOURCE_EXHAUSTED (stream cap) or NoWorkerError; after it, StreamError with the
-        status. Closing the generator early cancels the request on both workers; the slot
-        is always given back and the unused quota refunded.
+        InvalidRequestError (naming the field), StatusError RESOURCE_EXHAUSTED (stream
+        cap), QuotaExceeded or NoWorkerError; after it, StreamError with the status.
+        Closing the generator early cancels the request on both workers. However it
+        ends, the record's cleanup gives everything back (slot, load leases, prefill
+        lease, unused quota) before this generator is done, unless its task is
+        cancelled again meanwhile: then the cleanup finishes on its own.
         """
         try:
             prepared = replace(self.prepare(request), tenant=principal.tenant)
         except Exception as exc:
             self.telemetry.count_refusal(exc)
             raise
-        if self.active >= self.config.max_streams:
-            self.telemetry.count_error(grpc.StatusCode.RESOURCE_EXHAUSTED)
-            raise StreamError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"max_streams: {self.config.max_streams} streams already running; retry later",
-            )
+        record = RequestRecord(prepared, self.keepers)
         try:
-            grant = await self.access.admit(
-                principal, len(prepared.prompt), prepared.params.max_tokens
-            )
-        except QuotaExceeded:
-            self.telemetry.count_error(grpc.StatusCode.RESOURCE_EXHAUSTED)
-            raise
-        self.active += 1
-        relay = RequestStream(
-            prepared,
-            self.config,
-            self.placement,
-            self.stubs,
-            IncrementalDetokenizer(self.tokenizer),
-            self.telemetry,
-        )
-        try:
-            # aclosing: an early close reaches RequestStream's cleanup now, not at GC.
+            await self._admit(record, principal)
+            relay = RequestStream(
+                record, self.config, self.stubs, IncrementalDetokenizer(self.tokenizer),
+                self.telemetry,
+            )  # fmt: skip
+            # aclosing: an early close reaches the stream's end now, not at GC.
             async with contextlib.aclosing(relay.run()) as messages:
                 async for msg in messages:
                     yield msg
         finally:
-            self.active -= 1
-            await self.access.settle(grant, relay.completion_tokens)
+            await record.close()
+
+    async def _admit(self, record: RequestRecord, principal: Principal) -> None:
+        try:
+            record.take_slot(self.config.max_streams)
+            await record.charge(principal)
+        except (StatusError, QuotaExceeded):
+            self.telemetry.count_error(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            raise
 
     # -- RPCs --------------------------------------------------------------------
     async def Generate(
@@ -216,19 +169,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             async with contextlib.aclosing(self.stream(request, principal)) as messages:
                 async for msg in messages:
                     yield msg
-        except AuthError as exc:
-            await context.abort(auth_status(exc), str(exc))
         except QuotaExceeded as exc:
             retry_ms = str(round(exc.retry_after_s * 1000))
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), (("retry-after-ms", retry_ms),)
-            )
-        except UnknownModelError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except InvalidRequestError as exc:
-            await context.abort(*status_for(exc))
-        except (StreamError, NoWorkerError) as exc:
-            await context.abort(exc.code, str(exc))
+            await context.abort(*status_for(exc), (("retry-after-ms", retry_ms),))
+        except (ServiceError, InvalidRequestError, StatusError) as exc:
+            await abort_with(context, exc)
 
     async def Complete(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -262,7 +207,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         try:
             principal.require_admin("ClusterStatus")
         except AuthError as exc:
-            await context.abort(auth_status(exc), str(exc))
+            await abort_with(context, exc)
         reply = gateway_pb2.ClusterStatusResponse(
             active_streams=self.active, max_streams=self.config.max_streams
         )
@@ -282,9 +227,5 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         try:
             return self.access.authenticate(context.invocation_metadata() or ())
         except AuthError as exc:
-            await context.abort(auth_status(exc), str(exc))
+            await abort_with(context, exc)
             raise  # abort raises; this keeps the type checker honest
-
-
-def auth_status(exc: AuthError) -> grpc.StatusCode:
-    return grpc.StatusCode.PERMISSION_DENIED if exc.denied else grpc.StatusCode.UNAUTHENTICATED

@@ -19,9 +19,9 @@ from collections.abc import Awaitable, Iterable
 import grpc
 from opentelemetry.trace import Span, SpanKind
 
-from engine.errors import InvalidRequestError
 from pdserve.v1 import common_pb2, gateway_pb2
 from services.common.metrics import GatewayMetrics
+from services.common.status import code_for
 from services.common.telemetry import Telemetry
 from services.common.tracing import Metadata, Phase, Tracing, trace_id_hex
 from services.router.metrics import RouterCollector
@@ -61,12 +61,7 @@ class GatewayTelemetry:
 
     def count_refusal(self, exc: BaseException) -> None:
         """`count_error` for an exception raised while validating a request."""
-        if isinstance(exc, InvalidRequestError):
-            self.count_error(grpc.StatusCode.INVALID_ARGUMENT)
-        elif isinstance(exc, LookupError):
-            self.count_error(grpc.StatusCode.NOT_FOUND)
-        else:
-            self.count_error(grpc.StatusCode.INTERNAL)
+        self.count_error(code_for(exc))
 
 
 class StreamTelemetry:

@@ -17,7 +17,7 @@ import dataclasses
 import grpc
 from opentelemetry.context import Context
 
-from engine.request import RequestOutput
+from engine.request import FinishReason, RequestOutput
 from kvtransfer.exporter import KvExporter
 from pdserve.v1 import common_pb2, worker_pb2
 from services.common import sampling
@@ -85,8 +85,9 @@ class PrefillHandler:
             cached_tokens=out.num_cached_tokens,
             worker_id=self.worker_id,
         )
-        if out.finish_reason == "stop" or max_tokens == 1 or out.finish_reason == "abort":
-            self.engine.handoff.release_held(rid)
+        ended = out.finish_reason in (FinishReason.STOP, FinishReason.ABORT)
+        if ended or max_tokens == 1:
+            self.engine.release_held(rid)
             response.finished = True
             response.finish_reason = sampling.finish_reason(out.finish_reason)
             return response
@@ -95,7 +96,7 @@ class PrefillHandler:
 
     def abort(self, request_id: str) -> bool:
         dropped = self.exporter.cancel(request_id)
-        released = self.engine.handoff.release_held(request_id)
+        released = self.engine.release_held(request_id)
         self.engine.abort(request_id)
         self.loop.wake()
         return dropped or released

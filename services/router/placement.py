@@ -18,9 +18,8 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import grpc
-
 from services.common.detached import done
+from services.common.status import NoWorkerError as NoWorkerError  # raised by route
 
 
 @dataclass(frozen=True)
@@ -42,12 +41,6 @@ class RouteDecision:
 def _ref(entry: str, role: str) -> WorkerRef:
     worker_id, _, address = entry.rpartition("=")
     return WorkerRef(worker_id or address, address, role)
-
-
-class NoWorkerError(Exception):
-    """No eligible worker is left for this request."""
-
-    code = grpc.StatusCode.UNAVAILABLE
 
 
 class Placement(Protocol):

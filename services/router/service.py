@@ -18,6 +18,7 @@ from opentelemetry.trace import SpanKind
 
 from pdserve.v1 import router_pb2, router_pb2_grpc
 from services.common.grpc_server import announce_ready, build_server, wait_for_shutdown_signal
+from services.common.status import status_for
 from services.common.telemetry import Telemetry
 from services.common.telemetry_config import TelemetryConfig
 from services.common.tls import TlsConfig
@@ -58,10 +59,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 list(request.exclude_workers),
             )
         except NoWorkerError as exc:
+            code, message = status_for(exc)
             if span is not None:
-                Tracing.fail(span, exc.code.name, str(exc))
+                Tracing.fail(span, code.name, message)
                 span.end()
-            await context.abort(exc.code, str(exc))
+            await context.abort(code, message)
             raise
         if span is not None:
             if decision.prefill is not None:

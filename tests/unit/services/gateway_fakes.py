@@ -1,0 +1,263 @@
+"""A gateway in process, on real Redis (placement, load leases, quota), in front of fake
+workers whose every call can be held at a `Gate`: what the gateway request tests drive.
+
+The fakes model what a worker holds for the gateway: a prefill worker keeps a request's
+KV under a lease from the moment it exports it (before its answer is on the wire) until a
+decode worker pulls it or an Abort drops it; a decode call is open until it ends or the
+gateway cancels it. `FakeCluster.leaks()` names whatever is still held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import redis
+
+from engine.model_spec import ModelSpec
+from engine.tokenizer import Tokenizer
+from pdserve.v1 import common_pb2, worker_pb2
+from services.gateway.access import Access
+from services.gateway.config import GatewayConfig
+from services.gateway.quota import TokenQuota
+from services.gateway.service import GatewayService
+from services.gateway.worker_stubs import WorkerStubs
+from services.router.keyspace import Keyspace
+from services.router.redis_placement import RedisPlacement
+from services.router.registry import Registry, WorkerInfo
+from services.router.router import Router
+from services.router.router_config import RouterConfig
+
+DECODE_TOKENS = (11, 12, 13)  # what the fake decode worker streams, one chunk each
+FIRST_TOKEN = 10
+
+
+class Gate:
+    """One await point a test can hold a request at (open unless held)."""
+
+    def __init__(self) -> None:
+        self.arrived = asyncio.Event()
+        self.proceed = asyncio.Event()
+        self.proceed.set()
+
+    def hold(self) -> None:
+        self.proceed.clear()
+
+    async def passing(self) -> None:
+        self.arrived.set()
+        await self.proceed.wait()
+
+
+class ThreadGate:
+    """A gate inside a thread (a Redis round trip the event loop waits for): the work
+    is done, its answer is held back."""
+
+    def __init__(self) -> None:
+        self.arrived = threading.Event()
+        self.proceed = threading.Event()
+        self.proceed.set()
+        self.calls = 0
+        self._from_call = 0
+
+    def hold(self, from_call: int = 1) -> None:
+        """Hold the `from_call`-th call and every later one."""
+        self._from_call = from_call
+        self.proceed.clear()
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs)
+            self.calls += 1
+            if self.calls >= self._from_call:
+                self.arrived.set()
+                self.proceed.wait(timeout=30)
+            return result
+
+        return gated
+
+    async def reached(self) -> None:
+        assert await asyncio.to_thread(self.arrived.wait, 10), "the thread never got there"
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class FakeDecodeCall:
+    """A Decode stream: the first read is the KV import (it pulls the prefill lease)."""
+
+    def __init__(self, cluster: FakeCluster, request: worker_pb2.DecodeRequest) -> None:
+        self.cluster = cluster
+        self.request = request
+        self.reads = 0
+        self.cancelled = False
+        self.ended = False
+
+    async def read(self) -> worker_pb2.DecodeChunk | Any:
+        n, self.reads = self.reads, self.reads + 1
+        gates = self.cluster.gates
+        await (
+            gates["import"] if n == 0 else gates["next_token"] if n == 1 else gates["late"]
+        ).passing()
+        if n == 0:
+            if self.cluster.import_fails:
+                self.ended = True
+                raise rpc_error(grpc.StatusCode.NOT_FOUND, "lease expired")
+            if self.request.HasField("kv_handle"):
+                self.cluster.leases.discard(self.request.request_id)  # pulled
+        if n >= len(DECODE_TOKENS):
+            self.ended = True
+            return grpc.aio.EOF
+        last = n == len(DECODE_TOKENS) - 1
+        self.ended = last
+        return worker_pb2.DecodeChunk(
+            token_ids=[DECODE_TOKENS[n]],
+            finished=last,
+            finish_reason=self.cluster.finish_reason if last else 0,
+        )
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+class FakeWorker:
+    """The Worker stub of one address; its state lives in the cluster."""
+
+    def __init__(self, cluster: FakeCluster, address: str) -> None:
+        self.cluster = cluster
+        self.address = address
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, **_: object
+    ) -> worker_pb2.PrefillResponse:
+        cluster = self.cluster
+        cluster.prefills.append(self.address)
+        if cluster.unreachable_first and len(cluster.prefills) == 1:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused")
+        finished = request.sampling.max_tokens == 1
+        if not finished:
+            cluster.leases.add(request.request_id)  # exported: held until pulled or aborted
+        await cluster.gates["prefill"].passing()
+        response = worker_pb2.PrefillResponse(
+            first_token_id=FIRST_TOKEN, worker_id=self.address, finished=finished
+        )
+        if finished:
+            response.finish_reason = cluster.finish_reason
+        else:
+            response.kv_handle.CopyFrom(common_pb2.KvHandle(lease_id=request.request_id))
+        return response
+
+    def Decode(self, request: worker_pb2.DecodeRequest, **_: object) -> FakeDecodeCall:
+        call = FakeDecodeCall(self.cluster, request)
+        self.cluster.decodes.append(call)
+        return call
+
+    async def Abort(
+        self, request: worker_pb2.AbortRequest, **_: object
+    ) -> worker_pb2.AbortResponse:
+        self.cluster.aborts.append((self.address, request.request_id))
+        await self.cluster.gates["abort"].passing()
+        found = request.request_id in self.cluster.leases
+        self.cluster.leases.discard(request.request_id)
+        return worker_pb2.AbortResponse(found=found)
+
+
+@dataclass
+class FakeCluster:
+    gates: dict[str, Gate] = field(default_factory=dict)
+    leases: set[str] = field(default_factory=set)  # request ids with KV on a prefill worker
+    prefills: list[str] = field(default_factory=list)  # addresses, in call order
+    decodes: list[FakeDecodeCall] = field(default_factory=list)
+    aborts: list[tuple[str, str]] = field(default_factory=list)  # (address, request id)
+    unreachable_first: bool = False  # the first Prefill call fails: UNAVAILABLE
+    import_fails: bool = False
+    finish_reason: int = common_pb2.FINISH_REASON_LENGTH  # the decode's last chunk
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "import", "next_token", "late", "abort"):
+            self.gates.setdefault(name, Gate())
+
+    def leaks(self) -> list[str]:
+        held = [f"prefill lease {rid}" for rid in sorted(self.leases)]
+        held += [
+            f"decode call {c.request.request_id}"
+            for c in self.decodes
+            if not (c.cancelled or c.ended)
+        ]
+        return held
+
+
+class FakeStubs(WorkerStubs):
+    def __init__(self, cluster: FakeCluster) -> None:
+        super().__init__()
+        self.cluster = cluster
+
+    def __getitem__(self, address: str) -> Any:
+        return FakeWorker(self.cluster, address)
+
+
+@dataclass
+class Gateway:
+    """A GatewayService on real Redis, and the gates on its Redis round trips."""
+
+    service: GatewayService
+    cluster: FakeCluster
+    client: redis.Redis
+    namespace: str
+    charge_gate: ThreadGate
+    route_gate: ThreadGate
+
+    @property
+    def router(self) -> Router:
+        placement = self.service.placement
+        assert isinstance(placement, RedisPlacement)
+        return placement.router
+
+    def load_counts(self) -> dict[str, dict[str, int]]:
+        ledger = self.router.ledger
+        return {role: ledger.snapshot(role).counts for role in ("prefill", "decode")}
+
+    def quota_used(self) -> int:
+        """Tokens charged to the tenant's windows, after refunds."""
+        keys = self.client.keys(f"{self.namespace}:quota:*")
+        return sum(int(self.client.get(k) or 0) for k in keys)
+
+
+def build_gateway(
+    client: redis.Redis,
+    namespace: str,
+    model_dir: Path,
+    *,
+    prefill_workers: int = 1,
+    tokens_per_minute: int = 100_000,
+    **config: Any,
+) -> Gateway:
+    registry = Registry(client, Keyspace(namespace))
+    for i in range(prefill_workers):
+        registry.register(WorkerInfo(f"p{i}", "prefill", "m", "l", f"p{i}:1"))  # type: ignore[arg-type]
+    registry.register(WorkerInfo("d0", "decode", "m", "l", "d0:1"))  # type: ignore[arg-type]
+    router = Router(client, RouterConfig(namespace=namespace))
+    router.refresh()
+    route_gate, charge_gate = ThreadGate(), ThreadGate()
+    router.route = route_gate.wrap(router.route)  # type: ignore[method-assign]
+    quota = TokenQuota(client, namespace)
+    quota.admit = charge_gate.wrap(quota.admit)  # type: ignore[method-assign]
+    cluster = FakeCluster()
+    spec = ModelSpec.from_dir(model_dir)
+    service = GatewayService(
+        GatewayConfig(placement="redis", **config),
+        RedisPlacement(router),
+        Tokenizer(model_dir),
+        "m",
+        spec.max_position_embeddings,
+        spec.vocab_size,
+        access=Access(None, quota, tokens_per_minute),
+        stubs=FakeStubs(cluster),
+    )
+    return Gateway(service, cluster, client, namespace, charge_gate, route_gate)
