@@ -2,7 +2,8 @@
 
 Lifecycle: `LLMEngine(config)` resolves the model (converting the default one on first
 use), loads weights, sizes the KV pool from the memory budget and logs it. Callers then
-`add_request` / `abort` from any thread (they only queue), and one thread calls `step()`
+`add_request` / `abort` from any thread (they only queue; a request may carry a priority
+class and a deadline, see `scheduler.py`), and one thread calls `step()`
 in a loop while `has_unfinished()`; each step first runs deferred calls, then applies
 queued adds and aborts (freeing those requests' blocks at once), then schedules, runs the
 model, samples and returns per-request outputs. `close()` is not needed: the engine owns
@@ -45,11 +46,12 @@ from engine.model_runner import ModelRunner
 from engine.model_spec import ModelSpec
 from engine.model_store import resolve_model_dir
 from engine.prefix_hash import hash_seed
+from engine.priority import Priority
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from engine.sampler import new_generator, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.stats import EngineStats
+from engine.stats import ClassCounts, EngineStats
 from engine.step_gate import StepGate
 from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
@@ -151,10 +153,15 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str = "",
         hold_kv: bool = False,
+        priority: Priority = Priority.STANDARD,
+        deadline: float | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id. Thread-safe, never blocks on a step."""
+        """Validate and queue a request; returns its id. Thread-safe, never blocks on a step.
+        `priority` orders admission and preemption; past `deadline` (time.monotonic()
+        seconds) a preempted request ends with FinishReason.DEADLINE, not recomputed."""
         self.validate(prompt_token_ids, sampling)
         req = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, hold_kv)
+        req.priority, req.deadline = _priority(priority), deadline
         self._claim_id(req.request_id)
         with self._inbox_lock:
             self._inbox_add.append(req)
@@ -220,14 +227,18 @@ class LLMEngine:
         *,
         request_id: str,
         cache_salt: str = "",
+        priority: Priority = Priority.STANDARD,
+        deadline: float | None = None,
     ) -> ImportSlot:
         """Reserve blocks for a prompt whose KV comes from elsewhere (reusing cached prefix
-        blocks); OutOfBlocksError if short, InvalidRequestError for a bad request."""
+        blocks); OutOfBlocksError if short, InvalidRequestError for a bad request.
+        `priority` and `deadline` as for `add_request`, once the import is committed."""
         self.validate(prompt_token_ids, sampling)
         vocab = self.spec.vocab_size
         if not 0 <= first_token_id < vocab:
             raise InvalidRequestError("first_token_id", f"must be in [0, {vocab})")
         req = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, False)
+        req.priority, req.deadline = _priority(priority), deadline
 
         def reserve() -> ImportSlot:
             self._claim_id(request_id)
@@ -275,6 +286,7 @@ class LLMEngine:
 
     def _run_batch(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        outputs.extend(self._output(req, []) for req in batch.expired)
         if batch.empty:
             return outputs
         result = self.runner.execute(batch)
@@ -361,6 +373,9 @@ class LLMEngine:
             prefix_hit_tokens=sched.prefix_hit_tokens,
             prefix_query_tokens=sched.prefix_query_tokens,
             num_preemptions=sched.num_preemptions,
+            waiting_by_class=ClassCounts.of(r.priority for r in sched.waiting),
+            running_by_class=ClassCounts.of(r.priority for r in sched.running),
+            preemptions_by_class=ClassCounts(*sched.preemptions_by_class),
             kv_bytes_per_token=self.layout.bytes_per_token,
             kv_pool_bytes=p.total * self.layout.bytes_per_block,
             block_size=self.config.block_size,
@@ -379,3 +394,12 @@ class LLMEngine:
                 if o.request_id in out:
                     out[o.request_id].extend(o.new_token_ids)
         return [out[rid] for rid in ids]
+
+
+def _priority(value: int) -> Priority:
+    """`value` (a Priority or its value) as a Priority; else InvalidRequestError."""
+    try:
+        return Priority(value)
+    except ValueError:
+        allowed = ", ".join(f"{p.label} ({p.value})" for p in Priority)
+        raise InvalidRequestError("priority", f"must be one of {allowed}", value) from None

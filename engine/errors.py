@@ -1,7 +1,8 @@
 """Typed errors raised by the engine.
 
 Every error names what was wrong so that the services can map it to a gRPC status
-(INVALID_ARGUMENT, RESOURCE_EXHAUSTED, NOT_FOUND) with a message a user can act on.
+(INVALID_ARGUMENT, RESOURCE_EXHAUSTED, NOT_FOUND, DEADLINE_EXCEEDED) with a message a
+user can act on.
 """
 
 from __future__ import annotations
@@ -36,3 +37,8 @@ class OutOfBlocksError(EngineError, MemoryError):
 
 class UnknownRequestError(EngineError, KeyError):
     """An operation named a request id that the engine does not hold."""
+
+
+class DeadlineExceededError(EngineError, TimeoutError):
+    """A request's deadline passed before it finished and the engine ended it (raised by
+    `RequestOutput.raise_for_deadline` for an output that ended with DEADLINE)."""

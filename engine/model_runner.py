@@ -15,7 +15,7 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.llama import LlamaModel
 from engine.request import Request
-from engine.scheduler import ScheduledBatch
+from engine.scheduled_batch import ScheduledBatch
 
 
 @dataclass

@@ -13,6 +13,10 @@ Lifecycle (every transition is the scheduler's):
 Why a request's output ended is its `finish_reason` (set once, when the output ends; a
 held request has one while its blocks are still pinned).
 
+A request's `priority` class orders admission and preemption (see `engine/priority.py`);
+its optional `deadline` (time.monotonic() seconds) is checked only where the engine would
+otherwise recompute it after a preemption: past it, the request ends with DEADLINE.
+
 `num_computed_tokens` counts tokens whose KV is in the cache; `all_token_ids` is prompt
 plus output. When computed reaches the total, the last logits are sampled.
 """
@@ -25,16 +29,25 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.errors import DeadlineExceededError
+from engine.priority import Priority
 from engine.sampling_params import SamplingParams
 
 
 class FinishReason(enum.Enum):
     """Why a request's output ended: a stop (EOS, stop token or string), the length limit
-    (max_tokens or the context length), or an abort (cancelled, or the engine failed)."""
+    (max_tokens or the context length), an abort (cancelled, or the engine failed), or
+    its deadline (it passed while the request was preempted, so it was not recomputed)."""
 
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    DEADLINE = "deadline"
+
+    @property
+    def completed(self) -> bool:
+        """The output ran to its natural end (a stop or the length limit)."""
+        return self in (FinishReason.STOP, FinishReason.LENGTH)
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +60,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_DEADLINE = "finished_deadline"
 
     @staticmethod
     def finished_with(reason: FinishReason) -> RequestStatus:
@@ -57,6 +71,7 @@ _FINISHED = {
     FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
     FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
     FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+    FinishReason.DEADLINE: RequestStatus.FINISHED_DEADLINE,
 }
 
 
@@ -69,6 +84,8 @@ class Request:
     sampling: SamplingParams
     hash_seed: int
     hold_kv: bool = False
+    priority: Priority = Priority.STANDARD
+    deadline: float | None = None  # time.monotonic() seconds; None: no deadline
     # Phase timestamps (time.monotonic()) for queue vs compute telemetry: `arrival_time`
     # is when the request joined this engine's queue (an import: when it was committed),
     # then its first admission to a batch and its first token sampled by this engine.
@@ -104,6 +121,9 @@ class Request:
         """The output is over (the request may still hold blocks for export)."""
         return self.finish_reason is not None
 
+    def past_deadline(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
+
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
@@ -125,3 +145,13 @@ class RequestOutput:
     arrival_time: float = 0.0  # monotonic; see Request
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+
+    def raise_for_deadline(self) -> None:
+        """DeadlineExceededError if the engine ended the request on its deadline (a worker
+        answers the call with DEADLINE_EXCEEDED rather than a finished output)."""
+        if self.finish_reason is FinishReason.DEADLINE:
+            raise DeadlineExceededError(
+                f"request {self.request_id} passed its deadline while preempted for KV cache "
+                "space and was ended rather than recomputed; the worker is overloaded: retry "
+                "later, with a longer deadline or a higher priority"
+            )

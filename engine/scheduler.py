@@ -6,16 +6,19 @@ for a decode, up to the remaining token budget for a prefill chunk), growing its
 table as needed; decodes are served before any prefill chunk takes the rest, and prefill
 chunks go fewest-remaining-tokens first (see `_schedule_running` for the guards), so a
 long prompt starves neither the running streams nor the short prompts behind it. If the
-pool runs dry it preempts the lowest-priority running request (the most recently
-admitted) by recompute: its blocks are freed and it goes back to the head of the queue,
-keeping its output tokens. Then, if nothing was preempted, it admits WAITING requests in
-arrival order while the budget, `max_num_seqs` and free blocks allow, reusing cached
-prefix blocks. After the model runs, the engine calls `advance` for each scheduled
-request (which publishes newly full blocks to the prefix cache) and `finish` when a
-request stops. Nothing here runs the model or samples.
+pool runs dry it preempts by recompute: the victim is the lowest priority class's most
+recently admitted request, never one of a higher class than the request that needs room
+(that one preempts itself instead). The victim's blocks are freed and it goes back to
+the head of its class in the queue, keeping its output tokens; or, already past its
+deadline, it ends with DEADLINE instead (`ScheduledBatch.expired`). Then, if nothing was
+preempted, it admits WAITING requests, highest class first and in arrival order within
+a class (`waiting_queue.py`), while the budget, `max_num_seqs` and free blocks allow,
+reusing cached prefix blocks. After the model runs, the engine calls `advance` for each
+scheduled request (which publishes newly full blocks to the prefix cache) and `finish`
+when a request stops. Nothing here runs the model or samples.
 
 Hand-off states (see `engine/request.py`), outside the step's queues and never scheduled:
-  prefill: `finish` of a hold_kv request (not an abort) -> HELD_FOR_EXPORT in `held`,
+  prefill: `finish` of a hold_kv request (a stop or length) -> HELD_FOR_EXPORT in `held`,
   blocks pinned -> `release_held` frees them (full blocks stay in the prefix cache);
   decode: `reserve_import` -> WAITING_FOR_REMOTE_KV in `importing`, blocks reserved ->
   `commit_import` (the bytes landed: publish the blocks, queue as WAITING) or
@@ -27,13 +30,15 @@ Hand-off states (see `engine/request.py`), outside the step's queues and never s
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
 from engine.errors import OutOfBlocksError, UnknownRequestError
 from engine.prefix_hash import prefix_block_hashes
+from engine.priority import Priority
 from engine.request import FinishReason, Request, RequestStatus
+from engine.scheduled_batch import ScheduledBatch
+from engine.waiting_queue import WaitingQueue
 
 
 @dataclass(frozen=True)
@@ -47,27 +52,6 @@ class SchedulerConfig:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
 
 
-@dataclass
-class ScheduledBatch:
-    """One step's work: decodes (one new token each) first, then prefill chunks."""
-
-    decodes: list[Request] = field(default_factory=list)
-    prefills: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def items(self) -> list[tuple[Request, int]]:
-        return [(r, 1) for r in self.decodes] + self.prefills
-
-    @property
-    def empty(self) -> bool:
-        return not self.decodes and not self.prefills
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
-
-
 class Scheduler:
     """Decides which requests run each step; owns every live request and its state.
 
@@ -78,13 +62,14 @@ class Scheduler:
         self.config = config
         self.pool = pool
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.held: dict[str, Request] = {}  # HELD_FOR_EXPORT
         self.importing: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         # Imports aborted while their bytes may still be landing (see the module doc).
         self._abort_on_landing: set[str] = set()
         self.num_preemptions = 0
+        self.preemptions_by_class = [0] * len(Priority)
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
 
@@ -117,50 +102,70 @@ class Scheduler:
         running prefills take at most half the budget between them, so a new prompt is
         admitted within a step or two however many long prompts are in flight. Neither
         starves the other: admission gets only what running requests leave, and the
-        prompts ahead of a long one in the order only ever finish.
+        prompts ahead of a long one in the order only ever finish. Across classes, each
+        of the two passes serves higher classes first.
         """
         decodes: list[Request] = []
         prefills: list[Request] = []
-        for req in self.running:
+        # Higher classes first (a stable sort: admission order within a class), so they
+        # get the budget first when it is short.
+        for req in sorted(self.running, key=_by_class):
             (decodes if _remaining(req) == 1 else prefills).append(req)
+        # Once a request of class c had to preempt itself, the pool is dry for class c:
+        # only requests of a higher class (which may preempt lower ones) go on.
+        floor = -1
         for req in decodes:
-            if req.status is not RequestStatus.RUNNING:
-                continue  # already preempted to make room for an earlier request
-            if budget - batch.num_tokens <= 0 or not self._place(batch, req, 1):
+            if req.status is not RequestStatus.RUNNING or req.priority <= floor:
+                continue  # preempted for a request placed before it, or its class is dry
+            if budget - batch.num_tokens <= 0:
                 return budget - batch.num_tokens
+            if not self._place(batch, req, 1):
+                floor = req.priority
         admissible = self.waiting and len(self.running) < self.config.max_num_seqs
         # Running prefills together leave half the budget to admission while requests
         # wait: two long prompts in flight would otherwise hold every step between them.
         ceiling = budget - (budget // 2 if admissible else 0)
-        for req in sorted(prefills, key=_remaining):
-            if req.status is not RequestStatus.RUNNING:
+        for req in sorted(prefills, key=lambda r: (_by_class(r), _remaining(r))):
+            if req.status is not RequestStatus.RUNNING or req.priority <= floor:
                 continue
             n = min(_remaining(req), ceiling - batch.num_tokens)
             if n > 0 and not self._place(batch, req, n):
-                break
+                floor = req.priority
         return budget - batch.num_tokens
 
     def _place(self, batch: ScheduledBatch, req: Request, n: int) -> bool:
-        """Grow `req` by `n` tokens and schedule it, preempting from the back when short.
+        """Grow `req` by `n` tokens and schedule it, preempting (`_victim`) when short.
 
-        Preemption takes the most recently admitted request, which may already be in this
-        batch (prefills are placed out of list order): it is taken out again. False when
-        `req` itself had to go.
+        The victim may already be in this batch (requests are placed out of admission
+        order): it is taken out again. False when `req` itself had to go.
         """
         while not self._grow(req, req.num_computed_tokens + n):
-            victim = self.running.pop()
-            batch.decodes = [r for r in batch.decodes if r is not victim]
-            batch.prefills = [(r, k) for r, k in batch.prefills if r is not victim]
-            self._preempt(victim)
-            batch.preempted.append(victim)
+            victim = self.running.pop(self._victim())
+            batch.drop(victim)
+            self._preempt(victim, batch)
             if victim is req:
                 return False
-        self._add_to_batch(batch, req, n)
+        batch.add(req, n)
         return True
+
+    def _victim(self) -> int:
+        """Where in `running` the request to preempt is: the lowest class's most recently
+        admitted one.
+
+        The request that needs room is running too, so the victim is never of a higher
+        class than it, nor an older request of its own class: when nothing newer or lower
+        is left, the victim is the request itself (it waits rather than take from above).
+        """
+        newest_first = range(len(self.running) - 1, -1, -1)
+        return min(newest_first, key=lambda i: self.running[i].priority)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.first()
+            if req.num_preemptions and req.past_deadline(time.monotonic()):
+                self.waiting.popleft()  # it would be recomputed for nobody: end it
+                self._expire(req, batch)
+                continue
             # A fresh or preempted request claims cached prefix blocks; an imported one
             # already holds its prompt's blocks and must keep them if it has to wait.
             claimed = not req.block_ids
@@ -176,15 +181,8 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._add_to_batch(batch, req, n)
+            batch.add(req, n)
             budget -= n
-
-    @staticmethod
-    def _add_to_batch(batch: ScheduledBatch, req: Request, n: int) -> None:
-        if n == 1:
-            batch.decodes.append(req)
-        else:
-            batch.prefills.append((req, n))
 
     # -- blocks ------------------------------------------------------------------
     def _grow(self, req: Request, num_tokens: int) -> bool:
@@ -252,21 +250,35 @@ class Scheduler:
         req.num_computed_tokens += num_new
         self._publish_full_blocks(req)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+        """Free a (no longer running) request's blocks; requeue it at the head of its class
+        for recompute, or end it with DEADLINE if that has passed."""
         self.pool.free(reversed(req.block_ids))
         req.block_ids = []
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self.preemptions_by_class[req.priority] += 1
+        batch.preempted.append(req)
+        if req.past_deadline(time.monotonic()):
+            self._expire(req, batch)
+            return
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
+
+    def _expire(self, req: Request, batch: ScheduledBatch) -> None:
+        """End a preempted request with DEADLINE (never held for export: nobody waits for
+        its KV); the engine reports it from `batch.expired`."""
+        self._retire(req, FinishReason.DEADLINE)
+        batch.expired.append(req)
 
     # -- endings -----------------------------------------------------------------
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End a WAITING or RUNNING request's output with `reason` (a no-op once ended).
 
-        Its blocks are freed, except a hold_kv request's that did not abort: it goes to
-        HELD_FOR_EXPORT with its blocks pinned until `release_held`.
+        Its blocks are freed, except a hold_kv request's that completed (a stop or the
+        length limit): it goes to HELD_FOR_EXPORT with its blocks pinned until
+        `release_held`.
         """
         if req.finished:
             return
@@ -275,7 +287,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if req.hold_kv and reason is not FinishReason.ABORT:
+        if req.hold_kv and reason.completed:
             req.status = RequestStatus.HELD_FOR_EXPORT
             self.held[req.request_id] = req
             return
@@ -379,6 +391,11 @@ class Scheduler:
             sum(len(r.block_ids) for r in self.held.values()),
             sum(len(r.block_ids) for r in self.importing.values()),
         )
+
+
+def _by_class(req: Request) -> int:
+    """Sort key: higher classes first."""
+    return -req.priority
 
 
 def _remaining(req: Request) -> int:

@@ -18,6 +18,7 @@ import torch
 
 from engine.kv_cache import KvLayout
 from engine.kv_handoff import HeldKv, ImportSlot
+from engine.priority import Priority
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 
@@ -67,8 +68,11 @@ class ImportPort(Protocol):
         *,
         request_id: str,
         cache_salt: str = "",
+        priority: Priority = Priority.STANDARD,
+        deadline: float | None = None,
     ) -> ImportSlot:
-        """Reserve blocks for the prompt; raises OutOfBlocksError when short (taking
+        """Reserve blocks for the prompt, for a request of class `priority` that must be
+        done by `deadline` (monotonic seconds); raises OutOfBlocksError when short (taking
         nothing) and InvalidRequestError for a request the engine refuses."""
         ...
 

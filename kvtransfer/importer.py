@@ -26,6 +26,7 @@ import torch
 
 from engine.errors import OutOfBlocksError
 from engine.kv_cache import KvLayout
+from engine.priority import Priority
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from kvtransfer.backend import ImportBackend
@@ -137,9 +138,13 @@ class KvImporter:
         cache_salt: str = "",
         timeout_s: float | None = None,
         metadata: Sequence[tuple[str, str]] = (),
+        priority: Priority = Priority.STANDARD,
+        request_deadline: float | None = None,
     ) -> ImportResult:
         """Bring the handle's KV in and queue the request; raises TransferError subclasses.
-        `metadata` goes on the gRPC calls to the exporter (W3C trace context)."""
+        `metadata` goes on the gRPC calls to the exporter (W3C trace context); the request
+        joins the batch at class `priority` with the engine deadline `request_deadline`
+        (monotonic seconds; the transfer has its own, shorter one)."""
         start = time.monotonic()
         deadline = start + (timeout_s or self.config.kv_transfer_timeout_s)
         validate_handle(handle, self.engine.layout, prompt_token_ids, self.backend.name)
@@ -152,6 +157,8 @@ class KvImporter:
                 sampling,
                 request_id=request_id,
                 cache_salt=cache_salt,
+                priority=priority,
+                deadline=request_deadline,
             )
         except OutOfBlocksError as exc:
             raise NoBlocksError(str(exc)) from exc

@@ -57,8 +57,8 @@ class GatewayMetrics:
         )
         self.finished = Counter(
             "pdserve_requests",
-            "Requests that ended normally, by finish reason",
-            ["finish_reason"],
+            "Requests that ended normally, by finish reason and priority class",
+            ["finish_reason", "priority"],
             registry=registry,
         )
         self.goodput = Counter(
@@ -98,9 +98,16 @@ class GatewayMetrics:
             "pdserve_output_tokens", "Tokens streamed to clients", registry=registry
         )
 
-    def record_finished(self, reason: str, ttft_s: float, e2e_s: float, output_tokens: int) -> None:
+    def record_finished(
+        self,
+        reason: str,
+        ttft_s: float,
+        e2e_s: float,
+        output_tokens: int,
+        priority: str = "standard",
+    ) -> None:
         """Count a normal end and judge it against the SLOs (ITL: mean after token 1)."""
-        self.finished.labels(reason).inc()
+        self.finished.labels(reason, priority).inc()
         self.e2e.observe(e2e_s)
         itl = (e2e_s - ttft_s) / (output_tokens - 1) if output_tokens > 1 else 0.0
         ttft_ok = ttft_s <= self.slo_ttft_s

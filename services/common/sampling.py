@@ -12,6 +12,7 @@ FINISH_REASONS = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.DEADLINE: common_pb2.FINISH_REASON_DEADLINE,
 }
 
 

@@ -23,6 +23,7 @@ from typing import Final
 import grpc
 
 from engine.errors import (
+    DeadlineExceededError,
     InvalidRequestError,
     ModelNotFoundError,
     OutOfBlocksError,
@@ -108,6 +109,7 @@ STATUS: Final[Mapping[type[BaseException], grpc.StatusCode]] = MappingProxyType(
         ModelNotFoundError: Code.NOT_FOUND,
         OutOfBlocksError: Code.RESOURCE_EXHAUSTED,
         UnknownRequestError: Code.NOT_FOUND,
+        DeadlineExceededError: Code.DEADLINE_EXCEEDED,
         # kvtransfer
         TransferError: Code.INTERNAL,
         InvalidHandleError: Code.INVALID_ARGUMENT,

@@ -21,7 +21,7 @@ from engine.request import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.importer import ImportResult, KvImporter
 from pdserve.v1 import worker_pb2
-from services.common import sampling
+from services.common import priority_proto, sampling
 from services.common.engine_loop import EngineLoop
 from services.common.worker_telemetry import WorkerTelemetry
 from services.decode.decode_trace import DecodeTrace
@@ -49,7 +49,8 @@ class DecodeHandler:
         queue = self.loop.open(rid)
         finished = False
         try:
-            kv_bytes, ended = await self._start(request, prompt, params, trace)
+            deadline = priority_proto.engine_deadline(context.time_remaining())
+            kv_bytes, ended = await self._start(request, prompt, params, trace, deadline)
             if ended is not None:  # the imported first token already ended it
                 finished = True
                 chunk = worker_pb2.DecodeChunk(
@@ -64,6 +65,7 @@ class DecodeHandler:
                 if out.error:
                     raise RuntimeError(out.error)
                 finished = out.finished
+                out.raise_for_deadline()  # ended by the engine, blocks freed: DEADLINE_EXCEEDED
                 chunk = self._chunk(out, kv_bytes if first else 0)
                 trace.on_output(out, first, chunk)
                 yield chunk
@@ -81,10 +83,13 @@ class DecodeHandler:
         prompt: list[int],
         params: SamplingParams,
         trace: DecodeTrace,
+        deadline: float | None,
     ) -> tuple[int, FinishReason | None]:
-        """Get the request into the batch; returns (KV bytes imported, None), or, when
-        the import's first token already ended the request, (bytes, why)."""
+        """Get the request into the batch at its class, with the caller's deadline;
+        returns (KV bytes imported, None), or, when the import's first token already
+        ended the request, (bytes, why)."""
         rid = request.request_id
+        priority = priority_proto.for_engine(request.priority)
         if request.HasField("kv_handle"):
             if self.importer is None:
                 raise ValueError("this worker has no KV importer (role prefill)")
@@ -92,6 +97,7 @@ class DecodeHandler:
                 importing = asyncio.ensure_future(asyncio.to_thread(
                     self.importer.import_kv, request.kv_handle, prompt, params,
                     request_id=rid, cache_salt=request.cache_salt, metadata=span.metadata,
+                    priority=priority, request_deadline=deadline,
                 ))  # fmt: skip
                 try:
                     result = await asyncio.shield(importing)
@@ -105,7 +111,10 @@ class DecodeHandler:
                 span.done(result)
             self.loop.wake()
             return result.bytes, result.finish_reason
-        self.engine.add_request(prompt, params, request_id=rid, cache_salt=request.cache_salt)
+        self.engine.add_request(
+            prompt, params, request_id=rid, cache_salt=request.cache_salt,
+            priority=priority, deadline=deadline,
+        )  # fmt: skip
         self.loop.wake()
         return 0, None
 

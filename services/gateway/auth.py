@@ -4,12 +4,19 @@ Lifecycle: the gateway loads `ApiKeys.from_file(path)` once at start (a bad file
 it with the line number). For every call, gRPC or HTTP, the front door pulls the key
 from the `authorization: Bearer <key>` or `x-api-key: <key>` header (`key_from_headers`)
 and `authenticate` turns it into a `Principal`: the tenant whose prefix-cache salt and
-router keys the request gets, whether it may use admin calls, and its token quota. The
-tenant comes only from the key: no request field can name another tenant.
+router keys the request gets, whether it may use admin calls, its token quota, and its
+priority classes. The tenant comes only from the key: no request field can name another
+tenant. A request's class comes from the request, up to the key's highest
+(`Principal.priority_for`), or else the key's default.
 
 Keys file, one key per line (`#` starts a comment):
 
-    <tenant> <key> [admin] [tpm=<tokens per minute>]
+    <tenant> <key> [admin] [tpm=<tokens per minute>] [class=<default class>]
+                   [max_class=<highest class it may ask for>] [weight=<fair share, > 0>]
+
+Classes are `engine.priority.Priority` names (sheddable, standard, critical). Defaults:
+class standard, max_class the higher of standard and `class`, weight 1. Without a keys
+file the one anonymous caller may ask for any class.
 
 Keys are kept only as SHA-256 digests, so a heap dump does not leak them; a lookup
 hashes the presented key.
@@ -18,10 +25,13 @@ hashes the presented key.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from engine.priority import Priority
 
 # Refusals: no valid key (UNAUTHENTICATED / HTTP 401), or a valid key without the right
 # (PERMISSION_DENIED / HTTP 403); their statuses live in the one table.
@@ -37,6 +47,9 @@ class Principal:
     tenant: str
     admin: bool = False
     tokens_per_minute: int = 0  # 0: the gateway's default quota
+    default_class: Priority = Priority.STANDARD  # a request that asks for none
+    max_class: Priority = Priority.STANDARD  # the highest a request may ask for
+    weight: float = 1.0  # the tenant's fair share of contested capacity
 
     def require_admin(self, what: str) -> None:
         if not self.admin:
@@ -44,9 +57,22 @@ class Principal:
                 f"{what} needs an admin key; tenant {self.tenant!r} has none"
             )
 
+    def priority_for(self, asked: Priority | None, field: str = "priority") -> Priority:
+        """The class a request runs in: `asked` (None: this key's default). Above the
+        key's highest class: PermissionDeniedError naming `field`."""
+        if asked is None:
+            return self.default_class
+        if asked > self.max_class:
+            raise PermissionDeniedError(
+                f"{field}: tenant {self.tenant!r} may ask for at most {self.max_class.label}, "
+                f"not {asked.label}"
+            )
+        return asked
 
-#: The caller when the gateway runs without a keys file: one anonymous tenant.
-ANONYMOUS = Principal(tenant="", admin=True)
+
+#: The caller when the gateway runs without a keys file: one anonymous tenant, trusted
+#: with every right and every class.
+ANONYMOUS = Principal(tenant="", admin=True, max_class=Priority.CRITICAL)
 
 
 def _digest(key: str) -> bytes:
@@ -58,21 +84,59 @@ def _parse_line(line: str, where: str) -> tuple[bytes, Principal] | None:
     if not words:
         return None
     if len(words) < 2:
-        raise ValueError(f"{where}: expected '<tenant> <key> [admin] [tpm=N]'")
+        raise ValueError(f"{where}: expected '<tenant> <key> [admin] [tpm=N] [class=C] ...'")
     tenant, key, *flags = words
     if not TENANT_RE.match(tenant):
         raise ValueError(f"{where}: tenant {tenant!r} must match {TENANT_RE.pattern}")
     if len(key) < MIN_KEY_CHARS:
         raise ValueError(f"{where}: key must have at least {MIN_KEY_CHARS} characters")
-    admin, tpm = False, 0
+    try:
+        return _digest(key), _principal(tenant, flags)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+OPTIONS = "admin, tpm=N, class=C, max_class=C, weight=W"
+
+
+def _principal(tenant: str, flags: list[str]) -> Principal:
+    """The tenant with a key's options; ValueError naming the bad one."""
+    principal = Principal(tenant)
+    seen: set[str] = set()
     for flag in flags:
+        name, _, value = flag.partition("=")
+        if name in seen:
+            raise ValueError(f"option {name!r} given twice")
+        seen.add(name)
         if flag == "admin":
-            admin = True
-        elif flag.startswith("tpm=") and flag[4:].isdigit():
-            tpm = int(flag[4:])
+            principal = replace(principal, admin=True)
+        elif name == "tpm" and value.isdigit():
+            principal = replace(principal, tokens_per_minute=int(value))
+        elif name == "class":
+            principal = replace(principal, default_class=Priority.parse(value, name))
+        elif name == "max_class":
+            principal = replace(principal, max_class=Priority.parse(value, name))
+        elif name == "weight":
+            principal = replace(principal, weight=_weight(value))
         else:
-            raise ValueError(f"{where}: unknown option {flag!r} (admin or tpm=N)")
-    return _digest(key), Principal(tenant, admin, tpm)
+            raise ValueError(f"unknown option {flag!r} ({OPTIONS})")
+    if "max_class" not in seen:  # a default above standard may be asked for, too
+        principal = replace(principal, max_class=max(principal.default_class, Priority.STANDARD))
+    if principal.default_class > principal.max_class:
+        raise ValueError(
+            f"class={principal.default_class.label} is above max_class={principal.max_class.label}"
+        )
+    return principal
+
+
+def _weight(text: str) -> float:
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = math.nan
+    if not (math.isfinite(weight) and weight > 0):
+        raise ValueError(f"weight must be a number > 0, got {text!r}")
+    return weight
 
 
 class ApiKeys:

@@ -1,4 +1,5 @@
-"""The gateway's settings: where it listens, which workers it uses, limits and deadlines."""
+"""The gateway's settings: where it listens, which workers it uses, limits, deadlines and
+guardrails (the most one request may ask for, take, or leave unread)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,27 @@ class GatewayConfig:
         metadata={"help": "per-tenant token quota per minute, kept in Redis (0 = unlimited)"},
     )
 
+    # Guardrails: no one request may take more than an operator allows.
+    max_tokens_limit: int = field(
+        default=4096,
+        metadata={"help": "highest max_tokens a request may ask for (INVALID_ARGUMENT above)"},
+    )
+    request_deadline_s: float = field(
+        default=600.0,
+        metadata={"help": "total time one request may take, admission to last token"},
+    )
+    slow_client_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "a client that takes no message for this long while its stream buffer "
+            "holds some is disconnected and its request aborted"
+        },
+    )
+    stream_buffer_messages: int = field(
+        default=64,
+        metadata={"help": "messages buffered per stream for a client that reads slowly"},
+    )
+
     def __post_init__(self) -> None:
         if not -1 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [-1, 65535] (-1 = off), got {self.http_port}")
@@ -73,6 +95,10 @@ class GatewayConfig:
             raise ValueError(f"max_streams must be > 0, got {self.max_streams}")
         if min(self.prefill_timeout_s, self.first_token_timeout_s, self.token_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
+        for name in ("max_tokens_limit", "request_deadline_s", "slow_client_timeout_s",
+                     "stream_buffer_messages"):  # fmt: skip
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.placement not in ("static", "redis"):
             raise ValueError(f"placement must be static or redis, got {self.placement!r}")
         if self.placement == "static" and not self.decode_workers:

@@ -8,28 +8,37 @@ stream cap, placement, `RequestStream`). The handler waits for the first message
 it answers, so every failure before token 1 gets its own HTTP status; a streamed answer
 then writes SSE chunks and `data: [DONE]`, and a failure after that is sent as one last
 `data: {"error": ...}` event. Errors get the HTTP status of their gRPC status (one
-table: `services.common.status`, then `openai_schema.http_for_status`). A client that
-disconnects gets its handler task cancelled (`handler_cancellation`), and the stream's
-generator is always closed, which runs the request record's cleanup (decode stream
-cancelled, un-pulled prefill lease aborted, load and quota given back). `stop()` stops
-accepting and gives open requests the drain time to finish.
+table: `services.common.status`, then `openai_schema.http_for_status`). The
+`x-pdserve-priority` header asks for a priority class (400 naming the header if no class
+has that name; 403 above the key's highest). A client that disconnects gets its handler
+task cancelled (`handler_cancellation`), and the stream's generator is always closed,
+which runs the request record's cleanup (decode stream cancelled, un-pulled prefill lease
+aborted, load and quota given back). An SSE stream writes each event through small
+socket and transport buffers and waits for them to drain, so a client that stops reading
+holds the handler within a few KiB; the request's `StreamBuffer` then gives up on it
+(`SseDisconnect`). `stop()` stops accepting and gives open requests the drain time to
+finish.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import math
+import socket
 import ssl
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 
 from aiohttp import web
 
 from engine.errors import InvalidRequestError
+from engine.priority import Priority
 from pdserve.v1 import gateway_pb2
+from services.common import priority_proto
 from services.common.status import (
     AuthError,
     NoWorkerError,
@@ -47,6 +56,15 @@ log = logging.getLogger(__name__)
 #: The gateway takes prompts up to 1M characters; JSON escaping can double their bytes.
 MAX_BODY_BYTES = 8 << 20
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+PRIORITY_HEADER = "x-pdserve-priority"
+#: An SSE stream's socket and transport buffers hold about this many bytes per buffered
+#: message (a token event is ~200). The kernel would otherwise grow a socket's send
+#: buffer to megabytes, thousands of events a client that stopped reading never sees.
+EVENT_BYTES = 256
+MIN_SOCKET_BUFFER = 4096
+#: After giving up on a client: how long the error event may take to leave before the
+#: connection is dropped.
+CLOSE_GRACE_S = 2.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PRINCIPAL = web.RequestKey("principal", Principal)  # set by the auth middleware
@@ -74,11 +92,64 @@ def _failure(exc: Exception, req: oa.OpenAIRequest) -> tuple[int, oa.Json]:
         shown = exc.field if exc.field.startswith(param) else param  # keep "messages.role"
         message = shown + str(exc)[len(exc.field) :]
         return 400, oa.error_body(message, "invalid_request_error", param)
-    if isinstance(exc, StatusError | NoWorkerError):
+    if isinstance(exc, StatusError | NoWorkerError | AuthError):  # AuthError: a class denied
         code = code_for(exc)
         status, kind = oa.http_for_status(code)
         return status, oa.error_body(str(exc), kind, None, code.name.lower())
     raise exc
+
+
+def asked_priority(headers: Mapping[str, str]) -> Priority | None:
+    """The class the `x-pdserve-priority` header asks for (None: the key's default);
+    SchemaError naming the header for a name no class has."""
+    value = headers.get(PRIORITY_HEADER)
+    if value is None:
+        return None
+    try:
+        return Priority.parse(value, PRIORITY_HEADER)
+    except ValueError as exc:
+        message = str(exc).removeprefix(PRIORITY_HEADER + " ")
+        raise oa.SchemaError(PRIORITY_HEADER, message) from None
+
+
+def _bound_buffers(request: web.Request, messages: int) -> None:
+    """Keep an SSE stream's socket and transport buffers to about `messages` events."""
+    transport = request.transport
+    if transport is None:
+        return
+    limit = max(MIN_SOCKET_BUFFER, messages * EVENT_BYTES)
+    transport.set_write_buffer_limits(high=limit)
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limit)
+
+
+class SseDisconnect:
+    """Ends an SSE answer whose client stopped reading (`StreamBuffer`'s `disconnect`).
+
+    It runs in the request's pump task while the handler's task waits for the socket to
+    drain. The error event and `[DONE]` are queued behind what the client has yet to read
+    (never waiting for room), the connection is closed once they are out, and dropped
+    after `CLOSE_GRACE_S` if they are not; either way aiohttp then cancels the handler.
+    """
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None  # set once the SSE answer started
+        self.oa_request: oa.OpenAIRequest | None = None
+
+    async def __call__(self, error: StatusError) -> None:
+        transport = self.request.transport
+        if transport is None:
+            return
+        if self.response is not None and self.oa_request is not None:
+            body = _failure(error, self.oa_request)[1]
+            last = f"data: {_dumps(body)}\n\ndata: [DONE]\n\n".encode()
+            with contextlib.suppress(Exception):  # best effort: the client may never read it
+                await asyncio.wait_for(self.response.write(last), CLOSE_GRACE_S)
+        transport.close()
+        asyncio.get_running_loop().call_later(CLOSE_GRACE_S, transport.abort)
 
 
 @web.middleware
@@ -194,24 +265,31 @@ class HttpApi:
             return _json(400, oa.error_body(message, "invalid_request_error"))
         try:
             req = parse(body)
+            asked = asked_priority(request.headers)
         except oa.SchemaError as exc:
             return _json(400, oa.error_body(str(exc), "invalid_request_error", exc.param))
         request_id = uuid.uuid4().hex
         answer = oa.Answer(req, req.model or self.service.model_name, request_id)
+        generate = oa.to_generate_request(req, request_id)
+        if asked is not None:
+            generate.priority = priority_proto.to_proto(asked)
+        disconnect = SseDisconnect(request)
         # Closing the generator (on return, error or cancellation) cancels the request on
         # both workers and gives back the stream slot.
         async with contextlib.aclosing(
-            self.service.stream(oa.to_generate_request(req, request_id), request[PRINCIPAL])
+            self.service.stream(generate, request[PRINCIPAL], disconnect)
         ) as messages:
             try:
                 first = await anext(messages)
                 if not req.stream:
                     return _json(200, await self._whole(answer, first, messages))
-            except (InvalidRequestError, UnknownModelError, StatusError, NoWorkerError) as exc:
+            except (
+                InvalidRequestError, UnknownModelError, StatusError, NoWorkerError, AuthError
+            ) as exc:  # fmt: skip
                 return _json(*_failure(exc, req))
             except QuotaExceeded as exc:
                 return _quota_response(exc)
-            return await self._sse(request, answer, first, messages)
+            return await self._sse(request, answer, first, messages, disconnect)
 
     async def _whole(
         self, answer: oa.Answer, first: gateway_pb2.GenerateResponse, messages: Messages
@@ -228,32 +306,52 @@ class HttpApi:
         answer: oa.Answer,
         first: gateway_pb2.GenerateResponse,
         messages: Messages,
+        disconnect: SseDisconnect,
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
+        _bound_buffers(request, self.service.config.stream_buffer_messages)
+        disconnect.response, disconnect.oa_request = response, answer.req
         msg, opening = first, True
         try:
-            while True:
-                if msg.finished:
-                    await _event(response, answer.chunk(msg.text, msg.finish_reason, first=opening))
-                    if answer.req.include_usage:
-                        await _event(response, answer.usage_chunk(msg.usage))
-                    break
+            while not msg.finished:
                 # Deltas held back by the detokenizer or a possible stop string are empty.
                 if msg.text or opening:
                     await _event(response, answer.chunk(msg.text, first=opening))
+                    # Take the next message only once this one has left: a client that
+                    # stops reading leaves its messages in the request's StreamBuffer.
+                    await request.writer.drain()
                     opening = False
                 msg = await anext(messages)
+            # The request is over: give back what it holds now, not once a slow client
+            # has taken the last events.
+            await messages.aclose()
+            tail = [answer.chunk(msg.text, msg.finish_reason, first=opening)]
+            if answer.req.include_usage:
+                tail.append(answer.usage_chunk(msg.usage))
         except (StatusError, NoWorkerError) as exc:
-            await _event(response, _failure(exc, answer.req)[1])
+            tail = [_failure(exc, answer.req)[1]]
         except ConnectionResetError:
             raise
         except Exception as exc:  # the 200 is sent: say so in the stream, not in a new response
             log.exception("SSE stream %s failed", answer.id)
-            await _event(response, oa.error_body(f"internal error: {exc}", "server_error"))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+            tail = [oa.error_body(f"internal error: {exc}", "server_error")]
+        await self._end_sse(request, response, tail)
         return response
+
+    async def _end_sse(
+        self, request: web.Request, response: web.StreamResponse, tail: list[oa.Json]
+    ) -> None:
+        """The last events, `[DONE]` and the end of the body; a client that does not take
+        them within the slow-client timeout loses the connection instead."""
+        last = "".join(f"data: {_dumps(body)}\n\n" for body in tail) + "data: [DONE]\n\n"
+        try:
+            async with asyncio.timeout(self.service.config.slow_client_timeout_s):
+                await response.write(last.encode())
+                await response.write_eof()
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
 
 
 async def _event(response: web.StreamResponse, body: oa.Json) -> None:

@@ -13,7 +13,11 @@ Lifecycle (`RequestState`), driven by `GatewayService.stream` and `RequestStream
                 worker has pulled the KV: the prefill lease is its business now);
                 `decode_ended` when the stream ends by itself
     FINISHED    the last message is made; the client has yet to take it
-    CLEANING    `close()`: the one cleanup path, from any state above
+    CLEANING    `close()`: the one cleanup path, from any state above; called when the
+                client's stream ends however it ends, and earlier by the request's
+                `StreamBuffer` when the relay fails (a worker's error, the request's
+                deadline) or the client stopped reading, so both workers drop the
+                request at once
     CLOSED      nothing held; the record has left the book
 
 `held` is the set of `Resource`s the record holds right now, and the `RecordBook` counts
@@ -43,6 +47,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from engine.priority import Priority
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import worker_pb2
 from services.common.status import StatusError
@@ -66,6 +71,8 @@ class Prepared:
     prompt: list[int]
     params: SamplingParams
     tenant: str
+    deadline: float  # time.monotonic() by which the request must have ended
+    priority: Priority = Priority.STANDARD  # its class, resolved against the caller's key
     # The id the workers see. A client-chosen id need not be unique (two clients, or one
     # retrying, may send the same), and a worker holding a live request under that id
     # refuses the second one and lets the first one stall; so each request gets its own.
@@ -220,6 +227,13 @@ class RequestRecord:
         """The decode stream ended by itself (last chunk, or an error): nothing to cancel."""
         self._decode = None
         self._changed()
+
+    def generated(self, tokens: int) -> None:
+        """Count tokens handed towards the client, until the cleanup begins: the quota
+        refund settles on this count, so a token the relay makes while the request is
+        being closed (a cancel racing a worker's answer) is neither billed nor counted."""
+        if self._closing is None:
+            self.completion_tokens += tokens
 
     def finished(self) -> None:
         self._enter(RequestState.FINISHED)

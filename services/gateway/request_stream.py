@@ -11,7 +11,11 @@ charge). It moves the record through its states:
    token has its own deadline (it includes the transfer), later tokens an idle deadline;
 4. the last message carries usage and the finish reason (and the trace id and phase
    timeline: `StreamTelemetry` traces and measures every step above).
-After token 1 a failure ends the stream with a typed status (never a hang). Nothing
+Both worker calls carry the request's class, and no wait outlasts the request's total
+deadline (`Prepared.deadline`): each hop's timeout is cut to the time left, which the
+workers also get as their gRPC deadline (their engine's `deadline`), and a hop that
+misses it ends the stream with DEADLINE_EXCEEDED naming `request_deadline_s`, never a
+retry. After token 1 a failure ends the stream with a typed status (never a hang). Nothing
 here gives anything back: whoever made the record closes it when this generator ends,
 however it ends (the decode stream cancelled, an un-pulled prefill lease aborted, load
 leases released, quota refunded: `RequestRecord.close`).
@@ -20,12 +24,13 @@ leases released, quota refunded: `RequestRecord.close`).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
 from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2
-from services.common import sampling
+from services.common import priority_proto, sampling
 from services.common.detokenizer import IncrementalDetokenizer
 from services.common.log_format import log_context
 from services.common.status import NoWorkerError, StatusError
@@ -41,6 +46,13 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 class StreamError(StatusError):
     """Ends the client's stream with this gRPC status (a worker's, or a deadline)."""
+
+
+def deadline_error(deadline_s: float) -> StreamError:
+    return StreamError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"request_deadline_s: the request ran past its {deadline_s:g}s deadline",
+    )
 
 
 class RequestStream:
@@ -60,8 +72,19 @@ class RequestStream:
         self.trim = StopTrimmer(self.req.params.stop)
         self.cached_tokens = 0
         self.tel = (telemetry or GatewayTelemetry.disabled()).stream(
-            self.req.request_id, self.req.tenant, len(self.req.prompt)
+            self.req.request_id, self.req.tenant, len(self.req.prompt), self.req.priority
         )
+        self.priority = priority_proto.to_proto(self.req.priority)
+
+    def _left(self) -> float:
+        """Seconds left before the request's deadline; DEADLINE_EXCEEDED once none are."""
+        left = self.req.deadline - time.monotonic()
+        if left <= 0:
+            raise deadline_error(self.config.request_deadline_s)
+        return left
+
+    def _past_deadline(self) -> bool:
+        return time.monotonic() >= self.req.deadline
 
     async def run(self) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         self.tel.begin()
@@ -100,6 +123,8 @@ class RequestStream:
             try:
                 return decision, await self._prefill(decision)
             except grpc.aio.AioRpcError as exc:
+                if self._past_deadline():  # no time left to retry in
+                    raise deadline_error(self.config.request_deadline_s) from exc
                 if exc.code() not in RETRYABLE or attempt == self.config.prefill_retries:
                     raise StreamError(
                         exc.code(), f"prefill worker {decision.prefill.worker_id}: {exc.details()}"
@@ -112,11 +137,13 @@ class RequestStream:
         request = worker_pb2.PrefillRequest(
             request_id=self.req.worker_request_id, prompt_token_ids=self.req.prompt,
             sampling=sampling.to_proto(self.req.params), cache_salt=self.req.tenant,
+            priority=self.priority,
         )  # fmt: skip
         address = decision.prefill.address
+        timeout = min(self.config.prefill_timeout_s, self._left())
         self.record.prefill_sent(address)
         response: worker_pb2.PrefillResponse = await self.stubs[address].Prefill(
-            request, timeout=self.config.prefill_timeout_s, metadata=self.tel.metadata()
+            request, timeout=timeout, metadata=self.tel.metadata()
         )
         self.record.prefill_done(address, finished=response.finished)
         self.cached_tokens = response.cached_tokens
@@ -130,10 +157,13 @@ class RequestStream:
         request = worker_pb2.DecodeRequest(
             request_id=self.req.worker_request_id, prompt_token_ids=self.req.prompt,
             sampling=sampling.to_proto(self.req.params), cache_salt=self.req.tenant,
+            priority=self.priority,
         )  # fmt: skip
         if handle is not None:
             request.kv_handle.CopyFrom(handle)
-        call = self.stubs[decision.decode.address].Decode(request, metadata=self.tel.metadata())
+        call = self.stubs[decision.decode.address].Decode(
+            request, timeout=self._left(), metadata=self.tel.metadata()
+        )
         self.record.decode_opened(call)
         pulled_from = decision.prefill.address if decision.prefill and handle else None
         started = False
@@ -164,15 +194,20 @@ class RequestStream:
     ) -> worker_pb2.DecodeChunk:
         """The next chunk; StreamError on a missed deadline, a failed or ended stream."""
         worker = decision.decode.worker_id
+        wait = min(timeout, self._left())
         try:
-            chunk = await asyncio.wait_for(call.read(), timeout)
+            chunk = await asyncio.wait_for(call.read(), wait)
         except TimeoutError as exc:
+            if self._past_deadline():
+                raise deadline_error(self.config.request_deadline_s) from exc
             raise StreamError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"decode worker {worker} sent no token for {timeout:.1f}s",
             ) from exc
         except grpc.aio.AioRpcError as exc:
             self.record.decode_ended()
+            if self._past_deadline():  # the call's own deadline: the request's
+                raise deadline_error(self.config.request_deadline_s) from exc
             raise StreamError(exc.code(), f"decode worker {worker}: {exc.details()}") from exc
         if chunk is grpc.aio.EOF:
             self.record.decode_ended()
@@ -190,7 +225,7 @@ class RequestStream:
         prefill: RouteDecision | None = None,
         decode: RouteDecision | None = None,
     ) -> gateway_pb2.GenerateResponse:
-        self.record.completion_tokens += len(tokens)
+        self.record.generated(len(tokens))
         self.tel.on_tokens(len(tokens))
         text = self.trim.push(self.detok.push(tokens))
         msg = gateway_pb2.GenerateResponse(

@@ -1,17 +1,23 @@
 """The Gateway gRPC service: validation, tokenization, admission, and streaming.
 
 Lifecycle of a call: check the model name and the input, tokenize (chat template for a
-message list), validate sampling against the context length; then open the request's
-`RequestRecord`, take a stream slot (or fail fast with RESOURCE_EXHAUSTED), charge the
-tenant's quota (or fail with RESOURCE_EXHAUSTED and a retry hint), and relay a
-`RequestStream`. When the stream ends, however it ends (finished, failed, or closed by a
-client that went away), the record's one cleanup gives back everything it holds. Typed
-errors become gRPC statuses through the one table (`services.common.status`).
+message list), validate sampling against the context length and the operator's
+`max_tokens_limit`, resolve the request's priority class against the caller's key (the
+key's default, or what the request asks for up to the key's highest: PERMISSION_DENIED
+above it), and start the clock on its total deadline (`request_deadline_s`); then open
+the request's `RequestRecord`, take a stream slot (or fail fast with RESOURCE_EXHAUSTED),
+charge the tenant's quota (or fail with RESOURCE_EXHAUSTED and a retry hint), and relay a
+`RequestStream` through the request's `StreamBuffer` (bounded: a client that stops
+reading is disconnected). When the stream ends, however it ends (finished, failed, given
+up on, or closed by a client that went away), the record's one cleanup gives back
+everything it holds. Typed errors become gRPC statuses through the one table
+(`services.common.status`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
@@ -21,7 +27,7 @@ import grpc
 from engine.errors import InvalidRequestError
 from engine.tokenizer import ChatMessage, Tokenizer
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2
-from services.common import sampling
+from services.common import priority_proto, sampling
 from services.common.detokenizer import IncrementalDetokenizer
 from services.common.status import (
     QuotaExceeded,
@@ -37,6 +43,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.record_book import RecordBook, Resource
 from services.gateway.request_record import Keepers, Prepared, RequestRecord
 from services.gateway.request_stream import RequestStream
+from services.gateway.stream_buffer import Disconnect, StreamBuffer
 from services.gateway.stream_telemetry import GatewayTelemetry
 from services.gateway.worker_stubs import WorkerStubs
 from services.router.placement import Placement
@@ -84,6 +91,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 f"model: {request.model!r} is not served here (serving {self.model_name!r})"
             )
         params = sampling.from_proto(request.sampling)
+        if params.max_tokens > self.config.max_tokens_limit:
+            raise InvalidRequestError(
+                "sampling.max_tokens",
+                f"must be <= {self.config.max_tokens_limit} (this gateway's max_tokens_limit)",
+                params.max_tokens,
+            )
         prompt = self._tokens(request)
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")
@@ -101,7 +114,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             raise InvalidRequestError(
                 "sampling.stop_token_ids", f"each id must be < {self.vocab_size}"
             )
-        return Prepared(request.request_id or uuid.uuid4().hex, prompt, params, tenant="")
+        deadline = time.monotonic() + self.config.request_deadline_s
+        return Prepared(request.request_id or uuid.uuid4().hex, prompt, params, "", deadline)
 
     def _tokens(self, request: gateway_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("input")
@@ -120,36 +134,47 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     # -- the one path of both front doors (gRPC Generate, OpenAI HTTP) -------------
     async def stream(
-        self, request: gateway_pb2.GenerateRequest, principal: Principal = ANONYMOUS
+        self,
+        request: gateway_pb2.GenerateRequest,
+        principal: Principal = ANONYMOUS,
+        disconnect: Disconnect | None = None,
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         """Validate, take a stream slot, charge the tenant's quota, relay a RequestStream.
 
-        `principal` (from `access.authenticate`) names the tenant: its prefix-cache salt
-        and routing key. Raises before the first message: UnknownModelError,
-        InvalidRequestError (naming the field), StatusError RESOURCE_EXHAUSTED (stream
-        cap), QuotaExceeded or NoWorkerError; after it, StreamError with the status.
-        Closing the generator early cancels the request on both workers. However it
-        ends, the record's cleanup gives everything back (slot, load leases, prefill
-        lease, unused quota) before this generator is done, unless its task is
-        cancelled again meanwhile: then the cleanup finishes on its own.
+        `principal` (from `access.authenticate`) names the tenant (its prefix-cache salt
+        and routing key) and the classes it may ask for. Raises before the first
+        message: UnknownModelError, InvalidRequestError (naming the field),
+        PermissionDeniedError (a class above the key's), StatusError RESOURCE_EXHAUSTED
+        (stream cap), QuotaExceeded or NoWorkerError; after it, StreamError with the
+        status (DEADLINE_EXCEEDED past `request_deadline_s`). `disconnect` is how the
+        front door ends its client's call when the client stops reading (see
+        `StreamBuffer`). Closing the generator early cancels the request on both
+        workers. However it ends, the record's cleanup gives everything back (slot,
+        load leases, prefill lease, unused quota) before this generator is done, unless
+        its task is cancelled again meanwhile: then the cleanup finishes on its own.
         """
         try:
-            prepared = replace(self.prepare(request), tenant=principal.tenant)
+            prepared = self.prepare(request)
+            asked = priority_proto.from_proto(request.priority)
+            prepared = replace(
+                prepared, tenant=principal.tenant, priority=principal.priority_for(asked)
+            )
         except Exception as exc:
             self.telemetry.count_refusal(exc)
             raise
         record = RequestRecord(prepared, self.keepers)
+        buffer = StreamBuffer(record, self.config, prepared.deadline, disconnect)
         try:
             await self._admit(record, principal)
             relay = RequestStream(
                 record, self.config, self.stubs, IncrementalDetokenizer(self.tokenizer),
                 self.telemetry,
             )  # fmt: skip
-            # aclosing: an early close reaches the stream's end now, not at GC.
-            async with contextlib.aclosing(relay.run()) as messages:
-                async for msg in messages:
-                    yield msg
+            buffer.start(relay.run())
+            while (msg := await buffer.next()) is not None:
+                yield msg
         finally:
+            buffer.stop()
             await record.close()
 
     async def _admit(self, record: RequestRecord, principal: Principal) -> None:
@@ -164,16 +189,19 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        disconnect = GrpcDisconnect(context)
         try:
             principal = self.access.authenticate(context.invocation_metadata() or ())
-            async with contextlib.aclosing(self.stream(request, principal)) as messages:
+            stream = self.stream(request, principal, disconnect)
+            async with contextlib.aclosing(stream) as messages:
                 async for msg in messages:
                     yield msg
         except QuotaExceeded as exc:
             retry_ms = str(round(exc.retry_after_s * 1000))
             await context.abort(*status_for(exc), (("retry-after-ms", retry_ms),))
         except (ServiceError, InvalidRequestError, StatusError) as exc:
-            await abort_with(context, exc)
+            if not disconnect.done:  # the call has its status already
+                await abort_with(context, exc)
 
     async def Complete(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -229,3 +257,22 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         except AuthError as exc:
             await abort_with(context, exc)
             raise  # abort raises; this keeps the type checker honest
+
+
+class GrpcDisconnect:
+    """Ends a Generate call whose client stopped reading (`StreamBuffer`'s `disconnect`).
+
+    It runs in the request's pump task: the call's own task is stuck handing gRPC a
+    message the client does not read. `abort` from here sends the status at once (the
+    client gets it after the messages it has yet to read), and gRPC then closes the
+    call's generator, which ends the request as a client that went away would.
+    """
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self.context = context
+        self.done = False
+
+    async def __call__(self, error: StatusError) -> None:
+        self.done = True
+        with contextlib.suppress(Exception):  # abort raises by design
+            await self.context.abort(error.code, str(error))

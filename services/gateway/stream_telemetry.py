@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Iterable
 import grpc
 from opentelemetry.trace import Span, SpanKind
 
+from engine.priority import Priority
 from pdserve.v1 import common_pb2, gateway_pb2
 from services.common.metrics import GatewayMetrics
 from services.common.status import code_for
@@ -51,8 +52,14 @@ class GatewayTelemetry:
             telemetry.registry.register(RouterCollector(lambda: router.stats))
         return cls(telemetry.tracing, metrics)
 
-    def stream(self, request_id: str, tenant: str, prompt_tokens: int) -> StreamTelemetry:
-        return StreamTelemetry(self, request_id, tenant, prompt_tokens)
+    def stream(
+        self,
+        request_id: str,
+        tenant: str,
+        prompt_tokens: int,
+        priority: Priority = Priority.STANDARD,
+    ) -> StreamTelemetry:
+        return StreamTelemetry(self, request_id, tenant, prompt_tokens, priority)
 
     def count_error(self, code: grpc.StatusCode) -> None:
         """A request refused before it had a stream (bad input, stream cap)."""
@@ -66,13 +73,19 @@ class GatewayTelemetry:
 
 class StreamTelemetry:
     def __init__(
-        self, owner: GatewayTelemetry, request_id: str, tenant: str, prompt_tokens: int
+        self,
+        owner: GatewayTelemetry,
+        request_id: str,
+        tenant: str,
+        prompt_tokens: int,
+        priority: Priority = Priority.STANDARD,
     ) -> None:
         self._tracing = owner.tracing
         self._metrics = owner.metrics
         self._request_id = request_id
         self._tenant = tenant
         self._prompt_tokens = prompt_tokens
+        self._priority = priority.label
         self.start = time.monotonic()
         self._first_at: float | None = None
         self._last_at = 0.0
@@ -93,6 +106,7 @@ class StreamTelemetry:
                     "pdserve.request_id": self._request_id,
                     "pdserve.tenant": self._tenant,
                     "pdserve.prompt_tokens": self._prompt_tokens,
+                    "pdserve.priority": self._priority,
                 },
                 kind=SpanKind.SERVER,
             )
@@ -176,7 +190,7 @@ class StreamTelemetry:
         m = self._metrics
         if m is not None:
             ttft = (self._first_at or now) - self.start
-            m.record_finished(reason, ttft, now - self.start, self._tokens)
+            m.record_finished(reason, ttft, now - self.start, self._tokens, self._priority)
             m.prompt_tokens.inc(msg.usage.prompt_tokens)
             m.cached_tokens.inc(msg.usage.cached_tokens)
             m.output_tokens.inc(self._tokens)

@@ -20,7 +20,7 @@ from opentelemetry.context import Context
 from engine.request import FinishReason, RequestOutput
 from kvtransfer.exporter import KvExporter
 from pdserve.v1 import common_pb2, worker_pb2
-from services.common import sampling
+from services.common import priority_proto, sampling
 from services.common.engine_loop import EngineLoop
 from services.common.worker_telemetry import WorkerTelemetry
 
@@ -52,12 +52,15 @@ class PrefillHandler:
             self.engine.add_request(
                 list(request.prompt_token_ids), first_only, request_id=rid,
                 cache_salt=request.cache_salt, hold_kv=True,
+                priority=priority_proto.for_engine(request.priority),
+                deadline=priority_proto.engine_deadline(context.time_remaining()),
             )  # fmt: skip
             self.loop.wake()
             out: RequestOutput = await queue.get()
             if out.error:
                 raise RuntimeError(out.error)
             finished = True
+            out.raise_for_deadline()  # ended by the engine, blocks freed: DEADLINE_EXCEEDED
             response = self._respond(rid, out, params.max_tokens)
             response.phases.extend(self._phases(request, out, parent))
             return response

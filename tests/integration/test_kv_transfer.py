@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from engine.engine import LLMEngine
+from engine.priority import Priority
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from kvtransfer.config import TransferConfig
@@ -137,6 +138,23 @@ def test_import_ended_by_its_first_token_reports_why(
     assert peer.wait_stats(lambda s: s["held_blocks"] == 0)["held_blocks"] == 0
     assert_no_leaks(decode)
     decode.pool.reset_prefix_cache()
+
+
+def test_import_keeps_the_requests_class_and_deadline(
+    peer: PeerProcess, importer: KvImporter, decode: LLMEngine
+) -> None:
+    prompt = decode.tokenizer.encode(long_prompt(1))
+    handle = peer.prefill(prompt)
+    deadline = time.monotonic() + 600
+    importer.import_kv(
+        handle, prompt, PARAMS, request_id="classed",
+        priority=Priority.CRITICAL, request_deadline=deadline,
+    )  # fmt: skip
+    landed = decode.requests["classed"]
+    assert (landed.priority, landed.deadline) == (Priority.CRITICAL, deadline)
+    _decode_all(decode, "classed", handle.first_token_id)
+    assert peer.wait_stats(lambda s: s["held_blocks"] == 0)["held_blocks"] == 0
+    assert_no_leaks(decode)
 
 
 @pytest.mark.parametrize(

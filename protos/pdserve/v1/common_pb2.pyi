@@ -13,10 +13,23 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_DEADLINE: _ClassVar[FinishReason]
+
+class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_UNSPECIFIED: _ClassVar[Priority]
+    PRIORITY_SHEDDABLE: _ClassVar[Priority]
+    PRIORITY_STANDARD: _ClassVar[Priority]
+    PRIORITY_CRITICAL: _ClassVar[Priority]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+FINISH_REASON_DEADLINE: FinishReason
+PRIORITY_UNSPECIFIED: Priority
+PRIORITY_SHEDDABLE: Priority
+PRIORITY_STANDARD: Priority
+PRIORITY_CRITICAL: Priority
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x80\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\xe8\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\'\n\tkv_handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\'\n\x06phases\x18\x07 \x03(\x0b\x32\x17.pdserve.v1.PhaseTiming\"\xa8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\'\n\tkv_handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\"\xb5\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x04\x12\'\n\x06phases\x18\x06 \x03(\x0b\x32\x17.pdserve.v1.PhaseTiming\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xd3\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x13\n\x0bused_blocks\x18\x05 \x01(\r\x12\x15\n\rcached_blocks\x18\x06 \x01(\r\x12\x13\n\x0bheld_blocks\x18\x07 \x01(\r\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x15\n\ractive_leases\x18\n \x01(\r\x12\x16\n\x0e\x65xpired_leases\x18\x0b \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x0c \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\r \x01(\x04\x12\x1d\n\x15kv_layout_fingerprint\x18\x0e \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x0f \x01(\t2\x86\x02\n\x06Worker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xa8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12&\n\x08priority\x18\x05 \x01(\x0e\x32\x14.pdserve.v1.Priority\"\xe8\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\'\n\tkv_handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\'\n\x06phases\x18\x07 \x03(\x0b\x32\x17.pdserve.v1.PhaseTiming\"\xd0\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\'\n\tkv_handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12&\n\x08priority\x18\x06 \x01(\x0e\x32\x14.pdserve.v1.Priority\"\xb5\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x04\x12\'\n\x06phases\x18\x06 \x03(\x0b\x32\x17.pdserve.v1.PhaseTiming\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xd3\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x13\n\x0bused_blocks\x18\x05 \x01(\r\x12\x15\n\rcached_blocks\x18\x06 \x01(\r\x12\x13\n\x0bheld_blocks\x18\x07 \x01(\r\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x15\n\ractive_leases\x18\n \x01(\r\x12\x16\n\x0e\x65xpired_leases\x18\x0b \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x0c \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\r \x01(\x04\x12\x1d\n\x15kv_layout_fingerprint\x18\x0e \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x0f \x01(\t2\x86\x02\n\x06Worker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=65
-  _globals['_PREFILLREQUEST']._serialized_end=193
-  _globals['_PREFILLRESPONSE']._serialized_start=196
-  _globals['_PREFILLRESPONSE']._serialized_end=428
-  _globals['_DECODEREQUEST']._serialized_start=431
-  _globals['_DECODEREQUEST']._serialized_end=599
-  _globals['_DECODECHUNK']._serialized_start=602
-  _globals['_DECODECHUNK']._serialized_end=783
-  _globals['_ABORTREQUEST']._serialized_start=785
-  _globals['_ABORTREQUEST']._serialized_end=819
-  _globals['_ABORTRESPONSE']._serialized_start=821
-  _globals['_ABORTRESPONSE']._serialized_end=851
-  _globals['_STATSREQUEST']._serialized_start=853
-  _globals['_STATSREQUEST']._serialized_end=867
-  _globals['_WORKERSTATS']._serialized_start=870
-  _globals['_WORKERSTATS']._serialized_end=1209
-  _globals['_WORKER']._serialized_start=1212
-  _globals['_WORKER']._serialized_end=1474
+  _globals['_PREFILLREQUEST']._serialized_end=233
+  _globals['_PREFILLRESPONSE']._serialized_start=236
+  _globals['_PREFILLRESPONSE']._serialized_end=468
+  _globals['_DECODEREQUEST']._serialized_start=471
+  _globals['_DECODEREQUEST']._serialized_end=679
+  _globals['_DECODECHUNK']._serialized_start=682
+  _globals['_DECODECHUNK']._serialized_end=863
+  _globals['_ABORTREQUEST']._serialized_start=865
+  _globals['_ABORTREQUEST']._serialized_end=899
+  _globals['_ABORTRESPONSE']._serialized_start=901
+  _globals['_ABORTRESPONSE']._serialized_end=931
+  _globals['_STATSREQUEST']._serialized_start=933
+  _globals['_STATSREQUEST']._serialized_end=947
+  _globals['_WORKERSTATS']._serialized_start=950
+  _globals['_WORKERSTATS']._serialized_end=1289
+  _globals['_WORKER']._serialized_start=1292
+  _globals['_WORKER']._serialized_end=1554
 # @@protoc_insertion_point(module_scope)

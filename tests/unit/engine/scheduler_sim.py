@@ -3,7 +3,8 @@
 `Sim.step` does what `LLMEngine.step` does around the model: schedule, `advance` each
 scheduled request, and when a request has computed all its tokens, "sample" a token
 (derived from the request and position, so recomputation can be checked) and finish it
-once it has `max_tokens` outputs. After every step the harness checks the block
+once it has `max_tokens` outputs; requests the scheduler ended on their deadline join
+`finished` too. After every step the harness checks the block
 accounting exactly: each block's reference count equals the number of live requests
 (in any state, hand-off ones included) whose block table holds it.
 """
@@ -14,9 +15,11 @@ from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
 from engine.prefix_hash import hash_seed
+from engine.priority import Priority
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from engine.scheduled_batch import ScheduledBatch
+from engine.scheduler import Scheduler, SchedulerConfig
 
 SEED = hash_seed("m")
 
@@ -28,6 +31,8 @@ def make_req(
     *,
     hold_kv: bool = False,
     seed: int = SEED,
+    priority: Priority = Priority.STANDARD,
+    deadline: float | None = None,
 ) -> Request:
     return Request(
         request_id=rid,
@@ -35,6 +40,8 @@ def make_req(
         sampling=SamplingParams(max_tokens=max_tokens),
         hash_seed=seed,
         hold_kv=hold_kv,
+        priority=priority,
+        deadline=deadline,
     )
 
 
@@ -62,6 +69,10 @@ class Sim:
         sched = self.sched
         batch = sched.schedule()
         self.steps += 1
+        for req in batch.expired:
+            assert req.finish_reason is FinishReason.DEADLINE and not req.block_ids
+            assert req.status is RequestStatus.FINISHED_DEADLINE
+        self.finished.extend(batch.expired)
         assert batch.num_tokens <= sched.config.max_num_batched_tokens
         assert len(sched.running) <= sched.config.max_num_seqs
         ids = [id(r) for r, _ in batch.items]

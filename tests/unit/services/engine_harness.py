@@ -149,3 +149,6 @@ class Context:
 
     def invocation_metadata(self) -> Sequence[tuple[str, str]]:
         return ()
+
+    def time_remaining(self) -> float | None:
+        return None  # no gRPC deadline

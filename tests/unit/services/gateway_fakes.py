@@ -1,5 +1,7 @@
 """A gateway in process, on real Redis (placement, load leases, quota), in front of fake
-workers whose every call can be held at a `Gate`: what the gateway request tests drive.
+workers whose every call can be held at a `Gate`: what the gateway request tests drive,
+with a `Client` that reads a request's stream as a front door would (and can go quiet),
+and the leak check every such test ends with (`assert_nothing_held`).
 
 The fakes model what a worker holds for the gateway: a prefill worker keeps a request's
 KV under a lease from the moment it exports it (before its answer is on the wire) until a
@@ -10,6 +12,7 @@ gateway cancels it. `FakeCluster.leaks()` names whatever is still held.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,11 +24,16 @@ import redis
 
 from engine.model_spec import ModelSpec
 from engine.tokenizer import Tokenizer
-from pdserve.v1 import common_pb2, worker_pb2
+from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2
 from services.gateway.access import Access
+from services.gateway.auth import ANONYMOUS, Principal
+from services.gateway.client import build_request
 from services.gateway.config import GatewayConfig
 from services.gateway.quota import TokenQuota
+from services.gateway.record_book import Resource
+from services.gateway.request_record import RequestRecord, RequestState
 from services.gateway.service import GatewayService
+from services.gateway.stream_buffer import Disconnect
 from services.gateway.worker_stubs import WorkerStubs
 from services.router.keyspace import Keyspace
 from services.router.redis_placement import RedisPlacement
@@ -35,6 +43,8 @@ from services.router.router_config import RouterConfig
 
 DECODE_TOKENS = (11, 12, 13)  # what the fake decode worker streams, one chunk each
 FIRST_TOKEN = 10
+PROMPT = "Tell me about the sea."
+MAX_TOKENS = 1 + len(DECODE_TOKENS)  # token 1 from prefill, the rest from decode
 
 
 class Gate:
@@ -104,6 +114,8 @@ class FakeDecodeCall:
         await (
             gates["import"] if n == 0 else gates["next_token"] if n == 1 else gates["late"]
         ).passing()
+        if n == 1 and self.cluster.torn_down:
+            raise asyncio.CancelledError  # as a grpc.aio call closed under its reader
         if n == 0:
             if self.cluster.import_fails:
                 self.ended = True
@@ -134,16 +146,20 @@ class FakeWorker:
         self.address = address
 
     async def Prefill(
-        self, request: worker_pb2.PrefillRequest, **_: object
+        self, request: worker_pb2.PrefillRequest, timeout: float | None = None, **_: object
     ) -> worker_pb2.PrefillResponse:
         cluster = self.cluster
         cluster.prefills.append(self.address)
+        cluster.priorities.append(("prefill", request.priority))
         if cluster.unreachable_first and len(cluster.prefills) == 1:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused")
         finished = request.sampling.max_tokens == 1
         if not finished:
             cluster.leases.add(request.request_id)  # exported: held until pulled or aborted
-        await cluster.gates["prefill"].passing()
+        try:  # the call's deadline, as gRPC would enforce it
+            await asyncio.wait_for(cluster.gates["prefill"].passing(), timeout)
+        except TimeoutError:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         response = worker_pb2.PrefillResponse(
             first_token_id=FIRST_TOKEN, worker_id=self.address, finished=finished
         )
@@ -154,6 +170,7 @@ class FakeWorker:
         return response
 
     def Decode(self, request: worker_pb2.DecodeRequest, **_: object) -> FakeDecodeCall:
+        self.cluster.priorities.append(("decode", request.priority))
         call = FakeDecodeCall(self.cluster, request)
         self.cluster.decodes.append(call)
         return call
@@ -175,8 +192,10 @@ class FakeCluster:
     prefills: list[str] = field(default_factory=list)  # addresses, in call order
     decodes: list[FakeDecodeCall] = field(default_factory=list)
     aborts: list[tuple[str, str]] = field(default_factory=list)  # (address, request id)
+    priorities: list[tuple[str, int]] = field(default_factory=list)  # (call, proto class)
     unreachable_first: bool = False  # the first Prefill call fails: UNAVAILABLE
     import_fails: bool = False
+    torn_down: bool = False  # the decode call's second read is cancelled from outside
     finish_reason: int = common_pb2.FINISH_REASON_LENGTH  # the decode's last chunk
 
     def __post_init__(self) -> None:
@@ -261,3 +280,65 @@ def build_gateway(
         stubs=FakeStubs(cluster),
     )
     return Gateway(service, cluster, client, namespace, charge_gate, route_gate)
+
+
+# -- driving one request through the service, and the leak check ------------------------
+def request(max_tokens: int = MAX_TOKENS) -> gateway_pb2.GenerateRequest:
+    return build_request(prompt=PROMPT, max_tokens=max_tokens, request_id="r")
+
+
+def prompt_tokens(gw: Gateway) -> int:
+    return len(gw.service.tokenizer.encode(PROMPT))
+
+
+def only_record(gw: Gateway) -> RequestRecord:
+    (record,) = gw.service.book.live()
+    return record
+
+
+async def assert_nothing_held(gw: Gateway, record: RequestRecord) -> None:
+    """The leak check: wait for cleanups to end, then every resource is back."""
+    await gw.service.stubs.cleanups.close(timeout_s=10.0)
+    assert record.state is RequestState.CLOSED
+    assert record.held == frozenset()
+    assert gw.service.book.counts() == dict.fromkeys(Resource, 0)
+    assert len(gw.service.book) == 0 and gw.service.active == 0
+    assert gw.load_counts() == {"prefill": {}, "decode": {}}
+    assert gw.quota_used() == prompt_tokens(gw) + record.completion_tokens
+    assert gw.cluster.leaks() == []
+
+
+class Client:
+    """Reads the stream like a front door; `stall_at` stops reading (without closing)
+    after that message, as a client that went quiet would, until `resume` is set."""
+
+    def __init__(
+        self,
+        gw: Gateway,
+        stall_at: int | None = None,
+        max_tokens: int = MAX_TOKENS,
+        *,
+        principal: Principal = ANONYMOUS,
+        priority: int = common_pb2.PRIORITY_UNSPECIFIED,
+        disconnect: Disconnect | None = None,
+    ) -> None:
+        self.gw = gw
+        self.stall_at = stall_at
+        self.max_tokens = max_tokens
+        self.principal = principal
+        self.priority = priority
+        self.disconnect = disconnect
+        self.received: list[gateway_pb2.GenerateResponse] = []
+        self.stalled = asyncio.Event()
+        self.resume = asyncio.Event()
+
+    async def run(self) -> None:
+        req = request(self.max_tokens)
+        req.priority = self.priority
+        stream = self.gw.service.stream(req, self.principal, self.disconnect)
+        async with contextlib.aclosing(stream) as messages:
+            async for msg in messages:
+                self.received.append(msg)
+                if len(self.received) - 1 == self.stall_at:
+                    self.stalled.set()
+                    await self.resume.wait()

@@ -9,6 +9,7 @@ import pytest
 
 from engine.config import EngineConfig
 from services.common.config import add_config_args, config_from_args, env_var_names
+from services.gateway.config import GatewayConfig
 from services.worker.config import WorkerConfig
 
 
@@ -48,3 +49,19 @@ def test_env_names_cover_every_field() -> None:
     names = env_var_names(WorkerConfig)
     assert "PDSERVE_ROLE" in names and "PDSERVE_REDIS_URL" in names
     assert all(n.startswith("PDSERVE_") and n.isupper() for n in names)
+
+
+def test_gateway_guardrail_flags_and_env_vars() -> None:
+    parser = argparse.ArgumentParser()
+    env = {"PDSERVE_SLOW_CLIENT_TIMEOUT_S": "2.5", "PDSERVE_STREAM_BUFFER_MESSAGES": "8"}
+    add_config_args(parser, GatewayConfig, env=env)
+    args = parser.parse_args(["--decode-workers", "d:1", "--max-tokens-limit", "512"])
+    cfg = config_from_args(GatewayConfig, args)
+    assert (cfg.max_tokens_limit, cfg.slow_client_timeout_s, cfg.stream_buffer_messages) == (
+        512, 2.5, 8,
+    )  # fmt: skip
+    assert cfg.request_deadline_s == 600.0
+    for name in ("max_tokens_limit", "request_deadline_s", "slow_client_timeout_s",
+                 "stream_buffer_messages"):  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            GatewayConfig(decode_workers="d:1", **{name: 0})  # type: ignore[arg-type]

@@ -1,6 +1,7 @@
 """The HTTP front door in process, in front of workers that never answer or are gone:
-the stream cap (429), a missed deadline (504), an unreachable worker (503), and a client
-that leaves during prefill, all driven by the official `openai` client."""
+the stream cap (429), a missed deadline (504), an unreachable worker (503), a client
+that leaves during prefill, and the priority header (400 unknown, 403 above the key's
+highest), all driven by the official `openai` client."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 
 from engine.model_spec import ModelSpec
 from engine.tokenizer import Tokenizer
+from services.gateway.access import Access
+from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.http_api import HttpApi
 from services.gateway.service import GatewayService
@@ -34,17 +38,18 @@ def silent_worker() -> Iterator[socket.socket]:
 
 @contextlib.asynccontextmanager
 async def _serve(
-    model_dir: Path, worker: str, prefill_timeout_s: float
+    model_dir: Path, worker: str, prefill_timeout_s: float, **config: Any
 ) -> AsyncIterator[tuple[GatewayService, str]]:
-    config = GatewayConfig(
+    access = config.pop("access", None)
+    cfg = GatewayConfig(
         prefill_workers=worker, decode_workers=worker, max_streams=1,
-        prefill_timeout_s=prefill_timeout_s, prefill_retries=0, http_port=0,
+        prefill_timeout_s=prefill_timeout_s, prefill_retries=0, http_port=0, **config,
     )  # fmt: skip
     spec = ModelSpec.from_dir(model_dir)
-    placement = StaticPlacement.from_addresses(config.prefill_list, config.decode_list)
+    placement = StaticPlacement.from_addresses(cfg.prefill_list, cfg.decode_list)
     service = GatewayService(
-        config, placement, Tokenizer(model_dir), "m", spec.max_position_embeddings,
-        spec.vocab_size,
+        cfg, placement, Tokenizer(model_dir), "m", spec.max_position_embeddings,
+        spec.vocab_size, access=access,
     )  # fmt: skip
     api = HttpApi(service, drain_s=1.0)
     address = await api.start("127.0.0.1", 0)
@@ -117,3 +122,42 @@ def test_a_client_leaving_during_prefill_gives_the_slot_back_at_once(
             return elapsed
 
     assert asyncio.run(scenario()) < 5.0
+
+
+def test_priority_header_unknown_is_400_and_above_the_key_is_403(
+    model_dir: Path, silent_worker: socket.socket, tmp_path: Path
+) -> None:
+    """Both are refused before anything is placed: the worker (which never answers)
+    is not called, and no stream slot is taken."""
+    keys = tmp_path / "keys"
+    keys.write_text("acme acme-secret-key-0001\nbatch batch-secret-key-0002 class=sheddable\n")
+    host, port = silent_worker.getsockname()
+
+    async def scenario() -> None:
+        access = Access(ApiKeys.from_file(keys), None)
+        async with _serve(model_dir, f"{host}:{port}", 3.0, access=access) as (service, base):
+            acme = openai.AsyncOpenAI(base_url=base, api_key="acme-secret-key-0001",
+                                      max_retries=0)  # fmt: skip
+            with pytest.raises(openai.BadRequestError) as unknown:
+                await acme.completions.create(
+                    model="m", prompt="hi", max_tokens=2,
+                    extra_headers={"x-pdserve-priority": "urgent"},
+                )  # fmt: skip
+            assert unknown.value.param == "x-pdserve-priority"
+            assert "sheddable, standard, critical" in unknown.value.message
+            for key in ("acme-secret-key-0001", "batch-secret-key-0002"):
+                caller = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
+                with pytest.raises(openai.PermissionDeniedError) as denied:
+                    await caller.chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
+                        extra_headers={"X-PDServe-Priority": "Critical"},
+                    )  # fmt: skip
+                assert "may ask for at most standard, not critical" in denied.value.message
+                await caller.close()
+            with pytest.raises(openai.BadRequestError) as too_many:
+                await acme.completions.create(model="m", prompt="hi", max_tokens=4097)
+            assert too_many.value.param == "max_tokens" and "4096" in too_many.value.message
+            assert service.active == 0 and len(service.book) == 0
+            await acme.close()
+
+    asyncio.run(scenario())

@@ -4,12 +4,12 @@ in front of fake workers that hold the request at each point. Every test ends wi
 leak check: the record holds nothing and is closed, the gauge's counts are 0, the stream
 slot is back, no load lease is left in the router, the quota keeps only what was
 generated, no prefill worker keeps KV (an Abort was sent where it had to be), and no
-decode call is left open."""
+decode call is left open. Where the client sits on a message, the stream buffer lets the
+relay read on, so the relay is held at its next worker call there."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,18 +20,21 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from engine.tokenizer import Tokenizer
-from pdserve.v1 import common_pb2, gateway_pb2
+from pdserve.v1 import common_pb2
 from services.common.status import QuotaExceeded, StatusError
-from services.gateway.client import build_request
 from services.gateway.record_book import GAUGE, HeldCollector, Resource
 from services.gateway.request_record import RequestRecord, RequestState
 from services.gateway.request_stream import StreamError
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.redis_client import connect
-from tests.unit.services.gateway_fakes import DECODE_TOKENS, Gateway, build_gateway
-
-PROMPT = "Tell me about the sea."
-MAX_TOKENS = 1 + len(DECODE_TOKENS)  # token 1 from prefill, the rest from decode
+from tests.unit.services.gateway_fakes import (
+    MAX_TOKENS,
+    PROMPT,
+    Client,
+    assert_nothing_held,
+    build_gateway,
+    only_record,
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,52 +53,6 @@ def client(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
 @pytest.fixture
 def namespace() -> str:
     return f"life-{uuid.uuid4().hex[:12]}"
-
-
-def request(max_tokens: int = MAX_TOKENS) -> gateway_pb2.GenerateRequest:
-    return build_request(prompt=PROMPT, max_tokens=max_tokens, request_id="r")
-
-
-def prompt_tokens(gw: Gateway) -> int:
-    return len(gw.service.tokenizer.encode(PROMPT))
-
-
-async def assert_nothing_held(gw: Gateway, record: RequestRecord) -> None:
-    """The leak check: wait for cleanups to end, then every resource is back."""
-    await gw.service.stubs.cleanups.close(timeout_s=10.0)
-    assert record.state is RequestState.CLOSED
-    assert record.held == frozenset()
-    assert gw.service.book.counts() == dict.fromkeys(Resource, 0)
-    assert len(gw.service.book) == 0 and gw.service.active == 0
-    assert gw.load_counts() == {"prefill": {}, "decode": {}}
-    assert gw.quota_used() == prompt_tokens(gw) + record.completion_tokens
-    assert gw.cluster.leaks() == []
-
-
-class Client:
-    """Reads the stream like a front door; `stall_at` stops reading (without closing)
-    after that message, as a client that went quiet would."""
-
-    def __init__(self, gw: Gateway, stall_at: int | None = None, max_tokens: int = MAX_TOKENS):
-        self.gw = gw
-        self.stall_at = stall_at
-        self.max_tokens = max_tokens
-        self.received: list[gateway_pb2.GenerateResponse] = []
-        self.stalled = asyncio.Event()
-
-    async def run(self) -> None:
-        stream = self.gw.service.stream(request(self.max_tokens))
-        async with contextlib.aclosing(stream) as messages:
-            async for msg in messages:
-                self.received.append(msg)
-                if len(self.received) - 1 == self.stall_at:
-                    self.stalled.set()
-                    await asyncio.Event().wait()
-
-
-def only_record(gw: Gateway) -> RequestRecord:
-    (record,) = gw.service.book.live()
-    return record
 
 
 async def cancel(task: asyncio.Task[None], record: RequestRecord, times: int) -> None:
@@ -122,6 +79,9 @@ POINTS = [
     ("final_message", 3),  # the last message handed to the client
 ]
 STALLS = dict(POINTS)
+# Where the relay is while the client sits on a message: the stream buffer lets it read
+# on, so it is held at the next worker call (the last message: it is over).
+RELAY_AT = {"first_token": "import", "decode_token": "next_token"}
 UNPULLED = {"prefill", "first_token", "import"}  # the prefill worker keeps the KV here
 
 
@@ -133,7 +93,7 @@ def test_cancel_at_every_await_point_leaves_nothing_held(
     async def scenario() -> None:
         gw = build_gateway(client, namespace, model_dir)
         thread_gate = {"charge": gw.charge_gate, "route": gw.route_gate}.get(point)
-        gate = gw.cluster.gates.get(point)
+        gate = gw.cluster.gates.get(RELAY_AT.get(point, point))
         if thread_gate is not None:
             thread_gate.hold()
         elif gate is not None:
@@ -142,10 +102,12 @@ def test_cancel_at_every_await_point_leaves_nothing_held(
         task = asyncio.create_task(reader.run())
         if thread_gate is not None:
             await thread_gate.reached()
-        elif gate is not None:
+        if gate is not None:
             await asyncio.wait_for(gate.arrived.wait(), 10)
-        else:
+        if STALLS[point] is not None:
             await asyncio.wait_for(reader.stalled.wait(), 10)
+        if point == "final_message":
+            assert only_record(gw).state is RequestState.FINISHED
         record = only_record(gw)
         await cancel(task, record, times)
         if thread_gate is not None:

@@ -110,7 +110,9 @@ def test_gateway_metrics_served_and_goodput_judged() -> None:
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry, slo_ttft_s=0.5, slo_itl_s=0.05)
     metrics.record_finished("FINISH_REASON_STOP", ttft_s=0.1, e2e_s=0.5, output_tokens=11)
-    metrics.record_finished("FINISH_REASON_LENGTH", ttft_s=0.9, e2e_s=2.0, output_tokens=11)
+    metrics.record_finished(
+        "FINISH_REASON_LENGTH", ttft_s=0.9, e2e_s=2.0, output_tokens=11, priority="critical"
+    )
     server = MetricsServer(registry, "127.0.0.1", 0)
     try:
         url = f"http://127.0.0.1:{server.port}/metrics"
@@ -122,6 +124,9 @@ def test_gateway_metrics_served_and_goodput_judged() -> None:
     assert 'pdserve_slo_violations_total{slo="ttft"} 1.0' in text
     assert 'pdserve_slo_violations_total{slo="itl"} 1.0' in text
     assert "pdserve_e2e_request_latency_seconds_count 2.0" in text
+    for reason, priority in (("STOP", "standard"), ("LENGTH", "critical")):
+        labels = f'finish_reason="FINISH_REASON_{reason}",priority="{priority}"'
+        assert f"pdserve_requests_total{{{labels}}} 1.0" in text
 
 
 def test_timeline_table_orders_phases_from_the_root() -> None:
