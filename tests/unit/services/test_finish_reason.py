@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,24 +25,9 @@ from services.gateway.client import build_request
 from services.gateway.http_api import HttpApi
 from services.gateway.record_book import Resource
 from services.gateway.wire import add_servicer
-from services.router.embedded_redis import EmbeddedRedis
-from services.router.redis_client import connect
 from tests.unit.services.gateway_fakes import Gateway, build_gateway
 
 REASONS = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop"}
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as server:
-        yield server
-
-
-@pytest.fixture
-def client(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
-    c = connect(redis_server.url, timeout_s=2.0)
-    yield c
-    c.close()
 
 
 class Front:

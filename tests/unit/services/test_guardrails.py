@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -27,8 +25,6 @@ from services.gateway.record_book import Resource
 from services.gateway.request_record import RequestRecord, RequestState
 from services.gateway.request_stream import StreamError
 from services.gateway.service import GrpcDisconnect
-from services.router.embedded_redis import EmbeddedRedis
-from services.router.redis_client import connect
 from tests.unit.services.gateway_fakes import (
     MAX_TOKENS,
     Client,
@@ -40,24 +36,6 @@ from tests.unit.services.gateway_fakes import (
 )
 
 P = common_pb2
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as server:
-        yield server
-
-
-@pytest.fixture
-def client(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
-    c = connect(redis_server.url, timeout_s=2.0)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def namespace() -> str:
-    return f"guard-{uuid.uuid4().hex[:12]}"
 
 
 async def assert_refused_holding_nothing(gw: Gateway) -> None:

@@ -4,7 +4,6 @@ windows shared by replicas, and fail-open when Redis is gone."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -12,19 +11,6 @@ import redis
 from services.gateway.quota import QuotaExceeded, TokenQuota
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.redis_client import connect
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as s:
-        yield s
-
-
-@pytest.fixture
-def client(server: EmbeddedRedis) -> Iterator[redis.Redis]:
-    c = connect(server.url, timeout_s=2.0)
-    yield c
-    c.close()
 
 
 def test_charge_refuse_and_refund(client: redis.Redis) -> None:

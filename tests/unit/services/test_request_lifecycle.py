@@ -10,8 +10,6 @@ relay read on, so the relay is held at its next worker call there."""
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -25,8 +23,6 @@ from services.common.status import QuotaExceeded, StatusError
 from services.gateway.record_book import GAUGE, HeldCollector, Resource
 from services.gateway.request_record import RequestRecord, RequestState
 from services.gateway.request_stream import StreamError
-from services.router.embedded_redis import EmbeddedRedis
-from services.router.redis_client import connect
 from tests.unit.services.gateway_fakes import (
     MAX_TOKENS,
     PROMPT,
@@ -35,24 +31,6 @@ from tests.unit.services.gateway_fakes import (
     build_gateway,
     only_record,
 )
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as server:
-        yield server
-
-
-@pytest.fixture
-def client(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
-    c = connect(redis_server.url, timeout_s=2.0)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def namespace() -> str:
-    return f"life-{uuid.uuid4().hex[:12]}"
 
 
 async def cancel(task: asyncio.Task[None], record: RequestRecord, times: int) -> None:
