@@ -8,8 +8,9 @@ where it was measured.
 
 Git is only read: `rev-parse HEAD`, and `status` with optional locks off, so a run never
 rewrites the index of the checkout it measures. `dirty` means tracked files differ from
-the commit (untracked files do not count, as in `git describe --dirty`: result files
-waiting to be committed must not mark the next run dirty). Outside a git checkout (an
+the commit (untracked files do not count, as in `git describe --dirty`, nor do
+docs/results/ and docs/benchmarks.md: result files waiting to be committed must not mark
+the next run dirty). Outside a git checkout (an
 installed wheel) the commit is None.
 """
 
@@ -90,11 +91,18 @@ def host_info() -> Host:
     )
 
 
+# Result files and the page rendered from them do not change what a run measures: a
+# refreshed result waiting to be committed must not mark the next run dirty.
+_MEASURED = (":(top)", ":(top,exclude)docs/results", ":(top,exclude)docs/benchmarks.md")
+
+
 def collect_provenance(command: Sequence[str] | None = None) -> Provenance:
     """Commit, dirty flag, UTC start time, command line (default: this process's argv)
     and host, as of now."""
     head = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--untracked-files=no") if head else None
+    status = (
+        _git("status", "--porcelain", "--untracked-files=no", "--", *_MEASURED) if head else None
+    )
     return Provenance(
         commit=head.strip() if head else None,
         dirty=bool(status and status.strip()),

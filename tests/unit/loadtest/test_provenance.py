@@ -46,10 +46,13 @@ def test_dirty_counts_tracked_changes_only(tmp_path: Path, monkeypatch: pytest.M
 
     git("init", "-q")
     (tmp_path / "a.txt").write_text("one\n")
-    git("add", "a.txt")
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "old.json").write_text("{}")
+    git("add", "a.txt", "docs")
     git("-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qm", "one")
     monkeypatch.setattr(provenance, "SOURCE_ROOT", tmp_path)
     (tmp_path / "result.json").write_text("{}")  # untracked: not dirty
+    (tmp_path / "docs" / "results" / "old.json").write_text('{"new": 1}')  # a result: not
     clean = collect_provenance([])
     assert clean.commit is not None and not clean.dirty
     (tmp_path / "a.txt").write_text("two\n")
