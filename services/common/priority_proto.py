@@ -42,9 +42,11 @@ def for_engine(value: int) -> Priority:
     """What a worker runs a request at: the class the gateway sent, STANDARD if none
     (or one this worker does not know: a worker never refuses a request for its class)."""
     try:
-        return from_proto(value) or Priority.STANDARD
+        sent = from_proto(value)
     except InvalidRequestError:
         return Priority.STANDARD
+    # Not `from_proto(value) or STANDARD`: SHEDDABLE is 0, so falsy.
+    return Priority.STANDARD if sent is None else sent
 
 
 def engine_deadline(time_remaining_s: float | None) -> float | None:
