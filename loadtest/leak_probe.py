@@ -39,6 +39,7 @@ from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.common.metrics import scrape
 from services.common.role import Role
 from services.common.tls import TlsConfig, open_aio_channel
+from services.gateway.record_book import GAUGE, Resource
 from services.router.keyspace import Keyspace
 from services.router.load import LoadLedger
 from services.router.redis_client import connect
@@ -47,9 +48,10 @@ from services.router.router_config import RouterConfig
 
 #: WorkerStats counters that must all be zero on an idle worker.
 WORKER_HELD = ("used_blocks", "held_blocks", "running", "waiting", "active_leases")
-#: What one gateway request record can hold (labels of `pdserve_gateway_held`).
-HELD_RESOURCES = ("stream_slot", "load_lease", "quota_charge", "prefill_lease", "decode_stream")
-HELD_GAUGE = "pdserve_gateway_held"
+#: What one gateway request record can hold (labels of `pdserve_gateway_held`): read
+#: from the gateway's own enum, so a resource added there is checked here too.
+HELD_RESOURCES = tuple(resource.value for resource in Resource)
+HELD_GAUGE = GAUGE
 #: Other gateway gauges that must read 0 when no request is in flight.
 GATEWAY_IDLE = ("pdserve_active_streams", "pdserve_router_owed_releases")
 ROLES = tuple(role.value for role in Role)

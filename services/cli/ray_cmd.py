@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field
 
 from services.common.config import add_config_args, config_from_args
+from services.common.role import Role
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class RayTarget:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     scale = sub.add_parser("scale", help="resize a worker pool of a `pdserve up --ray` cluster")
-    scale.add_argument("pool", choices=("prefill", "decode", "mixed"), help="the pool")
+    scale.add_argument("pool", choices=[r.value for r in Role], help="the pool")
     scale.add_argument("replicas", type=int, help="workers the pool should have")
     add_config_args(scale, RayTarget)
     scale.set_defaults(handler=_scale)

@@ -71,7 +71,7 @@ class Registry:
         self._script = client.register_script(text)
 
     def _call(self, op: str, *args: str | int) -> object:
-        keys = [self.keys.identity, *(self.keys.pool(r) for r in ("prefill", "decode", "mixed"))]
+        keys = [self.keys.identity, *(self.keys.pool(r) for r in Role)]
         return self._script(keys=keys, args=[op, self.keys.worker_prefix, *args])
 
     def register(self, info: WorkerInfo) -> bool:
