@@ -31,6 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -53,6 +54,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stats import ClassCounts, EngineStats
 from engine.step_gate import StepGate
+from engine.step_meter import StepMeter, prefill_backlog
 from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
 
@@ -101,6 +103,7 @@ class LLMEngine:
         self._inbox_lock = threading.Lock()
         self._inbox_add: list[Request] = []
         self._inbox_abort: list[str] = []
+        self._meter = StepMeter()
         self._last_stats = self._collect_stats()
         log.info(
             "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token), model %s",
@@ -280,7 +283,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduling + model step. Call from a single thread."""
         with self.lock:
+            started = time.perf_counter()
             outputs = self._run_batch(self._drain_inbox())
+            self._meter.stop(time.perf_counter() - started)
             self._last_stats = self._collect_stats()
             return outputs
 
@@ -289,10 +294,14 @@ class LLMEngine:
         outputs.extend(self._output(req, []) for req in batch.expired)
         if batch.empty:
             return outputs
+        self._meter.count(batch)  # before `advance` moves the requests on
+        # The snapshot readers get while this step runs: its prefill tokens still to do.
+        self._last_stats = self._collect_stats()
         result = self.runner.execute(batch)
         for req, n in batch.items:
             self.scheduler.advance(req, n)
         if result.sampling_requests:
+            self._meter.sampled(len(result.sampling_requests))
             tokens = sample(
                 result.logits,
                 [r.sampling for r in result.sampling_requests],
@@ -347,18 +356,27 @@ class LLMEngine:
 
     # -- observability -----------------------------------------------------------
     def stats(self) -> EngineStats:
-        """Current counts, or those at the end of the last step while one is running."""
+        """Current counts, or those at the start of the step that is running (its
+        prefill tokens not yet computed). Requests added since, not yet in the
+        scheduler, count in `waiting_tokens_by_class` too."""
         if self.lock.acquire(blocking=False):
             try:
                 self._last_stats = self._collect_stats()
             finally:
                 self.lock.release()
-        return self._last_stats
+        with self._inbox_lock:
+            arriving = prefill_backlog(self._inbox_add)
+        if not any(arriving):
+            return self._last_stats
+        queued = self._last_stats.waiting_tokens_by_class
+        total = ClassCounts(*(a + b for a, b in zip(queued, arriving, strict=True)))
+        return replace(self._last_stats, waiting_tokens_by_class=total)
 
     def _collect_stats(self) -> EngineStats:
         p = self.pool.stats()
         sched = self.scheduler
         held_blocks, importing_blocks = sched.handoff_blocks()
+        m = self._meter
         return EngineStats(
             total_blocks=p.total,
             free_blocks=p.free,
@@ -376,6 +394,13 @@ class LLMEngine:
             waiting_by_class=ClassCounts.of(r.priority for r in sched.waiting),
             running_by_class=ClassCounts.of(r.priority for r in sched.running),
             preemptions_by_class=ClassCounts(*sched.preemptions_by_class),
+            waiting_tokens_by_class=prefill_backlog(sched.waiting, sched.running),
+            prefill_tokens_total=m.prefill_tokens,
+            prefill_busy_s_total=m.prefill_busy_s,
+            decode_tokens_total=m.decode_tokens,
+            decode_steps_total=m.decode_steps,
+            decode_busy_s_total=m.decode_busy_s,
+            busy_s_total=m.busy_s,
             kv_bytes_per_token=self.layout.bytes_per_token,
             kv_pool_bytes=p.total * self.layout.bytes_per_block,
             block_size=self.config.block_size,

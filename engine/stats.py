@@ -31,7 +31,19 @@ NO_COUNTS = ClassCounts()  # immutable, so one shared default is safe
 class EngineStats:
     """Counts at one instant. `used_blocks` includes held (exported) and importing blocks;
     free cached blocks count as free. A leak check asserts `used_blocks == 0` when idle.
-    The `*_by_class` counts split `waiting`, `running` and `num_preemptions` by class."""
+    The `*_by_class` counts split `waiting`, `running` and `num_preemptions` by class;
+    `waiting_tokens_by_class` is the prefill still owed by the waiting requests and the
+    running ones still prefilling (their uncomputed prompt tokens; a preempted request's
+    output tokens too, since it recomputes them), never the hand-off states.
+
+    The `*_total` fields only grow from the engine's start, so a rate is the difference of
+    two snapshots over the difference of their busy times (`engine/step_meter.py`):
+    `prefill_tokens_total` counts tokens computed by prefill chunks (prefix-cache hits
+    are not computed; recomputes after a preemption are), `decode_tokens_total` the
+    tokens sampled, `decode_steps_total` the steps that ran a decode. `busy_s_total` is
+    the wall time of the steps that ran the model; `prefill_busy_s_total` and
+    `decode_busy_s_total` that of the steps with a prefill chunk or a decode (a mixed
+    step counts in both)."""
 
     total_blocks: int
     free_blocks: int
@@ -52,6 +64,13 @@ class EngineStats:
     waiting_by_class: ClassCounts = NO_COUNTS
     running_by_class: ClassCounts = NO_COUNTS
     preemptions_by_class: ClassCounts = NO_COUNTS
+    waiting_tokens_by_class: ClassCounts = NO_COUNTS
+    prefill_tokens_total: int = 0
+    prefill_busy_s_total: float = 0.0
+    decode_tokens_total: int = 0
+    decode_steps_total: int = 0
+    decode_busy_s_total: float = 0.0
+    busy_s_total: float = 0.0
 
     @property
     def prefix_hit_ratio(self) -> float:

@@ -15,6 +15,9 @@ Layout (`ns` = namespace, `role` in prefill / decode / mixed):
 - `ns:cachew:<role>:<id>`  HASH prefix key -> weight in blocks, `~used` -> their sum
 - `ns:cacheseq:<role>`     counter ordering cache-model uses
 - `ns:epoch`         random token; a change means Redis lost its data (restart, flush)
+- `ns:signal:<id>`   HASH of one worker's live load signal (queued prefill tokens by
+  class, requests, KV blocks, recent speeds, publish time), PX-expiring: a worker
+  republishes it every `--signal-interval-s` (`worker_signal.py`)
 
 A load lease id is `<role>:<token>:<worker id>`: it names its pool and worker, so release
 and expiry need no lookup. Tokens are hex, roles have no ':', so the split is unambiguous.
@@ -69,6 +72,13 @@ class Keyspace:
     @property
     def epoch(self) -> str:
         return f"{self.namespace}:epoch"
+
+    def signal(self, worker_id: str) -> str:
+        return f"{self.namespace}:signal:{worker_id}"
+
+    @property
+    def signal_prefix(self) -> str:
+        return f"{self.namespace}:signal:"
 
 
 def lease_id(role: str, token: str, worker_id: str) -> str:

@@ -24,6 +24,13 @@ class WorkerConfig:
     heartbeat_ttl_s: float = field(
         default=10.0, metadata={"help": "registration lease; renewed every third of it"}
     )
+    signal_interval_s: float = field(
+        default=0.25,
+        metadata={
+            "help": "publish the worker's load signal (queued prompt tokens, KV use, speeds) "
+            "to Redis this often, in seconds, for the gateway's admission (with --redis-url)"
+        },
+    )
     cpu_cores: str = field(
         default="",
         metadata={"help": "pin every thread to these CPU core ids, comma-separated (empty: no)"},
@@ -33,6 +40,8 @@ class WorkerConfig:
         object.__setattr__(self, "role", Role.parse(self.role))
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if not self.signal_interval_s > 0:
+            raise ValueError(f"signal_interval_s must be > 0, got {self.signal_interval_s}")
         if self.cpu_cores and not all(c.strip().isdigit() for c in self.cpu_cores.split(",")):
             raise ValueError(f"cpu_cores must be comma-separated core ids, got {self.cpu_cores!r}")
 

@@ -4,11 +4,13 @@ Lifecycle: `serve_worker(worker, engine, transfer)` loads the engine (converting
 default model on first use), starts the engine loop, the KV exporter (prefill role) or
 importer (decode role; a mixed worker needs neither), and the gRPC server with health
 and reflection; registers with the router's Redis when `--redis-url` is set (refused if
-its model or KV layout differs from the cluster's); prints one JSON line
+its model or KV layout differs from the cluster's) and then publishes its load signal
+there every `signal_interval_s` (`signal_publisher.py`); prints one JSON line
 `{"ready": address, ...}` on stdout for whoever launched it; serves until SIGTERM or
-SIGINT. Then it drains: marks itself draining in the registry (no new requests), reports
-NOT_SERVING, lets running streams finish and exported KV be pulled for up to
-`drain_timeout_s`, deregisters, and stops everything (remaining leases released).
+SIGINT. Then it drains: marks itself draining in the registry (no new requests) and
+withdraws its load signal, reports NOT_SERVING, lets running streams finish and exported
+KV be pulled for up to `drain_timeout_s`, deregisters, and stops everything (remaining
+leases released).
 Telemetry (`Telemetry`, `WorkerTelemetry`) starts first and stops last: the metrics
 endpoint's port goes into the ready line, and queued spans are flushed at exit.
 """
@@ -41,9 +43,12 @@ from services.common.tracing import trace_id_from_metadata
 from services.common.worker_telemetry import WorkerTelemetry
 from services.decode.handler import DecodeHandler
 from services.prefill.handler import PrefillHandler
+from services.router.keyspace import Keyspace
 from services.router.registry import WorkerInfo
+from services.router.worker_signal import SignalBoard
 from services.worker.config import WorkerConfig
 from services.worker.registration import WorkerRegistration
+from services.worker.signal_publisher import SignalPublisher, signal_ttl_s
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +183,7 @@ async def serve_worker(
     worker_pb2_grpc.add_WorkerServicer_to_server(service, built.server)
     await built.server.start()
     registration = await _register(config, engine, address)
+    publisher = _publish_signal(config, engine, registration)
     await built.mark_serving()
     announce_ready(ready=address, worker_id=config.worker_id, role=config.role,
                    **telemetry.ready_fields())  # fmt: skip
@@ -185,6 +191,8 @@ async def serve_worker(
     log.info("worker %s draining", config.worker_id)
     if registration is not None:
         await registration.drain()
+    if publisher is not None:
+        await publisher.stop()
     await built.mark_not_serving()
     await _wait_idle(engine, exporter, config.drain_timeout_s)
     if registration is not None:
@@ -214,6 +222,21 @@ async def _register(
     )
     await registration.start()
     return registration
+
+
+def _publish_signal(
+    config: WorkerConfig, engine: LLMEngine, registration: WorkerRegistration | None
+) -> SignalPublisher | None:
+    """Publish the worker's load signal next to its registration (sharing its Redis
+    client), so the gateway's readers find it through the pool the worker is in."""
+    if registration is None:
+        return None
+    keys = Keyspace(config.namespace)
+    ttl_s = signal_ttl_s(config.signal_interval_s)
+    board = SignalBoard(registration.registry.client, keys, ttl_s=ttl_s)
+    return SignalPublisher(
+        board, engine.stats, config.worker_id, config.role, config.signal_interval_s
+    ).start()
 
 
 async def _wait_idle(engine: LLMEngine, exporter: KvExporter | None, timeout: float) -> None:
