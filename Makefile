@@ -53,6 +53,10 @@ bench: model
 	$(BIN)/python -m loadtest.headline --out-dir bench-results --rates 0.3,0.5 \
 		--num-requests 12 --duration-s 60 --long-fraction 0.2 --long-prompt-tokens 1024-2048 \
 		--short-num-requests 20 --short-duration-s 40
+	# flow control: 3x capacity with a class mix (about 7 minutes), then the noisy
+	# neighbour through one gateway and through two (about 9 minutes)
+	$(BIN)/python -m loadtest.overload_bench --out bench-results/overload.json --duration-s 120
+	$(BIN)/python -m loadtest.fairness_bench --out bench-results/fairness.json --phase-s 40
 
 # The docs quote only committed results: copy (or write, with --out) a result JSON into
 # docs/results/, commit it, then run this. `make lint` fails while the page is stale.

@@ -91,7 +91,7 @@ class ProbeTarget:
     ttls: LeaseTtls
     redis_url: Callable[[], str | None] = lambda: None
     namespace: str = "pdserve"
-    gateway_metrics_port: int | None = None
+    gateway_metrics_ports: tuple[int, ...] = ()  # every gateway replica's /metrics
     tls: TlsConfig = field(default_factory=TlsConfig)
 
     @classmethod
@@ -99,16 +99,14 @@ class ProbeTarget:
         """A `LocalCluster`: its live worker processes (a relaunch is a new incarnation)."""
 
         def workers() -> list[WorkerRef]:
-            return [WorkerRef(c.name, c.address, str(c.proc.pid)) for c in cluster.children
-                    if c.name != "gateway" and c.proc.poll() is None]  # fmt: skip
-
-        gateway = next((c for c in cluster.children if c.name == "gateway"), None)
+            return [WorkerRef(c.name, c.address, str(c.proc.pid)) for c in cluster.workers
+                    if c.proc.poll() is None]  # fmt: skip
 
         def redis_url() -> str | None:  # a restarted Redis comes back on the same port
             return cluster.redis.url if cluster.redis else None
 
-        port = gateway.metrics_port if gateway else None
-        return cls(workers, LeaseTtls.of(cluster.cfg), redis_url, gateway_metrics_port=port,
+        ports = tuple(g.metrics_port for g in cluster.gateways if g.metrics_port is not None)
+        return cls(workers, LeaseTtls.of(cluster.cfg), redis_url, gateway_metrics_ports=ports,
                    tls=cluster.tls)  # fmt: skip
 
     @classmethod
@@ -268,10 +266,10 @@ class LeakProbe:
                 expired_kv[w.name] = stats.expired_leases - base
         load, expired_load, quota = await self._redis(quota_used)
         gateway: dict[str, float] = {}
-        if self.target.gateway_metrics_port is not None:
-            gateway, absent = await asyncio.to_thread(
-                _gateway_page, self.target.gateway_metrics_port
-            )
+        for port in self.target.gateway_metrics_ports:  # summed: every count must be 0
+            page, absent = await asyncio.to_thread(_gateway_page, port)
+            for name, value in page.items():
+                gateway[name] = gateway.get(name, 0.0) + value
             missing += absent
         return Leaks(workers, load, expired_kv, expired_load, gateway, quota, missing,
                      allow_expired_kv, allow_expired_load)  # fmt: skip

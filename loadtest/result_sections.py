@@ -22,6 +22,8 @@ Json = dict[str, Any]
 Renderer = Callable[[Json], list[str]]
 LATENCY_HEADER = ("pool", "route p50 ms", "p99", "PING p50 ms", "route/PING p50", "p99",
                   "round trips/route")  # fmt: skip
+FAIRNESS_HEADER = ("phase", "tenant", "offered", "served", "attainment", "KV block-s",
+                   "TTFT p50 ms")  # fmt: skip
 HEADLINE_HEADER = ("rate req/s", "disagg. goodput", "attainment", "coloc. goodput",
                    "attainment", "goodput ratio")  # fmt: skip
 
@@ -225,6 +227,85 @@ def generic(data: Json) -> list[str]:
     return _table(["field", "value"], rows)
 
 
+def _counts(counts: object) -> str:
+    if not isinstance(counts, dict) or not counts:
+        return "-"
+    return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+
+
+def _ms3(dist: object, keys: tuple[str, str, str] = ("p50_ms", "p90_ms", "max_ms")) -> str:
+    d = dist if isinstance(dist, dict) else {}
+    return " / ".join(_fmt(d.get(k), ".0f") for k in keys)
+
+
+def overload(data: Json) -> list[str]:
+    cap = data.get("capacity", {})
+    run = data.get("overload", {})
+    cfg = data.get("config", {})
+    rows = [
+        [c["priority"], _fmt(c.get("budget_s"), "g"), str(c.get("offered", "-")),
+         str(c.get("served", "-")), _fmt(c.get("attainment")), _counts(c.get("refused_by_status")),
+         _counts(c.get("refused_by_reason")),
+         _ms3(c.get("refusal_latency"), ("p50_ms", "p99_ms", "max_ms")),
+         str(c.get("late_refusals", "-")), _ms3(c.get("ttft")),
+         str(c.get("served_past_budget", "-"))]
+        for c in run.get("classes", [])
+    ]  # fmt: skip
+    header = ["class", "budget s", "offered", "served", "attainment", "refused by status",
+              "by reason", "refusal ms p50 / p99 / max", "late refusals",
+              "TTFT ms p50 / p90 / max", "served past budget + 10%"]  # fmt: skip
+    leaks = data.get("leaks", {})
+    return [
+        f"Capacity {_fmt(cap.get('capacity_rate'), '.3f')} req/s ({cap.get('qualifier', '?')}; "
+        f"the highest Poisson rate of the class mix `{cfg.get('class_mix', '?')}` "
+        f"(critical, standard, sheddable) holding {_fmt(cfg.get('attainment_target'), 'g')} "
+        f"attainment), then {_fmt(cfg.get('overload_factor'), 'g')}x that "
+        f"({_fmt(data.get('overload_rate'), '.3f')} req/s) for "
+        f"{_fmt(run.get('duration_s'), 'g')} s. A request meets its SLO when it completes "
+        "with its first token within its class's TTFT budget.",
+        "",
+        *_table(header, rows),
+        "",
+        f"- goodput under overload {_fmt(run.get('goodput', {}).get('requests_per_s'), '.3f')} "
+        f"req/s against {_fmt(data.get('goodput_at_capacity_rps'), '.3f')} req/s at capacity: "
+        f"**{_fmt(data.get('goodput_ratio'), '.2f', 'x')}**",
+        f"- leak check after the run: {'clean' if leaks.get('clean') else '**not clean**'}",
+        *_targets(data),
+    ]
+
+
+def fairness(data: Json) -> list[str]:
+    rows = [
+        [p["label"], t["tenant"], str(t.get("offered", "-")), str(t.get("served", "-")),
+         _fmt(t.get("attainment")), _fmt(t.get("kv_block_seconds"), ".0f"),
+         _fmt(t.get("ttft", {}).get("p50_ms"), ".0f")]
+        for p in data.get("phases", [])
+        for t in p.get("tenants", [])
+    ]  # fmt: skip
+    iso = [
+        [i["tenant"], f"{i['noisy_phase']} / {i.get('alone_phase', 'alone')}",
+         _fmt(i.get("alone_attainment")),
+         _fmt(i.get("noisy_attainment")), _fmt(i.get("ratio"), ".2f", "x")]
+        for i in data.get("isolation", [])
+    ]  # fmt: skip
+    jain = [[label, _fmt(value, ".3f")] for label, value in data.get("kv_jain", {}).items()]
+    cfg = data.get("config", {})
+    return [
+        f"Tenants A, B, C (standard, weight 1), each share "
+        f"{_fmt(data.get('share_rate'), '.3f')} req/s; A sends "
+        f"{_fmt(cfg.get('noisy_factor'), 'g')} shares in the noisy phases; all send "
+        f"{_fmt(cfg.get('backlog_factor'), 'g')} in the backlogged ones. `_2gw`: A through "
+        "gateway 0, B and C through gateway 1 (shared Redis and workers).",
+        "",
+        *_table(FAIRNESS_HEADER, rows),
+        "",
+        *_table(["tenant", "phases", "alone attainment", "noisy attainment", "ratio"], iso),
+        "",
+        *_table(["backlogged phase", "Jain's index of KV-block-seconds"], jain),
+        *_targets(data),
+    ]
+
+
 #: schema -> (title, renderer), in the page's order.
 SECTIONS: dict[str, tuple[str, Renderer]] = {
     "pdserve.headline/1": ("Headline: disaggregated vs colocated", headline),
@@ -233,6 +314,8 @@ SECTIONS: dict[str, tuple[str, Renderer]] = {
     "pdserve.router_bench/1": ("Router", router),
     "pdserve.gateway_bench/1": ("Gateway overhead", gateway),
     "pdserve.tracing_bench/1": ("Tracing cost", tracing),
+    "pdserve.overload_bench/1": ("Overload: admission control at 3x capacity", overload),
+    "pdserve.fairness_bench/1": ("Noisy neighbour: fairness between tenants", fairness),
     "pdserve.bench/1": ("Load sweep (pdserve-bench)", sweep),
 }
 

@@ -2,8 +2,10 @@
 
 Lifecycle: `LocalCluster(cfg).start()` starts an embedded Redis for the router's
 registry (placement `redis`, the default), launches the workers (each registers there
-and prints a JSON ready line with its address), then the gateway, and waits until every
-process answered; `stop()` sends SIGTERM to the gateway, then the workers, waits for
+and prints a JSON ready line with its address), then `cfg.gateways` gateways (the first
+on `gateway_port`, any others on free ports; all with the same flags, workers and
+Redis, so they act as replicas behind one load balancer), and waits until every
+process answered; `stop()` sends SIGTERM to the gateways, then the workers, waits for
 them to drain, SIGKILLs any straggler, and stops Redis. Children also get SIGTERM from
 the kernel if this process dies first (each asks for PR_SET_PDEATHSIG at start), so no
 orphan outlives `pdserve up`.
@@ -15,6 +17,7 @@ import ctypes
 import json
 import os
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -29,6 +32,7 @@ from services.common.tls import TlsConfig
 from services.router.embedded_redis import EmbeddedRedis
 
 _PR_SET_PDEATHSIG = 1
+GATEWAY = "gateway"  # the first gateway's name; replicas are gateway-1, gateway-2, ...
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,19 @@ class ClusterConfig:
     tokens_per_minute: int | None = field(
         default=None, metadata={"help": "gateway: per-tenant token quota per minute"}
     )
+    gateways: int = field(
+        default=1,
+        metadata={"help": "gateway replicas sharing the workers and Redis (extras: any port)"},
+    )
+    # One shell-quoted string (a flag and an env var are one string): any gateway flag
+    # without a ClusterConfig field of its own, e.g. the admission knobs a benchmark sets.
+    gateway_args: str = field(
+        default="",
+        metadata={
+            "help": "extra flags for every gateway, shell-quoted "
+            "(--gateway-args='--max-tokens-limit 512')"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.http_port is not None and not -1 <= self.http_port <= 65535:
@@ -104,6 +121,12 @@ class ClusterConfig:
             raise ValueError("num_prefill must be >= 0 and num_decode >= 1")
         if self.placement not in ("redis", "static"):
             raise ValueError(f"placement must be redis or static, got {self.placement!r}")
+        if self.gateways < 1:
+            raise ValueError(f"gateways must be >= 1, got {self.gateways}")
+        try:
+            shlex.split(self.gateway_args)
+        except ValueError as exc:
+            raise ValueError(f"gateway_args: {exc}") from None
         for name in _GATEWAY_PASSTHROUGH + _WORKER_PASSTHROUGH:
             value = getattr(self, name)
             if isinstance(value, int | float) and value <= 0:
@@ -152,6 +175,11 @@ def pin_to_cores(cores: set[int]) -> None:
             continue
 
 
+def gateway_name(index: int) -> str:
+    """`gateway` for the first (what single-gateway code looks up), then `gateway-1`..."""
+    return GATEWAY if index == 0 else f"{GATEWAY}-{index}"
+
+
 @dataclass
 class Child:
     name: str
@@ -159,6 +187,7 @@ class Child:
     address: str = ""
     http_address: str = ""  # the gateway's OpenAI HTTP API, when it serves one
     metrics_port: int | None = None  # its Prometheus /metrics port, when it serves one
+    is_gateway: bool = False  # a gateway replica, not a worker
 
 
 class LocalCluster:
@@ -172,9 +201,28 @@ class LocalCluster:
         self.telemetry = telemetry or TelemetryConfig()
         self.tls = tls or TlsConfig()  # every child serves and dials with it
         self.children: list[Child] = []
-        self.gateway_address = ""
+        self.gateway_address = ""  # the first gateway's; `gateway_addresses` has them all
         self.http_address = ""
         self.redis: EmbeddedRedis | None = None
+
+    @property
+    def gateways(self) -> list[Child]:
+        """The gateway replicas, first one first."""
+        return [c for c in self.children if c.is_gateway]
+
+    @property
+    def workers(self) -> list[Child]:
+        return [c for c in self.children if not c.is_gateway]
+
+    @property
+    def gateway_addresses(self) -> list[str]:
+        """Every gateway's gRPC address, in `gateways` order."""
+        return [c.address for c in self.gateways]
+
+    @property
+    def http_addresses(self) -> list[str]:
+        """Every gateway's OpenAI HTTP address (empty strings when HTTP is off)."""
+        return [c.http_address for c in self.gateways]
 
     def _common(self) -> list[str]:
         args = ["--model-cache-dir", str(self.cfg.model_cache_dir)]
@@ -186,15 +234,15 @@ class LocalCluster:
              *self._telemetry_args(name), *config_args(self.tls)],
             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
         )  # fmt: skip
-        child = Child(name, proc)
+        child = Child(name, proc, is_gateway=args[0] == "gateway")
         self.children.append(child)
         return child
 
     def _telemetry_args(self, name: str) -> list[str]:
         """The same telemetry flags for every child; a fixed metrics port goes to the
-        gateway only (the workers take any free port and announce it)."""
+        first gateway only (the other children take any free port and announce it)."""
         port = self.telemetry.metrics_port
-        own = port if name == "gateway" else min(port, 0)
+        own = port if name == GATEWAY else min(port, 0)
         return telemetry_args(self.telemetry, metrics_port=own)
 
     def _worker_args(self, role: str, index: int) -> list[str]:
@@ -223,11 +271,12 @@ class LocalCluster:
         cores = sorted(os.sched_getaffinity(0))
         return ["--cpu-cores", str(cores[slot % len(cores)])]
 
-    def _gateway_args(self, prefill: list[Child], decode: list[Child]) -> list[str]:
+    def _gateway_args(self, prefill: list[Child], decode: list[Child], index: int) -> list[str]:
+        """Replicas after the first bind any free ports: two cannot share a fixed one."""
         return [
             "gateway",
             "--gateway-port",
-            str(self.cfg.gateway_port),
+            str(self.cfg.gateway_port if index == 0 else 0),
             "--prefill-workers",
             ",".join(f"{c.name}={c.address}" for c in prefill),
             "--decode-workers",
@@ -235,19 +284,21 @@ class LocalCluster:
             "--max-streams",
             str(self.cfg.max_streams),
             "--http-port",
-            str(self._http_port()),
+            str(self._http_port(index)),
             "--placement",
             self.cfg.placement,
             *self._common(),
             *self._redis_args(),
             *self._passthrough(_GATEWAY_PASSTHROUGH),
+            *shlex.split(self.cfg.gateway_args),
         ]
 
-    def _http_port(self) -> int:
-        if self.cfg.http_port is not None:
-            return self.cfg.http_port
-        # Tests and demos ask for any gRPC port; a fixed HTTP port would clash there.
-        return 0 if self.cfg.gateway_port == 0 else 8471
+    def _http_port(self, index: int = 0) -> int:
+        port = self.cfg.http_port
+        if port is None:
+            # Tests and demos ask for any gRPC port; a fixed HTTP port would clash there.
+            port = 0 if self.cfg.gateway_port == 0 else 8471
+        return port if index == 0 or port < 0 else 0
 
     def _redis_args(self) -> list[str]:
         return ["--redis-url", self.redis.url] if self.redis is not None else []
@@ -269,10 +320,14 @@ class LocalCluster:
             deadline = time.monotonic() + self.cfg.startup_timeout_s
             for child in prefill + decode:
                 child.address = self._await_ready(child, deadline)
-            gateway = self._launch("gateway", self._gateway_args(prefill, decode))
-            self.gateway_address = self._await_ready(gateway, deadline)
-            gateway.address = self.gateway_address
-            self.http_address = gateway.http_address
+            gateways = [
+                self._launch(gateway_name(i), self._gateway_args(prefill, decode, i))
+                for i in range(self.cfg.gateways)
+            ]
+            for gateway in gateways:
+                gateway.address = self._await_ready(gateway, deadline)
+            self.gateway_address = gateways[0].address
+            self.http_address = gateways[0].http_address
             return self.gateway_address
         except BaseException:
             self.stop()
@@ -313,13 +368,13 @@ class LocalCluster:
             [*(str(a) for a in old.proc.args), *extra_args],  # type: ignore[union-attr]
             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
         )  # fmt: skip
-        child = self.children[index] = Child(name, proc)
+        child = self.children[index] = Child(name, proc, is_gateway=old.is_gateway)
         child.address = self._await_ready(child, time.monotonic() + self.cfg.startup_timeout_s)
         return child
 
     def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM the gateway first, then workers; SIGKILL whatever is left."""
-        for child in sorted(self.children, key=lambda c: c.name != "gateway"):
+        """SIGTERM the gateways first, then workers; SIGKILL whatever is left."""
+        for child in sorted(self.children, key=lambda c: not c.is_gateway):
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
         end = time.monotonic() + timeout

@@ -16,6 +16,7 @@ on a peer). Anything else is INTERNAL, with its type in the message.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Final
@@ -71,20 +72,56 @@ class PermissionDeniedError(AuthError):
         return True
 
 
-class QuotaExceeded(ServiceError):
+class RefusalReason(enum.StrEnum):
+    """Why the gateway said no before any worker did work (the metrics' `reason` label)."""
+
+    QUOTA = "quota"  # the tenant's tokens for this minute are used
+    STREAM_CAP = "stream_cap"  # --max-streams streams already run on this gateway
+    ROOM_FULL = "room_full"  # the waiting room is full of requests of this class or higher
+    DISPLACED = "displaced"  # a higher class took this request's waiting-room place
+    BUDGET = "budget"  # it waited its class's whole TTFT budget without capacity
+
+
+class Refusal(ServiceError):
+    """A request refused at admission, with a retry hint: `retry_after_s` becomes the
+    HTTP `Retry-After` header and the gRPC `retry-after-ms` trailing metadata."""
+
+    def __init__(self, message: str, reason: RefusalReason, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = max(0.0, retry_after_s)
+
+
+class QuotaExceeded(Refusal):
     """The tenant used its tokens for this minute (RESOURCE_EXHAUSTED, HTTP 429);
-    `retry_after_s` is the time left in the window, the client's retry hint."""
+    `retry_after_s` is the time left in the window."""
 
     def __init__(self, tenant: str, limit: int, retry_after_s: float) -> None:
         super().__init__(
             f"tokens_per_minute: tenant {tenant!r} used its {limit} tokens for this minute; "
-            f"retry in {retry_after_s:.1f}s"
+            f"retry in {retry_after_s:.1f}s",
+            RefusalReason.QUOTA,
+            retry_after_s,
         )
-        self.retry_after_s = retry_after_s
+
+
+class StreamCapReached(Refusal):
+    """This gateway already runs --max-streams streams (RESOURCE_EXHAUSTED, HTTP 429)."""
+
+
+class Overloaded(Refusal):
+    """The cluster cannot start the request within its class's TTFT budget, and the
+    waiting room cannot hold it any longer (UNAVAILABLE, HTTP 503)."""
 
 
 class NoWorkerError(ServiceError):
     """No eligible worker is left for this request (UNAVAILABLE, HTTP 503)."""
+
+
+class DecodeFullError(ServiceError):
+    """A decode worker's KV pool had no room for a request's imported KV within the wait
+    it allows (RESOURCE_EXHAUSTED): nothing is held there, and the prefill worker still
+    holds the KV, so the gateway places the decode side again (`services/decode/`)."""
 
 
 class IncompatibleWorkerError(ServiceError):
@@ -122,8 +159,12 @@ STATUS: Final[Mapping[type[BaseException], grpc.StatusCode]] = MappingProxyType(
         UnknownModelError: Code.NOT_FOUND,
         AuthError: Code.UNAUTHENTICATED,
         PermissionDeniedError: Code.PERMISSION_DENIED,
+        Refusal: Code.UNAVAILABLE,
         QuotaExceeded: Code.RESOURCE_EXHAUSTED,
+        StreamCapReached: Code.RESOURCE_EXHAUSTED,
+        Overloaded: Code.UNAVAILABLE,
         NoWorkerError: Code.UNAVAILABLE,
+        DecodeFullError: Code.RESOURCE_EXHAUSTED,
         IncompatibleWorkerError: Code.FAILED_PRECONDITION,
     }
 )

@@ -8,23 +8,35 @@ closes the stream the handler is cancelled and `EngineLoop.close` aborts the req
 which frees its blocks at the next step. `DecodeTrace` records the request's phases
 (kv.transfer, decode.queue, decode.first_token, decode.stream) as spans and as timings on
 the first and last chunks.
+
+An import that finds the KV pool full waits for room (`ImportRoom`: woken when a stream
+here finishes, bounded by the request's deadline and the KV lease), trying again each
+time, and then fails with DecodeFullError (RESOURCE_EXHAUSTED) so that the gateway can
+place the decode side elsewhere. The kv.transfer phase includes that wait. A start that
+failed leaves nothing in the engine, so its stream's end sends no abort: the gateway may
+retry the same request id here at once, and a late abort would hit the retry.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 
+from engine.priority import Priority
 from engine.request import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
+from kvtransfer.errors import NoBlocksError
 from kvtransfer.importer import ImportResult, KvImporter
 from pdserve.v1 import worker_pb2
 from services.common import priority_proto, sampling
 from services.common.engine_loop import EngineLoop
+from services.common.status import DecodeFullError
 from services.common.worker_telemetry import WorkerTelemetry
-from services.decode.decode_trace import DecodeTrace
+from services.decode.decode_trace import DecodeTrace, TransferSpan
+from services.decode.import_room import ImportRoom
 
 
 class DecodeHandler:
@@ -33,11 +45,13 @@ class DecodeHandler:
         loop: EngineLoop,
         importer: KvImporter | None,
         telemetry: WorkerTelemetry | None = None,
+        room: ImportRoom | None = None,
     ) -> None:
         self.loop = loop
         self.engine = loop.engine
         self.importer = importer
         self.telemetry = telemetry or WorkerTelemetry.disabled()
+        self.room = room or ImportRoom()
 
     async def decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -47,10 +61,16 @@ class DecodeHandler:
         prompt = list(request.prompt_token_ids)
         trace = DecodeTrace(self.telemetry, request, self.telemetry.parent(context))
         queue = self.loop.open(rid)
-        finished = False
+        finished = False  # the engine holds nothing of the request: nothing to abort
         try:
             deadline = priority_proto.engine_deadline(context.time_remaining())
-            kv_bytes, ended = await self._start(request, prompt, params, trace, deadline)
+            try:
+                kv_bytes, ended = await self._start(request, prompt, params, trace, deadline)
+            except Exception:
+                # A failed start leaves nothing in the engine (the importer cancels its
+                # reservation), so no abort, which could hit a retry of this id here.
+                finished = rid not in self.engine.requests
+                raise
             if ended is not None:  # the imported first token already ended it
                 finished = True
                 chunk = worker_pb2.DecodeChunk(
@@ -76,6 +96,8 @@ class DecodeHandler:
             raise
         finally:
             self.loop.close(rid, finished=finished)
+            if finished:
+                self.room.freed()
 
     async def _start(
         self,
@@ -94,20 +116,9 @@ class DecodeHandler:
             if self.importer is None:
                 raise ValueError("this worker has no KV importer (role prefill)")
             with trace.transfer(request.kv_handle) as span:
-                importing = asyncio.ensure_future(asyncio.to_thread(
-                    self.importer.import_kv, request.kv_handle, prompt, params,
-                    request_id=rid, cache_salt=request.cache_salt, metadata=span.metadata,
-                    priority=priority, request_deadline=deadline,
-                ))  # fmt: skip
-                try:
-                    result = await asyncio.shield(importing)
-                except asyncio.CancelledError:
-                    # The stream closed mid-import. The thread cannot be stopped and may
-                    # not have reserved the request yet (an abort now would find no such
-                    # id and be dropped), so abort it once the import is over: a
-                    # committed import would otherwise decode to max_tokens unread.
-                    importing.add_done_callback(lambda done: self._abort_after(rid, done))
-                    raise
+                result = await self._import_waiting(
+                    request, prompt, params, span, priority, deadline
+                )
                 span.done(result)
             self.loop.wake()
             return result.bytes, result.finish_reason
@@ -117,6 +128,57 @@ class DecodeHandler:
         )  # fmt: skip
         self.loop.wake()
         return 0, None
+
+    async def _import_waiting(
+        self,
+        request: worker_pb2.DecodeRequest,
+        prompt: list[int],
+        params: SamplingParams,
+        span: TransferSpan,
+        priority: Priority,
+        deadline: float | None,
+    ) -> ImportResult:
+        """Import the KV, waiting for room while the pool is full (`ImportRoom`); raises
+        DecodeFullError once the wait is over. Nothing is held between tries."""
+        start = time.monotonic()
+        until = self.room.until(request.kv_handle, deadline)
+        while True:
+            ticket = self.room.ticket()  # before the try: a stream finishing during it counts
+            try:
+                return await self._import(request, prompt, params, span, priority, deadline)
+            except NoBlocksError as exc:
+                if not await self.room.wait(ticket, until):
+                    waited = time.monotonic() - start
+                    raise DecodeFullError(
+                        f"no room for the KV: {exc}; waited {waited:.1f}s for blocks to free"
+                    ) from exc
+
+    async def _import(
+        self,
+        request: worker_pb2.DecodeRequest,
+        prompt: list[int],
+        params: SamplingParams,
+        span: TransferSpan,
+        priority: Priority,
+        deadline: float | None,
+    ) -> ImportResult:
+        """One try at the import, in a worker thread."""
+        assert self.importer is not None
+        rid = request.request_id
+        importing = asyncio.ensure_future(asyncio.to_thread(
+            self.importer.import_kv, request.kv_handle, prompt, params,
+            request_id=rid, cache_salt=request.cache_salt, metadata=span.metadata,
+            priority=priority, request_deadline=deadline,
+        ))  # fmt: skip
+        try:
+            return await asyncio.shield(importing)
+        except asyncio.CancelledError:
+            # The stream closed mid-import. The thread cannot be stopped and may not have
+            # reserved the request yet (an abort now would find no such id and be
+            # dropped), so abort it once the import is over: a committed import would
+            # otherwise decode to max_tokens unread.
+            importing.add_done_callback(lambda done: self._abort_after(rid, done))
+            raise
 
     def _abort_after(self, request_id: str, importing: asyncio.Future[ImportResult]) -> None:
         if not importing.cancelled():

@@ -77,11 +77,11 @@ class Access:
             None, self.quota.admit, principal.tenant, limit, prompt_tokens, max_tokens
         )
 
-    def settle(self, grant: Grant, completion_tokens: int) -> Awaitable[None]:
+    def settle(self, grant: Grant, completion_tokens: int, served: bool = True) -> Awaitable[None]:
         """Refund what the request did not use. Like a load release, the Redis call is
         handed to a thread when this is called, and cancelling the caller (a stream torn
         down while it cleans up) never drops it: the tenant would be charged for
         `max_tokens` it never got."""
         if self.quota is None or not grant.window_key:
             return done()
-        return in_thread(self.quota.settle, grant, completion_tokens)
+        return in_thread(self.quota.settle, grant, completion_tokens, served)

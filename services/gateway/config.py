@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.priority import Priority
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -84,6 +86,40 @@ class GatewayConfig:
         metadata={"help": "messages buffered per stream for a client that reads slowly"},
     )
 
+    # Admission: say no fast, in class order, instead of queueing past any SLO.
+    admission_control: bool = field(
+        default=True,
+        metadata={
+            "help": "admit a request only when the workers' live signals (Redis) say it can "
+            "start within its class's TTFT budget; else it waits in the waiting room"
+        },
+    )
+    ttft_budget_critical_s: float = field(
+        default=10.0, metadata={"help": "critical: TTFT budget, and its longest wait to start"}
+    )
+    ttft_budget_standard_s: float = field(
+        default=5.0, metadata={"help": "standard: TTFT budget, and its longest wait to start"}
+    )
+    ttft_budget_sheddable_s: float = field(
+        default=2.0, metadata={"help": "sheddable: TTFT budget, and its longest wait to start"}
+    )
+    waiting_room_size: int = field(
+        default=256,
+        metadata={"help": "requests that may wait for capacity on this gateway (0 = none)"},
+    )
+    fair_share_half_life_s: float = field(
+        default=30.0,
+        metadata={"help": "half-life of each tenant's attained service in the fair-share ledger"},
+    )
+
+    def budget_s(self, priority: Priority) -> float:
+        """The class's TTFT budget: the most a request of it may wait to be admitted."""
+        return {
+            Priority.CRITICAL: self.ttft_budget_critical_s,
+            Priority.STANDARD: self.ttft_budget_standard_s,
+            Priority.SHEDDABLE: self.ttft_budget_sheddable_s,
+        }[priority]
+
     def __post_init__(self) -> None:
         if not -1 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [-1, 65535] (-1 = off), got {self.http_port}")
@@ -96,9 +132,12 @@ class GatewayConfig:
         if min(self.prefill_timeout_s, self.first_token_timeout_s, self.token_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
         for name in ("max_tokens_limit", "request_deadline_s", "slow_client_timeout_s",
-                     "stream_buffer_messages"):  # fmt: skip
+                     "stream_buffer_messages", "ttft_budget_critical_s", "ttft_budget_standard_s",
+                     "ttft_budget_sheddable_s", "fair_share_half_life_s"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.waiting_room_size < 0:
+            raise ValueError(f"waiting_room_size must be >= 0, got {self.waiting_room_size}")
         if self.placement not in ("static", "redis"):
             raise ValueError(f"placement must be static or redis, got {self.placement!r}")
         if self.placement == "static" and not self.decode_workers:

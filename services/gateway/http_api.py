@@ -42,14 +42,14 @@ from services.common import priority_proto
 from services.common.status import (
     AuthError,
     NoWorkerError,
-    QuotaExceeded,
+    Refusal,
     StatusError,
     UnknownModelError,
     code_for,
 )
 from services.gateway import openai_schema as oa
 from services.gateway.auth import Principal
-from services.gateway.service import GatewayService
+from services.gateway.service import REFUSAL_REASON_KEY, GatewayService
 
 log = logging.getLogger(__name__)
 
@@ -189,10 +189,13 @@ def _auth_middleware(service: GatewayService) -> Callable[..., Awaitable[web.Str
     return authenticate
 
 
-def _quota_response(exc: QuotaExceeded) -> web.Response:
-    status, kind = oa.http_for_status(code_for(exc))  # 429
-    response = _json(status, oa.error_body(str(exc), kind, None, "rate_limit_exceeded"))
+def _refusal_response(exc: Refusal) -> web.Response:
+    """429 (quota, stream cap) or 503 (overload), always with a `Retry-After`."""
+    status, kind = oa.http_for_status(code_for(exc))
+    code = "rate_limit_exceeded" if status == 429 else f"overloaded_{exc.reason.value}"
+    response = _json(status, oa.error_body(str(exc), kind, None, code))
     response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    response.headers[f"x-pdserve-{REFUSAL_REASON_KEY}"] = exc.reason.value
     return response
 
 
@@ -287,8 +290,8 @@ class HttpApi:
                 InvalidRequestError, UnknownModelError, StatusError, NoWorkerError, AuthError
             ) as exc:  # fmt: skip
                 return _json(*_failure(exc, req))
-            except QuotaExceeded as exc:
-                return _quota_response(exc)
+            except Refusal as exc:
+                return _refusal_response(exc)
             return await self._sse(request, answer, first, messages, disconnect)
 
     async def _whole(

@@ -75,10 +75,12 @@ class TokenQuota:
             raise QuotaExceeded(tenant, limit, int(left_ms) / 1000)
         return Grant(f"{self.key(tenant)}:{int(window)}", charge, prompt_tokens)
 
-    def settle(self, grant: Grant, completion_tokens: int) -> None:
-        """Refund what the request did not generate. Never raises: a lost refund only
-        over-counts one window, which expires."""
-        unused = grant.charged - grant.prompt_tokens - completion_tokens
+    def settle(self, grant: Grant, completion_tokens: int, served: bool = True) -> None:
+        """Refund what the request did not generate (and its prompt too when it was
+        never `served`: refused by admission control before any worker saw it). Never
+        raises: a lost refund only over-counts one window, which expires."""
+        used = (grant.prompt_tokens if served else 0) + completion_tokens
+        unused = grant.charged - used
         if not grant.window_key or unused <= 0:
             return
         try:

@@ -4,7 +4,7 @@ Lifecycle: the gateway keeps one `RecordBook`. Each request record
 (`services.gateway.request_record`) reports what it holds after every change
 (`update`) and leaves the book when its cleanup is over (`forget`), so
 `count(resource)` is always the number of live records holding that resource: the
-stream cap reads the stream slots here, and `HeldCollector` exposes all five counts as
+stream cap reads the stream slots here, and `HeldCollector` exposes every count as
 `pdserve_gateway_held{resource}`, which a leak check expects to be 0 once requests end.
 Everything runs on the event loop; the metrics endpoint's thread only copies the counts,
 whose keys never change.
@@ -25,6 +25,7 @@ GAUGE = "pdserve_gateway_held"
 class Resource(enum.StrEnum):
     """What a request can hold; the value is the gauge's `resource` label."""
 
+    ADMISSION = "admission"  # admitted, counted against capacity until its KV reaches decode
     STREAM_SLOT = "stream_slot"  # one of --max-streams
     LOAD_LEASE = "load_lease"  # the router's load leases on the chosen workers
     QUOTA_CHARGE = "quota_charge"  # prompt + max_tokens charged to the tenant's minute

@@ -2,10 +2,13 @@
 
 Lifecycle (`RequestState`), driven by `GatewayService.stream` and `RequestStream`:
 
-    ADMITTING   `take_slot` takes a stream slot (or refuses: RESOURCE_EXHAUSTED), then
-                `charge` charges the tenant's quota (or refuses: QuotaExceeded)
+    ADMITTING   `charge` charges the tenant's quota (or refuses: QuotaExceeded), `admit`
+                waits for admission control's pass (or refuses: Overloaded), then
+                `take_slot` takes a stream slot (or refuses: StreamCapReached)
     ROUTING     `route`: the placement picks workers and leases their load; a prefill
-                that failed on an unreachable worker routes again, excluding it
+                that failed on an unreachable worker routes again, excluding it;
+                `reroute_decode` (from DECODING) places the decode side again when a
+                decode worker refused the request before its first chunk
     PREFILLING  `prefill_sent` before the Prefill call (from then on the prefill worker
                 may hold the request's KV under a lease for the decode worker to pull);
                 `prefill_done` drops it when the request already ended there
@@ -40,19 +43,21 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
+import time
 import uuid
 from collections.abc import Awaitable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import grpc
-
 from engine.priority import Priority
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import worker_pb2
-from services.common.status import StatusError
+from services.common.status import RefusalReason, StreamCapReached
 from services.gateway.access import Access
+from services.gateway.admission import Admission
 from services.gateway.auth import Principal
+from services.gateway.capacity import Cost, Pass
 from services.gateway.quota import Grant
 from services.gateway.record_book import RecordBook, Resource
 from services.gateway.worker_stubs import WorkerStubs
@@ -61,6 +66,7 @@ from services.router.placement import Placement, RouteDecision
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 2.0  # a worker that does not answer by then lets the lease expire
+STREAM_CAP_RETRY_S = 1.0  # a stream slot frees when any stream ends: soon, on a busy gateway
 
 
 @dataclass
@@ -73,6 +79,7 @@ class Prepared:
     tenant: str
     deadline: float  # time.monotonic() by which the request must have ended
     priority: Priority = Priority.STANDARD  # its class, resolved against the caller's key
+    weight: float = 1.0  # its tenant's fair-share weight
     # The id the workers see. A client-chosen id need not be unique (two clients, or one
     # retrying, may send the same), and a worker holding a live request under that id
     # refuses the second one and lets the first one stall; so each request gets its own.
@@ -116,6 +123,8 @@ class RequestRecord:
         self.state = RequestState.ADMITTING
         self.completion_tokens = 0  # generated so far: what the quota refund leaves charged
         self._slot = False
+        self._pass: Pass | None = None
+        self._served = False  # it reached a worker: its prompt tokens count in the quota
         self._charge: asyncio.Future[Grant] | None = None
         self._placements: list[asyncio.Future[RouteDecision]] = []
         self._prefill: set[str] = set()  # addresses of prefill workers that may hold KV
@@ -126,6 +135,8 @@ class RequestRecord:
     @property
     def held(self) -> frozenset[Resource]:
         held = set[Resource]()
+        if self._pass is not None:
+            held.add(Resource.ADMISSION)
         if self._slot:
             held.add(Resource.STREAM_SLOT)
         if self._charge is not None:
@@ -137,6 +148,11 @@ class RequestRecord:
         if self._decode is not None:
             held.add(Resource.DECODE_STREAM)
         return frozenset(held)
+
+    @property
+    def served(self) -> bool:
+        """Whether it reached routing: from then on its prompt counts against the quota."""
+        return self._served
 
     def _changed(self) -> None:
         if self.state is not RequestState.CLOSED:
@@ -150,15 +166,44 @@ class RequestRecord:
 
     # -- admission -----------------------------------------------------------------
     def take_slot(self, max_streams: int) -> None:
-        """Take one of `max_streams` stream slots, or raise RESOURCE_EXHAUSTED."""
+        """Take one of `max_streams` stream slots, or raise StreamCapReached."""
         self._enter(RequestState.ADMITTING)
         if self.keepers.book.count(Resource.STREAM_SLOT) >= max_streams:
-            raise StatusError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"max_streams: {max_streams} streams already running; retry later",
+            raise StreamCapReached(
+                f"max_streams: {max_streams} streams already running; retry in 1s",
+                RefusalReason.STREAM_CAP,
+                STREAM_CAP_RETRY_S,
             )
         self._slot = True
         self._changed()
+
+    async def admit(self, admission: Admission) -> None:
+        """Wait for admission control to let the request start; raises Overloaded. The
+        pass it gets counts against capacity until `decode_started` or the cleanup."""
+        self._enter(RequestState.ADMITTING)
+        req = self.req
+        cost = Cost(len(req.prompt), req.params.max_tokens)
+        self._pass = await admission.admit(req.priority, req.tenant, req.weight, cost)
+        self._changed()
+
+    def _sent(self) -> None:
+        """Its prompt is in a worker's queue: that worker's next signal counts it."""
+        if self._pass is not None and self._pass.sent is None:
+            self._pass.sent = time.monotonic()
+
+    def _settle_pass(self) -> None:
+        if self._pass is not None:
+            if self._pass.first_token is None and self.state is RequestState.DECODING:
+                self._pass.first_token = time.monotonic()  # a mixed worker's first token
+            self._pass.settled = True
+            self._pass = None
+            self._changed()
+
+    def kv_blocks(self, block_size: int) -> int:
+        """KV blocks the request holds on a worker now (0 before prefill, after close)."""
+        if self.state not in (RequestState.PREFILLING, RequestState.DECODING):
+            return 0
+        return math.ceil((len(self.req.prompt) + self.completion_tokens) / block_size)
 
     async def charge(self, principal: Principal) -> None:
         """Charge prompt + max_tokens to the tenant's quota; raises QuotaExceeded."""
@@ -180,6 +225,7 @@ class RequestRecord:
         """Pick workers (excluding the ids in `exclude`) and lease their load; raises
         NoWorkerError. The placement is the record's from its start."""
         self._enter(RequestState.ROUTING)
+        self._served = True
         req = self.req
         placing = asyncio.ensure_future(
             self.keepers.placement.route(req.request_id, req.prompt, req.tenant, list(exclude))
@@ -200,25 +246,62 @@ class RequestRecord:
         """Before the Prefill call to `address`: from now on that worker may keep the
         request's KV under a lease until a decode worker pulls it."""
         self._enter(RequestState.PREFILLING)
+        self._sent()
         self._prefill.add(address)
         self._changed()
 
     def prefill_done(self, address: str, *, finished: bool) -> None:
         """The Prefill call answered; `finished`: the request ended there, and the
         worker released its KV itself."""
+        if self._pass is not None:
+            self._pass.first_token = time.monotonic()  # calibrates admission's estimate
         if finished:
             self._prefill.discard(address)
             self._changed()
 
     # -- decode --------------------------------------------------------------------
+    async def reroute_decode(self, failed: RouteDecision, exclude: Sequence[str]) -> RouteDecision:
+        """Place the decode side again (excluding the ids in `exclude`) for a request
+        whose decode worker, `failed.decode`, refused it before its first chunk; the
+        prefill worker keeps the KV and its load lease. Once placed, the refused worker's
+        load lease is given back; NoWorkerError keeps it (the request may come back)."""
+        self._enter(RequestState.ROUTING)
+        req = self.req
+        placing = asyncio.ensure_future(
+            self.keepers.placement.route_decode(
+                req.request_id, req.prompt, req.tenant, list(exclude), prefill=failed.prefill
+            )
+        )
+        self._placements.append(placing)
+        placing.add_done_callback(self._placed)
+        self._changed()
+        decision = await asyncio.shield(placing)
+        loop = asyncio.get_running_loop()
+        for held in [p for p in self._placements if p.done() and not p.cancelled()]:
+            if held.exception() is None and held.result() is failed:
+                # Keep the prefill worker's load lease, give back the refused decode one's.
+                self._placements.remove(held)
+                if failed.prefill_lease_ids:
+                    kept: asyncio.Future[RouteDecision] = loop.create_future()
+                    kept.set_result(failed.prefill_load())
+                    self._placements.append(kept)
+                gone: asyncio.Future[RouteDecision] = loop.create_future()
+                gone.set_result(failed.decode_load())
+                self.keepers.stubs.cleanups.start(self._release_load(gone))
+        self._changed()
+        return decision
+
     def decode_opened(self, call: Cancellable) -> None:
         self._enter(RequestState.DECODING)
+        self._sent()  # a mixed worker prefills it here
         self._decode = call
         self._changed()
 
     def decode_started(self, prefill_address: str | None) -> None:
         """The first chunk came: the decode worker has pulled the KV (an import runs
-        before any chunk), and released that prefill worker's lease."""
+        before any chunk), and released that prefill worker's lease. The decode worker
+        reports the request's blocks itself from now on: its admission pass is settled."""
+        self._settle_pass()
         if prefill_address is not None:
             self._prefill.discard(prefill_address)
             self._changed()
@@ -249,6 +332,7 @@ class RequestRecord:
                 self._decode.cancel()  # the decode worker aborts the request
                 self._decode = None
             self._slot = False
+            self._settle_pass()
             self._changed()
             self._closing = self.keepers.stubs.cleanups.start(self._release())
         return asyncio.shield(self._closing)
@@ -287,7 +371,7 @@ class RequestRecord:
         except Exception:
             grant = None  # refused: nothing charged
         if grant is not None:
-            await self.keepers.access.settle(grant, self.completion_tokens)
+            await self.keepers.access.settle(grant, self.completion_tokens, served=self._served)
         self._charge = None
         self._changed()
 

@@ -9,16 +9,22 @@ charge). It moves the record through its states:
    excluding it and retried once; token 1 is streamed (TTFT ends here);
 3. decode: the decode worker imports the KV and streams the rest; the first decode
    token has its own deadline (it includes the transfer), later tokens an idle deadline;
+   a decode worker that refuses the request before its first chunk (no room for the KV:
+   RESOURCE_EXHAUSTED, or unreachable: UNAVAILABLE) is swapped for another, or tried
+   again after a backoff when all were full, within that first-token deadline and the
+   KV lease (`DecodeRetry`); the prefill worker's lease is still good, so the new
+   decode worker pulls from the same handle;
 4. the last message carries usage and the finish reason (and the trace id and phase
    timeline: `StreamTelemetry` traces and measures every step above).
 Both worker calls carry the request's class, and no wait outlasts the request's total
 deadline (`Prepared.deadline`): each hop's timeout is cut to the time left, which the
 workers also get as their gRPC deadline (their engine's `deadline`), and a hop that
 misses it ends the stream with DEADLINE_EXCEEDED naming `request_deadline_s`, never a
-retry. After token 1 a failure ends the stream with a typed status (never a hang). Nothing
-here gives anything back: whoever made the record closes it when this generator ends,
-however it ends (the decode stream cancelled, an un-pulled prefill lease aborted, load
-leases released, quota refunded: `RequestRecord.close`).
+retry. Otherwise, after token 1 only a worker's death or a deadline ends the stream with
+an error (a typed status, never a hang). Nothing here gives anything back: whoever made
+the record closes it when this generator ends, however it ends (the decode stream
+cancelled, an un-pulled prefill lease aborted, load leases released, quota refunded:
+`RequestRecord.close`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from services.common.detokenizer import IncrementalDetokenizer
 from services.common.log_format import log_context
 from services.common.status import NoWorkerError, StatusError
 from services.gateway.config import GatewayConfig
+from services.gateway.decode_retry import REFUSALS, DecodeRefusal, DecodeRetry
 from services.gateway.request_record import RequestRecord
 from services.gateway.stop_text import StopTrimmer
 from services.gateway.stream_telemetry import GatewayTelemetry
@@ -46,6 +53,15 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 class StreamError(StatusError):
     """Ends the client's stream with this gRPC status (a worker's, or a deadline)."""
+
+
+class DecodeRefused(StreamError):
+    """A decode worker refused the request before its first chunk (`REFUSALS`): another
+    attempt may take it over. Ends the stream with its status when none can."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, refusal: DecodeRefusal) -> None:
+        super().__init__(code, message)
+        self.refusal = refusal
 
 
 def deadline_error(deadline_s: float) -> StreamError:
@@ -92,14 +108,14 @@ class RequestStream:
             with log_context(self.req.request_id, self.tel.trace_id):
                 decision, first = await self._prefill_with_retry()
             if first is None:
-                async for msg in self._decode(decision, None):
+                async for msg in self._decode_with_retry(decision, None):
                     yield msg
                 return
             yield self._delta([first.first_token_id], prefill=decision)
             if first.finished:
                 yield self._final(first.finish_reason)
                 return
-            async for msg in self._decode(decision, first.kv_handle):
+            async for msg in self._decode_with_retry(decision, first.kv_handle):
                 yield msg
         except (StreamError, NoWorkerError) as exc:
             self.tel.failed(exc.code, str(exc))
@@ -151,9 +167,50 @@ class RequestStream:
         return response
 
     # -- decode ------------------------------------------------------------------
-    async def _decode(
+    async def _decode_with_retry(
         self, decision: RouteDecision, handle: common_pb2.KvHandle | None
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """Decode on `decision`'s decode worker, or on another when it refuses the
+        request before its first chunk (nothing was yielded then)."""
+        retry = DecodeRetry.start(
+            self.config.first_token_timeout_s, handle, time.monotonic(), time.time()
+        )
+        while True:
+            try:
+                async for msg in self._decode(decision, handle, retry.first_token_deadline):
+                    yield msg
+                return
+            except DecodeRefused as refused:
+                retry.refused(decision.decode.worker_id, refused.refusal)
+                decision = await self._reroute_decode(decision, retry, refused)
+
+    async def _reroute_decode(
+        self, failed: RouteDecision, retry: DecodeRetry, refused: DecodeRefused
+    ) -> RouteDecision:
+        """The next decode worker to try; raises once retrying is over: past a deadline,
+        or with no worker left that may take the request (then `refused` itself)."""
+        while True:
+            now = time.monotonic()
+            if self._past_deadline():
+                raise deadline_error(self.config.request_deadline_s) from refused
+            if not retry.open(now):
+                message = retry.window_message(str(refused))
+                raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, message) from refused
+            try:
+                call = self.record.reroute_decode(failed, retry.exclude())
+                return await self.tel.route(call, retry.attempts)
+            except NoWorkerError:
+                if not retry.can_wait():
+                    raise refused from None
+            # Every worker left was full: give them a moment to free blocks, then again.
+            await asyncio.sleep(min(retry.backoff(now), self._left()))
+            retry.retry_full()
+
+    async def _decode(
+        self, decision: RouteDecision, handle: common_pb2.KvHandle | None, first_by: float
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """One Decode call; DecodeRefused when it fails before its first chunk with a
+        status another attempt may cure. Its first chunk is due by `first_by`."""
         request = worker_pb2.DecodeRequest(
             request_id=self.req.worker_request_id, prompt_token_ids=self.req.prompt,
             sampling=sampling.to_proto(self.req.params), cache_salt=self.req.tenant,
@@ -166,15 +223,11 @@ class RequestStream:
         )
         self.record.decode_opened(call)
         pulled_from = decision.prefill.address if decision.prefill and handle else None
-        started = False
+        chunk = await self._first_chunk(call, first_by, decision)
+        # Any chunk comes after the import: the decode worker has the KV now.
+        self.record.decode_started(pulled_from)
         first = handle is None
         while True:
-            timeout = self.config.token_timeout_s if started else self.config.first_token_timeout_s
-            chunk = await self._read(call, timeout, decision)
-            if not started:
-                # Any chunk comes after the import: the decode worker has the KV now.
-                self.record.decode_started(pulled_from)
-                started = True
             if handle is None and chunk.cached_tokens:
                 self.cached_tokens = chunk.cached_tokens
             if chunk.phases:
@@ -188,13 +241,32 @@ class RequestStream:
                 self.record.decode_ended()
                 yield self._final(chunk.finish_reason)
                 return
+            chunk = await self._read(call, self.config.token_timeout_s, decision)
+
+    async def _first_chunk(
+        self, call: grpc.aio.UnaryStreamCall, first_by: float, decision: RouteDecision
+    ) -> worker_pb2.DecodeChunk:
+        """The call's first chunk (after the KV import), due by `first_by`."""
+        limit = f"first_token_timeout_s ({self.config.first_token_timeout_s:g}s)"
+        try:
+            return await self._read(call, first_by - time.monotonic(), decision, limit)
+        except StreamError as exc:
+            refusal = REFUSALS.get(exc.code)
+            if refusal is None:
+                raise
+            raise DecodeRefused(exc.code, str(exc), refusal) from exc
 
     async def _read(
-        self, call: grpc.aio.UnaryStreamCall, timeout: float, decision: RouteDecision
+        self,
+        call: grpc.aio.UnaryStreamCall,
+        timeout: float,
+        decision: RouteDecision,
+        limit: str = "",
     ) -> worker_pb2.DecodeChunk:
-        """The next chunk; StreamError on a missed deadline, a failed or ended stream."""
+        """The next chunk within `timeout` (`limit` names it in the error); StreamError on
+        a missed deadline, a failed or ended stream."""
         worker = decision.decode.worker_id
-        wait = min(timeout, self._left())
+        wait = max(0.0, min(timeout, self._left()))
         try:
             chunk = await asyncio.wait_for(call.read(), wait)
         except TimeoutError as exc:
@@ -202,7 +274,8 @@ class RequestStream:
                 raise deadline_error(self.config.request_deadline_s) from exc
             raise StreamError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"decode worker {worker} sent no token for {timeout:.1f}s",
+                f"decode worker {worker} sent no token "
+                + (f"within {limit}" if limit else f"for {timeout:.1f}s"),
             ) from exc
         except grpc.aio.AioRpcError as exc:
             self.record.decode_ended()

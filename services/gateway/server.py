@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 
+import redis
+
 from engine.model_spec import ModelSpec
 from engine.model_store import DEFAULT_MODEL_NAME, resolve_model_dir
 from engine.tokenizer import Tokenizer
@@ -23,17 +25,22 @@ from services.common.telemetry import Telemetry
 from services.common.telemetry_config import TelemetryConfig
 from services.common.tls import TlsConfig, server_ssl_context
 from services.gateway.access import Access
+from services.gateway.admission import Admission
+from services.gateway.admission_metrics import AdmissionMetrics
 from services.gateway.config import GatewayConfig
+from services.gateway.fair_share import FairShare
 from services.gateway.http_api import HttpApi
 from services.gateway.record_book import HeldCollector
 from services.gateway.service import GatewayService
 from services.gateway.stream_telemetry import GatewayTelemetry
 from services.gateway.wire import add_servicer
 from services.gateway.worker_stubs import WorkerStubs
+from services.router.keyspace import Keyspace
 from services.router.placement import Placement, StaticPlacement
 from services.router.redis_client import connect
 from services.router.redis_placement import RedisPlacement
 from services.router.router_config import RouterConfig
+from services.router.worker_signal import SignalBoard
 
 DRAIN_S = 5.0
 
@@ -59,10 +66,12 @@ def build_service(
     placement = build_placement(config, router)
     name = model_cfg.model or DEFAULT_MODEL_NAME
     tel = GatewayTelemetry.on(telemetry, placement) if telemetry else None
-    access = build_access(config, placement, router)
+    client = shared_redis(placement, router)
+    access = Access.from_config(config, client, router.namespace)
+    admission = build_admission(config, client, router, telemetry)
     service = GatewayService(
         config, placement, Tokenizer(model_dir), name, spec.max_position_embeddings,
-        spec.vocab_size, tel, access, WorkerStubs(tls or TlsConfig()),
+        spec.vocab_size, tel, access, WorkerStubs(tls or TlsConfig()), admission,
     )  # fmt: skip
     if telemetry is not None:
         # pdserve_gateway_held{resource}: what live requests hold (a leak check wants 0s).
@@ -70,14 +79,29 @@ def build_service(
     return service
 
 
-def build_access(config: GatewayConfig, placement: Placement, router: RouterConfig) -> Access:
-    """API keys and quotas; quotas share the router's Redis (or --redis-url's)."""
-    client = None
+def shared_redis(placement: Placement, router: RouterConfig) -> redis.Redis | None:
+    """The Redis quotas, worker signals and fair shares live in: the router's (or
+    --redis-url's); None without one."""
     if isinstance(placement, RedisPlacement):
-        client = placement.client
-    elif router.redis_url:
-        client = connect(router.redis_url, router.redis_timeout_s)
-    return Access.from_config(config, client, router.namespace)
+        return placement.client
+    if router.redis_url:
+        return connect(router.redis_url, router.redis_timeout_s)
+    return None
+
+
+def build_admission(
+    config: GatewayConfig,
+    client: redis.Redis | None,
+    router: RouterConfig,
+    telemetry: Telemetry | None,
+) -> Admission:
+    """Admission control on the workers' signals in Redis (off without a Redis)."""
+    metrics = AdmissionMetrics(telemetry.registry if telemetry else None)
+    if client is None or not config.admission_control:
+        return Admission(config, metrics=metrics)
+    keys = Keyspace(router.namespace)
+    fair = FairShare(client, router.namespace, config.fair_share_half_life_s)
+    return Admission(config, SignalBoard(client, keys), fair, metrics)
 
 
 async def serve_gateway(

@@ -5,9 +5,11 @@ message list), validate sampling against the context length and the operator's
 `max_tokens_limit`, resolve the request's priority class against the caller's key (the
 key's default, or what the request asks for up to the key's highest: PERMISSION_DENIED
 above it), and start the clock on its total deadline (`request_deadline_s`); then open
-the request's `RequestRecord`, take a stream slot (or fail fast with RESOURCE_EXHAUSTED),
-charge the tenant's quota (or fail with RESOURCE_EXHAUSTED and a retry hint), and relay a
-`RequestStream` through the request's `StreamBuffer` (bounded: a client that stops
+the request's `RequestRecord`, charge the tenant's quota (or refuse at once:
+RESOURCE_EXHAUSTED), pass admission control (`Admission`: admitted at once, or after a
+wait in the waiting room, or refused: UNAVAILABLE), take a stream slot (or refuse:
+RESOURCE_EXHAUSTED); every refusal carries a retry hint. Then relay a `RequestStream`
+through the request's `StreamBuffer` (bounded: a client that stops
 reading is disconnected). When the stream ends, however it ends (finished, failed, given
 up on, or closed by a client that went away), the record's one cleanup gives back
 everything it holds. Typed errors become gRPC statuses through the one table
@@ -30,7 +32,8 @@ from pdserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2
 from services.common import priority_proto, sampling
 from services.common.detokenizer import IncrementalDetokenizer
 from services.common.status import (
-    QuotaExceeded,
+    Overloaded,
+    Refusal,
     ServiceError,
     StatusError,
     UnknownModelError,
@@ -38,6 +41,7 @@ from services.common.status import (
     status_for,
 )
 from services.gateway.access import Access
+from services.gateway.admission import Admission, Usage
 from services.gateway.auth import ANONYMOUS, AuthError, Principal
 from services.gateway.config import GatewayConfig
 from services.gateway.record_book import RecordBook, Resource
@@ -49,6 +53,8 @@ from services.gateway.worker_stubs import WorkerStubs
 from services.router.placement import Placement
 
 MAX_PROMPT_CHARS = 1_000_000
+# Trailing metadata (gRPC) and header (HTTP, with x-pdserve-) naming a refusal's reason.
+REFUSAL_REASON_KEY = "refusal-reason"
 
 
 class GatewayService(gateway_pb2_grpc.GatewayServicer):
@@ -63,6 +69,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         telemetry: GatewayTelemetry | None = None,
         access: Access | None = None,
         stubs: WorkerStubs | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.config = config
         self.access = access or Access.open()
@@ -75,13 +82,25 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.stubs = stubs or WorkerStubs()
         self.book: RecordBook[RequestRecord] = RecordBook()
         self.keepers = Keepers(placement, self.access, self.stubs, self.book)
+        self.admission = admission or Admission(config)
 
     @property
     def active(self) -> int:
         """Streams running: the stream slots live request records hold."""
         return self.book.count(Resource.STREAM_SLOT)
 
+    def usage(self) -> list[Usage]:
+        """The live requests' KV blocks on the workers, for the fair-share ledger."""
+        size = self.admission.capacity.decode.block_size
+        out = []
+        for record in self.book.live():
+            blocks = record.kv_blocks(size)
+            if blocks:
+                out.append(Usage(record.req.priority, record.req.tenant, blocks))
+        return out
+
     async def close(self) -> None:
+        await self.admission.close()
         await self.stubs.close()
 
     # -- validation --------------------------------------------------------------
@@ -139,26 +158,28 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         principal: Principal = ANONYMOUS,
         disconnect: Disconnect | None = None,
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
-        """Validate, take a stream slot, charge the tenant's quota, relay a RequestStream.
+        """Validate, charge the quota, pass admission, take a stream slot, relay.
 
         `principal` (from `access.authenticate`) names the tenant (its prefix-cache salt
         and routing key) and the classes it may ask for. Raises before the first
         message: UnknownModelError, InvalidRequestError (naming the field),
-        PermissionDeniedError (a class above the key's), StatusError RESOURCE_EXHAUSTED
-        (stream cap), QuotaExceeded or NoWorkerError; after it, StreamError with the
-        status (DEADLINE_EXCEEDED past `request_deadline_s`). `disconnect` is how the
-        front door ends its client's call when the client stops reading (see
-        `StreamBuffer`). Closing the generator early cancels the request on both
-        workers. However it ends, the record's cleanup gives everything back (slot,
-        load leases, prefill lease, unused quota) before this generator is done, unless
-        its task is cancelled again meanwhile: then the cleanup finishes on its own.
+        PermissionDeniedError (a class above the key's), a `Refusal` (QuotaExceeded,
+        Overloaded, StreamCapReached: each with `retry_after_s`) or NoWorkerError;
+        after it, StreamError with the status (DEADLINE_EXCEEDED past
+        `request_deadline_s`). `disconnect` is how the front door ends its client's
+        call when the client stops reading (see `StreamBuffer`). Closing the generator
+        early cancels the request on both workers. However it ends, the record's cleanup
+        gives everything back (admission pass, slot, load leases, prefill lease, unused
+        quota) before this generator is done, unless its task is cancelled again
+        meanwhile: then the cleanup finishes on its own.
         """
         try:
             prepared = self.prepare(request)
             asked = priority_proto.from_proto(request.priority)
             prepared = replace(
-                prepared, tenant=principal.tenant, priority=principal.priority_for(asked)
-            )
+                prepared, tenant=principal.tenant, priority=principal.priority_for(asked),
+                weight=principal.weight,
+            )  # fmt: skip
         except Exception as exc:
             self.telemetry.count_refusal(exc)
             raise
@@ -178,11 +199,17 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             await record.close()
 
     async def _admit(self, record: RequestRecord, principal: Principal) -> None:
+        """Quota first (a tenant over it is told at once), then admission control (which
+        may wait), then a stream slot."""
+        self.admission.start(self.usage)
         try:
-            record.take_slot(self.config.max_streams)
             await record.charge(principal)
-        except (StatusError, QuotaExceeded):
-            self.telemetry.count_error(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await record.admit(self.admission)
+            record.take_slot(self.config.max_streams)
+        except Refusal as exc:
+            self.telemetry.count_refusal(exc)
+            if not isinstance(exc, Overloaded):  # admission counts its own
+                self.admission.metrics.refused(record.req.priority, exc.reason)
             raise
 
     # -- RPCs --------------------------------------------------------------------
@@ -196,9 +223,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             async with contextlib.aclosing(stream) as messages:
                 async for msg in messages:
                     yield msg
-        except QuotaExceeded as exc:
+        except Refusal as exc:
             retry_ms = str(round(exc.retry_after_s * 1000))
-            await context.abort(*status_for(exc), (("retry-after-ms", retry_ms),))
+            trailing = (("retry-after-ms", retry_ms), (REFUSAL_REASON_KEY, exc.reason.value))
+            await context.abort(*status_for(exc), trailing)
         except (ServiceError, InvalidRequestError, StatusError) as exc:
             if not disconnect.done:  # the call has its status already
                 await abort_with(context, exc)

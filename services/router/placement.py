@@ -4,7 +4,9 @@ The gateway depends only on `Placement`. `StaticPlacement` serves a fixed list o
 workers round-robin (what `pdserve up` uses until the Redis router is configured); the
 Redis-backed router implements the same interface with bounded-load consistent hashing
 on the prompt's prefix. `route` may be called again with `exclude` naming workers that
-failed the request; `release` gives back whatever load the decision took. `release`
+failed the request; `route_decode` places only the decode side again, for a request whose
+prefill is done but whose decode worker refused it (full, or unreachable), leasing load on
+the new decode worker only; `release` gives back whatever load the decision took. `release`
 starts its work when it is called, not when it is first awaited: the gateway calls it
 from cleanup code that can be cancelled at any await, and a release that only began on
 its first step could be cancelled before it began.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from services.common.detached import done
@@ -31,11 +33,29 @@ class WorkerRef:
 
 @dataclass(frozen=True)
 class RouteDecision:
-    """`prefill` is None when the pool is mixed: `decode` then runs the whole request."""
+    """`prefill` is None when the pool is mixed: `decode` then runs the whole request.
+
+    The load leases the decision holds are kept per side, so that a decode re-route can
+    give back the decode worker's alone (`decode_load`) and keep the rest (`prefill_load`).
+    """
 
     prefill: WorkerRef | None
     decode: WorkerRef
-    load_lease_ids: tuple[str, ...] = field(default=())
+    prefill_lease_ids: tuple[str, ...] = ()
+    decode_lease_ids: tuple[str, ...] = ()
+
+    @property
+    def load_lease_ids(self) -> tuple[str, ...]:
+        """Every load lease the decision holds (what `Placement.release` gives back)."""
+        return self.prefill_lease_ids + self.decode_lease_ids
+
+    def prefill_load(self) -> RouteDecision:
+        """The same placement, holding only the prefill worker's load lease."""
+        return replace(self, decode_lease_ids=())
+
+    def decode_load(self) -> RouteDecision:
+        """The same placement, holding only the decode worker's load lease."""
+        return replace(self, prefill_lease_ids=())
 
 
 def _ref(entry: str, role: str) -> WorkerRef:
@@ -51,6 +71,20 @@ class Placement(Protocol):
         tenant: str,
         exclude: Sequence[str] = (),
     ) -> RouteDecision: ...
+
+    async def route_decode(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        tenant: str,
+        exclude: Sequence[str] = (),
+        *,
+        prefill: WorkerRef | None = None,
+    ) -> RouteDecision:
+        """Place the decode (or mixed) pool alone, excluding the ids in `exclude`, and
+        lease load there only; the decision names `prefill`, the worker that already
+        holds the request's KV. Raises NoWorkerError."""
+        ...
 
     def release(self, decision: RouteDecision) -> Awaitable[None]:
         """Start giving back the decision's load; await the result to wait for it."""
@@ -90,10 +124,24 @@ class StaticPlacement:
         prefill = self._pick(self._prefill, self._next_p, exclude) if self._prefill else None
         if self._prefill and prefill is None:
             raise NoWorkerError("no prefill worker left to try")
+        return RouteDecision(prefill, self._pick_decode(exclude))
+
+    async def route_decode(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        tenant: str,
+        exclude: Sequence[str] = (),
+        *,
+        prefill: WorkerRef | None = None,
+    ) -> RouteDecision:
+        return RouteDecision(prefill, self._pick_decode(exclude))
+
+    def _pick_decode(self, exclude: Sequence[str]) -> WorkerRef:
         decode = self._pick(self._decode, self._next_d, exclude)
         if decode is None:
             raise NoWorkerError("no decode worker left to try")
-        return RouteDecision(prefill, decode)
+        return decode
 
     def release(self, decision: RouteDecision) -> Awaitable[None]:
         return done()

@@ -2,9 +2,10 @@
 
 Lifecycle: `RedisPlacement.from_config(config)` connects to `config.redis_url` (or starts
 an `EmbeddedRedis` and owns it when the URL is empty), builds a `Router`, and reads the
-registry once. The gateway then awaits `route` / `release` per request; both run the
-synchronous router in a worker thread (redis-py's sync client is the one the Lua scripts
-and the tests share), and both finish their Redis work even if the caller is cancelled.
+registry once. The gateway then awaits `route` (or `route_decode`, which places the decode
+pool alone) and `release` per request; each runs the synchronous router in a worker thread
+(redis-py's sync client is the one the Lua scripts and the tests share), and each finishes
+its Redis work even if the caller is cancelled.
 `close()` disconnects and stops an owned embedded server.
 """
 
@@ -74,11 +75,32 @@ class RedisPlacement:
         still finishes the placement, and its load leases are given back as soon as it
         does: the caller never sees the decision, so nobody else would release them.
         """
-        placing = asyncio.ensure_future(
+        return await self._placed(
             asyncio.to_thread(
                 self.router.route, request_id, list(prompt_token_ids), tenant, tuple(exclude)
             )
         )
+
+    async def route_decode(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        tenant: str,
+        exclude: Sequence[str] = (),
+        *,
+        prefill: WorkerRef | None = None,
+    ) -> RouteDecision:
+        """Pick a decode worker and lease its load alone; raises NoWorkerError. Cancelled,
+        it gives back what it took once placed, as `route` does."""
+        return await self._placed(
+            asyncio.to_thread(
+                self.router.route_decode, request_id, list(prompt_token_ids), tenant,
+                tuple(exclude), prefill=prefill,
+            )
+        )  # fmt: skip
+
+    async def _placed(self, routing: Awaitable[RouteDecision]) -> RouteDecision:
+        placing = asyncio.ensure_future(routing)
         try:
             return await asyncio.shield(placing)
         except asyncio.CancelledError:

@@ -14,6 +14,9 @@ Lifecycle of a decision (`Router.route`, synchronous and thread-safe):
    A release Redis does not get (a slow reply, an outage) is kept and sent again with the
    next call that reaches it (`ReleaseBacklog`).
 
+`route_decode` is the same decision over the decode (or mixed) pool alone: the gateway
+asks for it when a request's prefill is done but its decode worker refused it.
+
 Fail-open: if Redis errors, the router places with `LocalLoad` on the last known
 membership, logs once per outage, counts each such decision in `stats.fail_open`, and
 tries Redis again after `redis_retry_s`. If Redis comes back empty (restarted), pools it
@@ -59,7 +62,7 @@ class RouterStats:
 @dataclass(frozen=True)
 class Routed:
     decision: RouteDecision
-    placements: tuple[Placed, ...]  # (prefill, decode) or (mixed,), as in the decision
+    placements: tuple[Placed, ...]  # (prefill, decode) or (mixed,) as in the decision, or (decode,)
     fail_open: bool  # some pool was placed with local counts, not through Redis
 
 
@@ -126,26 +129,45 @@ class Router:
         """Place one request; raises NoWorkerError if a pool has no eligible worker."""
         return self.route_detailed(request_id, prompt_token_ids, tenant, exclude).decision
 
+    def route_decode(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        tenant: str,
+        exclude: Sequence[str] = (),
+        *,
+        prefill: WorkerRef | None = None,
+    ) -> RouteDecision:
+        """Place the decode (or mixed) pool alone, for a request already prefilled on
+        `prefill` (named in the decision, no load taken there); raises NoWorkerError."""
+        routed = self.route_detailed(
+            request_id, prompt_token_ids, tenant, exclude, decode_only=True
+        )
+        return replace(routed.decision, prefill=prefill)
+
     def route_detailed(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
         tenant: str,
         exclude: Sequence[str] = (),
+        *,
+        decode_only: bool = False,
     ) -> Routed:
-        """`route`, plus each pool's placement (load, bound, rank) for spans and tests."""
+        """`route`, plus each pool's placement (load, bound, rank) for spans and tests;
+        `decode_only` places the decode (or mixed) pool alone."""
         now = self._clock()
         self._maybe_refresh(now)
         view = self.membership.view()
         excluded = frozenset(exclude)
-        placed = self._place(view, prompt_token_ids, tenant, excluded, now)
+        placed = self._place(view, prompt_token_ids, tenant, excluded, now, decode_only)
         if any(p is None for p in placed) and now >= self._redis_down_until:
             # The view may be stale (a worker died or began draining): re-read and retry once.
             self.release([p.lease_id for p in placed if p is not None])
             self._maybe_refresh(now, force=True)
             view = self.membership.view()
-            placed = self._place(view, prompt_token_ids, tenant, excluded, now)
-        roles = view.serving_roles()
+            placed = self._place(view, prompt_token_ids, tenant, excluded, now, decode_only)
+        roles = _pools(view, decode_only)
         if not roles:
             if self._redis_down:
                 raise NoWorkerError(
@@ -159,8 +181,9 @@ class Router:
         chosen = [p for p in placed if p is not None]
         self._count(decisions=1, overflow=sum(1 for p in chosen if p.rank > 0))
         refs = [view.ref(r, p.worker_id) for r, p in zip(roles, chosen, strict=True)]
+        leases = [p.lease_id for p in chosen]
         prefill = refs[0] if len(refs) == 2 else None
-        decision = RouteDecision(prefill, refs[-1], tuple(p.lease_id for p in chosen))
+        decision = RouteDecision(prefill, refs[-1], tuple(leases[:-1]), tuple(leases[-1:]))
         return Routed(decision, tuple(chosen), any(p.local for p in chosen))
 
     def release(self, lease_ids: Sequence[str]) -> None:
@@ -198,10 +221,11 @@ class Router:
         tenant: str,
         excluded: frozenset[str],
         now: float,
+        decode_only: bool = False,
     ) -> list[Placed | None]:
         """One placement per serving pool of `view` (None where no worker is eligible)."""
         cfg = self.config
-        roles = view.serving_roles()
+        roles = _pools(view, decode_only)
         if not roles:
             return [None]
         seed = tenant_seed(cfg.model_fingerprint or view.model, tenant)
@@ -277,6 +301,12 @@ class Router:
     def _count(self, **deltas: int) -> None:
         with self._lock:
             self._stats = _bump(self._stats, **deltas)
+
+
+def _pools(view: MembershipView, decode_only: bool) -> tuple[str, ...]:
+    """The pools a decision places: every serving one, or the last (decode, or mixed)."""
+    roles = view.serving_roles()
+    return roles[-1:] if decode_only else roles
 
 
 def _bump(stats: RouterStats, **deltas: int) -> RouterStats:

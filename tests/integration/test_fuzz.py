@@ -164,6 +164,8 @@ def _generate_request(draw: st.DrawFn, model: str) -> gateway_pb2.GenerateReques
         model=draw(_mostly(st.sampled_from(["", model]), st.text(max_size=12))),
         sampling=draw(_sampling()),
         request_id=draw(st.one_of(st.just(""), st.text(max_size=40))),
+        # The class: unset, each defined one, or any int32 (proto3 enums are open).
+        priority=draw(_mostly(st.integers(0, 3), st.integers(-(2**31), 2**31 - 1))),
     )
     which = draw(st.integers(0, 19))  # prompt 60%, messages 25%, huge 5%, neither 10%
     if which < 12:

@@ -98,7 +98,7 @@ async def rig(redis_server: EmbeddedRedis, *, with_gauge: bool = True) -> AsyncI
     register_pool(client, namespace, "decode", 1)
     worker = WorkerRef("prefill-0", f"127.0.0.1:{port}", "1")
     target = ProbeTarget(lambda: [worker], LeaseTtls(KV_TTL_S, LOAD_TTL_S),
-                         lambda: redis_server.url, namespace, metrics.port)  # fmt: skip
+                         lambda: redis_server.url, namespace, (metrics.port,))  # fmt: skip
     try:
         yield Rig(leases, clock, held, LoadLedger(client, Keyspace(namespace)),
                   TokenQuota(client, namespace), target)  # fmt: skip

@@ -99,11 +99,16 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 
 class FakeDecodeCall:
-    """A Decode stream: the first read is the KV import (it pulls the prefill lease)."""
+    """A Decode stream: the first read is the KV import (it pulls the prefill lease),
+    unless the worker refuses it (`FakeCluster.decode_refusals`)."""
 
-    def __init__(self, cluster: FakeCluster, request: worker_pb2.DecodeRequest) -> None:
+    def __init__(
+        self, cluster: FakeCluster, request: worker_pb2.DecodeRequest, address: str = ""
+    ) -> None:
         self.cluster = cluster
         self.request = request
+        self.address = address
+        self.refusal = cluster.decode_refusals.pop(0) if cluster.decode_refusals else None
         self.reads = 0
         self.cancelled = False
         self.ended = False
@@ -117,6 +122,9 @@ class FakeDecodeCall:
         if n == 1 and self.cluster.torn_down:
             raise asyncio.CancelledError  # as a grpc.aio call closed under its reader
         if n == 0:
+            if self.refusal is not None:  # nothing pulled: the KV stays on prefill
+                self.ended = True
+                raise rpc_error(self.refusal, "no room for the KV")
             if self.cluster.import_fails:
                 self.ended = True
                 raise rpc_error(grpc.StatusCode.NOT_FOUND, "lease expired")
@@ -171,7 +179,7 @@ class FakeWorker:
 
     def Decode(self, request: worker_pb2.DecodeRequest, **_: object) -> FakeDecodeCall:
         self.cluster.priorities.append(("decode", request.priority))
-        call = FakeDecodeCall(self.cluster, request)
+        call = FakeDecodeCall(self.cluster, request, self.address)
         self.cluster.decodes.append(call)
         return call
 
@@ -195,6 +203,7 @@ class FakeCluster:
     priorities: list[tuple[str, int]] = field(default_factory=list)  # (call, proto class)
     unreachable_first: bool = False  # the first Prefill call fails: UNAVAILABLE
     import_fails: bool = False
+    decode_refusals: list[grpc.StatusCode] = field(default_factory=list)  # next calls', in order
     torn_down: bool = False  # the decode call's second read is cancelled from outside
     finish_reason: int = common_pb2.FINISH_REASON_LENGTH  # the decode's last chunk
 
@@ -254,13 +263,15 @@ def build_gateway(
     model_dir: Path,
     *,
     prefill_workers: int = 1,
+    decode_workers: int = 1,
     tokens_per_minute: int = 100_000,
     **config: Any,
 ) -> Gateway:
     registry = Registry(client, Keyspace(namespace))
     for i in range(prefill_workers):
         registry.register(WorkerInfo(f"p{i}", "prefill", "m", "l", f"p{i}:1"))  # type: ignore[arg-type]
-    registry.register(WorkerInfo("d0", "decode", "m", "l", "d0:1"))  # type: ignore[arg-type]
+    for i in range(decode_workers):
+        registry.register(WorkerInfo(f"d{i}", "decode", "m", "l", f"d{i}:1"))  # type: ignore[arg-type]
     router = Router(client, RouterConfig(namespace=namespace))
     router.refresh()
     route_gate, charge_gate = ThreadGate(), ThreadGate()
@@ -304,7 +315,9 @@ async def assert_nothing_held(gw: Gateway, record: RequestRecord) -> None:
     assert gw.service.book.counts() == dict.fromkeys(Resource, 0)
     assert len(gw.service.book) == 0 and gw.service.active == 0
     assert gw.load_counts() == {"prefill": {}, "decode": {}}
-    assert gw.quota_used() == prompt_tokens(gw) + record.completion_tokens
+    # A request that never reached routing used nothing: its prompt is refunded too.
+    billed_prompt = prompt_tokens(gw) if record.served else 0
+    assert gw.quota_used() == billed_prompt + record.completion_tokens
     assert gw.cluster.leaks() == []
 
 

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2
-from services.common.status import QuotaExceeded, StatusError
+from services.common.status import QuotaExceeded, StreamCapReached
 from services.gateway.record_book import GAUGE, HeldCollector, Resource
 from services.gateway.request_record import RequestRecord, RequestState
 from services.gateway.request_stream import StreamError
@@ -195,7 +195,8 @@ def test_refused_requests_hold_nothing(
     client: redis.Redis, namespace: str, model_dir: Path
 ) -> None:
     """A request refused at the stream cap, and one refused by its quota, give back the
-    slot and charge nothing, while a running request keeps what it holds."""
+    slot and keep no charge (a refused request's whole charge is refunded), while a
+    running request keeps what it holds."""
 
     async def scenario() -> None:
         tokens = len(Tokenizer(model_dir).encode(PROMPT))
@@ -205,17 +206,35 @@ def test_refused_requests_hold_nothing(
         gw.cluster.gates["prefill"].hold()
         running = asyncio.create_task(Client(gw).run())
         await asyncio.wait_for(gw.cluster.gates["prefill"].arrived.wait(), 10)
-        with pytest.raises(StatusError) as busy:
-            await Client(gw).run()
-        assert busy.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(QuotaExceeded):  # the minute's tokens are charged to `running`
+            await Client(gw, max_tokens=MAX_TOKENS).run()
         assert gw.service.active == 1 and len(gw.service.book) == 1
         gw.cluster.gates["prefill"].proceed.set()
         await running
-        with pytest.raises(QuotaExceeded):  # the minute's tokens are spent
-            await Client(gw, max_tokens=MAX_TOKENS).run()
         await gw.service.stubs.cleanups.close(timeout_s=10.0)
         assert gw.service.book.counts() == dict.fromkeys(Resource, 0)
         assert gw.quota_used() == tokens + MAX_TOKENS
         assert gw.load_counts() == {"prefill": {}, "decode": {}} and gw.cluster.leaks() == []
 
+    async def at_the_cap() -> None:
+        tokens = len(Tokenizer(model_dir).encode(PROMPT))
+        gw = build_gateway(
+            client, f"{namespace}-cap", model_dir, max_streams=1, tokens_per_minute=10_000
+        )
+        gw.cluster.gates["prefill"].hold()
+        running = asyncio.create_task(Client(gw).run())
+        await asyncio.wait_for(gw.cluster.gates["prefill"].arrived.wait(), 10)
+        with pytest.raises(StreamCapReached) as busy:
+            await Client(gw).run()
+        assert busy.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert busy.value.retry_after_s >= 1
+        await gw.service.stubs.cleanups.close(timeout_s=10.0)  # its refund has landed
+        assert gw.quota_used() == tokens + MAX_TOKENS  # only the running one's charge
+        gw.cluster.gates["prefill"].proceed.set()
+        await running
+        await gw.service.stubs.cleanups.close(timeout_s=10.0)
+        assert gw.service.book.counts() == dict.fromkeys(Resource, 0)
+        assert gw.load_counts() == {"prefill": {}, "decode": {}} and gw.cluster.leaks() == []
+
     asyncio.run(scenario())
+    asyncio.run(at_the_cap())

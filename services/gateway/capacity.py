@@ -1,0 +1,227 @@
+"""What the cluster can take right now, from the workers' live signals.
+
+Lifecycle: the admission controller keeps one `Capacity`. Each tick it hands in the
+latest `WorkerSignal`s (read from Redis, `services.router.worker_signal`) with `update`;
+between ticks it asks `start_delay_s` (how long until a request's prefill could start
+and finish, given the work ahead of it) and `decode_fits` (whether the decode pool has
+the KV blocks the request will need), and tells it which requests it let in (`admitted`)
+and when their KV reached a decode worker (`settled`), so that the requests it admitted
+since the last signal count before the workers report them.
+
+The estimate: a request of class c waits behind the prompt tokens not yet computed on
+the prefill pool in classes >= c (the engines admit higher classes first), plus the
+prompts this gateway admitted that had not reached a worker when the pool's oldest
+signal was taken, plus its own prompt. The pool computes `prefill_tokens_per_s` (summed
+over workers, each measured while busy), less what higher classes have been taking
+lately (they arrive while it waits, and go first). Until some worker has measured its
+speed there is no estimate (admission lets a few requests in at a time until there is).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.priority import Priority
+from services.common.role import Role
+
+if TYPE_CHECKING:  # only its fields are read here
+    from services.router.worker_signal import WorkerSignal
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_DECODE_STEP_S = 0.05  # before a decode worker reports its step time
+ARRIVAL_WINDOW_S = 5.0  # admitted prompt tokens per second are measured over this
+# However much higher classes take, a lower class is never estimated at less than this
+# share of the pool's speed (the engines' admission is not strictly starving).
+MIN_RATE_SHARE = 0.1
+MIN_FACTOR, MAX_FACTOR = 0.5, 5.0  # bounds of one calibration sample
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one request asks of the cluster."""
+
+    prompt_tokens: int
+    max_tokens: int
+
+    def blocks(self, block_size: int) -> int:
+        """KV blocks it holds at its longest."""
+        return math.ceil((self.prompt_tokens + self.max_tokens) / block_size)
+
+
+@dataclass(eq=False)
+class Pass:
+    """An admitted request, counted against capacity until the workers report it."""
+
+    cost: Cost
+    priority: Priority
+    admitted: float = field(default_factory=time.monotonic)
+    sent: float | None = None  # when its prompt went to a worker (in that worker's queue)
+    settled: bool = False  # its KV reached a decode worker (or it ended)
+    estimate_s: float = 0.0  # the raw start delay estimated when it was admitted
+    first_token: float | None = None  # when its first token came back
+
+    def unseen_at(self, taken: float) -> bool:
+        """Whether a signal taken at `taken` cannot count it yet."""
+        return self.sent is None or self.sent >= taken
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """One pool's signals at one tick."""
+
+    signals: tuple[WorkerSignal, ...] = ()
+    taken: float = 0.0  # time.monotonic() of the oldest signal's publication
+
+    @property
+    def rate(self) -> float:
+        return sum(s.prefill_tokens_per_s for s in self.signals)
+
+    def tokens_ahead(self, priority: Priority) -> int:
+        return sum(s.waiting_tokens[p] for s in self.signals for p in Priority if p >= priority)
+
+    @property
+    def free_blocks(self) -> int:
+        return sum(s.free_blocks for s in self.signals)
+
+    @property
+    def block_size(self) -> int:
+        return next((s.block_size for s in self.signals if s.block_size), DEFAULT_BLOCK_SIZE)
+
+    @property
+    def decode_step_s(self) -> float:
+        steps = [s.decode_step_s for s in self.signals if s.decode_step_s > 0]
+        return sum(steps) / len(steps) if steps else DEFAULT_DECODE_STEP_S
+
+
+class Calibration:
+    """How far the estimates run behind what happens: the mean of (admission to first
+    token) / (estimated delay) over recent requests. The estimate counts tokens at the
+    pool's step speed; what it leaves out (requests prefilled side by side, routing, the
+    KV export, a busy host) this factor puts back. Starts at 1."""
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.factor = 1.0
+
+    def observe(self, admission: Pass) -> None:
+        assert admission.first_token is not None
+        seen = admission.first_token - admission.admitted
+        ratio = min(MAX_FACTOR, max(MIN_FACTOR, seen / max(admission.estimate_s, 0.01)))
+        self.factor += self.alpha * (ratio - self.factor)
+
+
+class Arrivals:
+    """Prompt tokens admitted here per second, by class, over the last few seconds."""
+
+    def __init__(self, window_s: float = ARRIVAL_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._recent: deque[Pass] = deque()
+
+    def add(self, admission: Pass) -> None:
+        self._recent.append(admission)
+        horizon = admission.admitted - self.window_s
+        while self._recent and self._recent[0].admitted < horizon:
+            self._recent.popleft()
+
+    def rate_above(self, priority: Priority) -> float:
+        horizon = time.monotonic() - self.window_s
+        tokens = sum(
+            p.cost.prompt_tokens
+            for p in self._recent
+            if p.priority > priority and p.admitted >= horizon
+        )
+        return tokens / self.window_s
+
+
+def _view(signals: Sequence[WorkerSignal], now: float) -> PoolView:
+    if not signals:
+        return PoolView()
+    return PoolView(tuple(signals), now - max(s.age_s for s in signals))
+
+
+class Capacity:
+    def __init__(self) -> None:
+        self.prefill = PoolView()
+        self.decode = PoolView()
+        self._passes: list[Pass] = []
+        self._arrivals = Arrivals()
+        self.calibration = Calibration()
+
+    def update(self, signals: Sequence[WorkerSignal], now: float | None = None) -> None:
+        """Take a tick's signals. Prefill work goes to prefill workers (mixed ones when
+        the cluster has no prefill pool); the KV lives on decode (or mixed) workers."""
+        now = time.monotonic() if now is None else now
+        prefill = [s for s in signals if s.role is Role.PREFILL]
+        decode = [s for s in signals if s.role is Role.DECODE]
+        mixed = [s for s in signals if s.role is Role.MIXED]
+        self.prefill = _view(prefill or mixed, now)
+        self.decode = _view(decode or mixed, now)
+        for p in self._passes:
+            if p.first_token is not None and p.estimate_s > 0:
+                self.calibration.observe(p)
+                p.estimate_s = 0.0  # observed once
+        self._passes = [p for p in self._passes if not p.settled]
+
+    @property
+    def known(self) -> bool:
+        """Whether there is an estimate at all (some prefill worker measured its speed)."""
+        return self.prefill.rate > 0
+
+    def start_delay_s(self, cost: Cost, priority: Priority) -> float:
+        """Seconds until the request's prefill could be done, calibrated; 0 when there
+        is no estimate (see `known`)."""
+        return self.raw_delay_s(cost, priority) * self.calibration.factor
+
+    def raw_delay_s(self, cost: Cost, priority: Priority) -> float:
+        """The uncalibrated estimate: tokens ahead over the speed left to its class."""
+        rate = self.prefill.rate
+        if rate <= 0:
+            return 0.0
+        taken = self.prefill.taken
+        unseen = sum(
+            p.cost.prompt_tokens
+            for p in self._passes
+            if p.priority >= priority and not p.settled and p.unseen_at(taken)
+        )
+        # Higher classes that arrive while it waits go first (the engines admit them
+        # first): only the speed they leave over is its own.
+        left = max(rate * MIN_RATE_SHARE, rate - self._arrivals.rate_above(priority))
+        return (self.prefill.tokens_ahead(priority) + unseen + cost.prompt_tokens) / left
+
+    def idle_delay_s(self, cost: Cost) -> float:
+        """Seconds its prefill takes on an idle pool (0 without an estimate)."""
+        rate = self.prefill.rate
+        return cost.prompt_tokens / rate * self.calibration.factor if rate > 0 else 0.0
+
+    def decode_fits(self, cost: Cost) -> bool:
+        """Whether the decode pool has room for the request beside the ones admitted
+        here whose KV has not reached it yet. True when no decode worker reports."""
+        if not self.decode.signals:
+            return True
+        size = self.decode.block_size
+        pending = sum(p.cost.blocks(size) for p in self._passes if not p.settled)
+        return self.decode.free_blocks - pending >= cost.blocks(size)
+
+    def kv_block_seconds(self, cost: Cost) -> float:
+        """The request's estimated KV-block-seconds: its blocks held for its decode."""
+        return (
+            cost.blocks(self.decode.block_size)
+            * max(1, cost.max_tokens)
+            * (self.decode.decode_step_s)
+        )
+
+    def admitted(self, cost: Cost, priority: Priority) -> Pass:
+        admission = Pass(cost, priority, estimate_s=self.raw_delay_s(cost, priority))
+        self._passes.append(admission)
+        self._arrivals.add(admission)
+        return admission
+
+    @property
+    def pending(self) -> int:
+        """Admitted requests whose KV has not reached a decode worker."""
+        return sum(1 for p in self._passes if not p.settled)

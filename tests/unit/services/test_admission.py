@@ -1,0 +1,153 @@
+"""The admission controller alone, on signals from a fake board: at once when there is
+room, a wait when there is not, refusals with retry hints at the budget or when the room
+is full, class order, and nothing left counted after a cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
+
+import pytest
+
+from engine.priority import Priority
+from engine.stats import ClassCounts
+from services.common.role import Role
+from services.common.status import Overloaded, RefusalReason
+from services.gateway.admission import Admission
+from services.gateway.capacity import Cost
+from services.gateway.config import GatewayConfig
+from services.router.worker_signal import WorkerSignal
+
+CRIT, STD, SHED = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
+
+
+class FakeBoard:
+    """Signals of one prefill and one decode worker; `queued` prompt tokens wait."""
+
+    def __init__(self, queued: int = 0, rate: float = 1000.0) -> None:
+        self.queued = queued
+        self.rate = rate
+
+    def read(self, roles: Iterable[Role]) -> list[WorkerSignal]:
+        waiting = ClassCounts(critical=self.queued)  # ahead of every class
+        common = dict(waiting=0, running=0, total_blocks=1000, block_size=16, decode_step_s=0.02)
+        return [
+            WorkerSignal("p", Role.PREFILL, waiting, free_blocks=1000,
+                         prefill_tokens_per_s=self.rate, **common),  # type: ignore[arg-type]
+            WorkerSignal("d", Role.DECODE, ClassCounts(), free_blocks=1000,
+                         prefill_tokens_per_s=0.0, **common),  # type: ignore[arg-type]
+        ]  # fmt: skip
+
+
+def run(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
+    """Run an async test on its own event loop."""
+
+    @functools.wraps(test)
+    def sync() -> None:
+        asyncio.run(test())
+
+    return sync
+
+
+def config(**kw: object) -> GatewayConfig:
+    base: dict[str, object] = dict(
+        decode_workers="127.0.0.1:1",
+        ttft_budget_critical_s=1.0,
+        ttft_budget_standard_s=0.4,
+        ttft_budget_sheddable_s=0.2,
+        waiting_room_size=4,
+    )
+    base.update(kw)
+    return GatewayConfig(**base)  # type: ignore[arg-type]
+
+
+async def started(board: FakeBoard, **kw: object) -> Admission:
+    admission = Admission(config(**kw), board)  # type: ignore[arg-type]
+    admission.start(lambda: ())
+    await asyncio.sleep(0.15)  # one signal read
+    assert admission.signalled
+    return admission
+
+
+@run
+async def test_admitted_at_once_when_it_fits() -> None:
+    admission = await started(FakeBoard(queued=0))
+    t0 = time.monotonic()
+    granted = await admission.admit(STD, "a", 1.0, Cost(100, 10))
+    assert granted is not None and time.monotonic() - t0 < 0.05
+    assert admission.capacity.pending == 1
+    granted.settled = True
+    await admission.close()
+
+
+@run
+async def test_refused_at_its_budget_with_a_hint() -> None:
+    board = FakeBoard(queued=5000)  # 5 s of prefill ahead: nothing fits a 0.4 s budget
+    admission = await started(board)
+    t0 = time.monotonic()
+    with pytest.raises(Overloaded, match="standard request refused") as err:
+        await admission.admit(STD, "a", 1.0, Cost(100, 10))
+    waited = time.monotonic() - t0
+    assert 0.4 <= waited < 0.4 + 0.2  # the end of its budget, not later
+    assert err.value.reason is RefusalReason.BUDGET and err.value.retry_after_s >= 1
+    assert len(admission.room) == 0
+    await admission.close()
+
+
+@run
+async def test_waits_then_starts_when_capacity_frees() -> None:
+    board = FakeBoard(queued=5000)
+    admission = await started(board)
+    waiting = asyncio.create_task(admission.admit(CRIT, "a", 1.0, Cost(100, 10)))
+    await asyncio.sleep(0.2)
+    assert not waiting.done() and len(admission.room) == 1
+    board.queued = 0
+    granted = await asyncio.wait_for(waiting, 1.0)
+    assert granted is not None and len(admission.room) == 0
+    await admission.close()
+
+
+@run
+async def test_full_room_refuses_at_once_lowest_class_first() -> None:
+    admission = await started(FakeBoard(queued=5000), waiting_room_size=2)
+    low = [asyncio.create_task(admission.admit(SHED, "a", 1.0, Cost(10, 1))) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    t0 = time.monotonic()
+    with pytest.raises(Overloaded) as same:
+        await admission.admit(SHED, "a", 1.0, Cost(10, 1))
+    assert same.value.reason is RefusalReason.ROOM_FULL and time.monotonic() - t0 < 0.05
+    crit = asyncio.create_task(admission.admit(CRIT, "b", 1.0, Cost(10, 1)))
+    await asyncio.sleep(0.01)
+    displaced = [t for t in low if t.done()]
+    assert len(displaced) == 1 and isinstance(displaced[0].exception(), Overloaded)
+    assert displaced[0].exception().reason is RefusalReason.DISPLACED  # type: ignore[union-attr]
+    assert not crit.done()
+    for t in [crit, *low]:
+        t.cancel()
+    await asyncio.gather(crit, *low, return_exceptions=True)
+    assert len(admission.room) == 0
+    await admission.close()
+
+
+@run
+async def test_cancel_while_waiting_leaves_nothing() -> None:
+    board = FakeBoard(queued=5000)
+    admission = await started(board, ttft_budget_critical_s=5.0)
+    waiting = asyncio.create_task(admission.admit(CRIT, "a", 1.0, Cost(100, 10)))
+    await asyncio.sleep(0.05)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    board.queued = 0
+    await asyncio.sleep(0.2)
+    assert len(admission.room) == 0 and admission.capacity.pending == 0
+    await admission.close()
+
+
+@run
+async def test_off_without_a_board() -> None:
+    admission = Admission(config())
+    assert await admission.admit(STD, "a", 1.0, Cost(100, 10)) is None

@@ -1,0 +1,104 @@
+"""Capacity from worker signals: the start-delay estimate by class, the requests this
+gateway admitted before the workers saw them, and the decode pool's room."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.priority import Priority
+from engine.stats import ClassCounts
+from services.common.role import Role
+from services.gateway.capacity import Capacity, Cost
+from services.router.worker_signal import WorkerSignal
+
+NONE_WAITING = ClassCounts()
+CRIT, STD, SHED = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
+
+
+def signal(role: Role, *, waiting: ClassCounts = NONE_WAITING, rate: float = 0.0,
+           free: int = 100, age: float = 0.0, wid: str = "") -> WorkerSignal:  # fmt: skip
+    return WorkerSignal(
+        worker_id=wid or f"{role}-{rate}-{free}", role=role, waiting_tokens=waiting,
+        waiting=0, running=0, free_blocks=free, total_blocks=1000, block_size=16,
+        prefill_tokens_per_s=rate, decode_step_s=0.02, age_s=age,
+    )  # fmt: skip
+
+
+def test_no_measured_speed_means_no_estimate() -> None:
+    cap = Capacity()
+    cap.update([signal(Role.PREFILL), signal(Role.DECODE)])
+    assert not cap.known and cap.start_delay_s(Cost(100, 10), STD) == 0.0
+
+
+def test_delay_counts_only_classes_at_or_above() -> None:
+    cap = Capacity()
+    queued = ClassCounts(sheddable=4000, standard=1000, critical=200)
+    cap.update([signal(Role.PREFILL, waiting=queued, rate=500.0, wid="p1"),
+                signal(Role.PREFILL, rate=500.0, wid="p2"), signal(Role.DECODE)])  # fmt: skip
+    assert cap.start_delay_s(Cost(100, 10), CRIT) == pytest.approx(0.3)
+    assert cap.start_delay_s(Cost(100, 10), STD) == pytest.approx(1.3)
+    assert cap.start_delay_s(Cost(100, 10), SHED) == pytest.approx(5.3)
+
+
+def test_admitted_requests_count_until_the_workers_report_them() -> None:
+    cap = Capacity()
+    cap.update([signal(Role.PREFILL, rate=1000.0, age=0.5), signal(Role.DECODE)], now=10.0)
+    before = cap.start_delay_s(Cost(100, 10), STD)
+    admitted = cap.admitted(Cost(400, 10), STD)
+    assert cap.start_delay_s(Cost(100, 10), STD) == pytest.approx(before + 0.4)
+    assert cap.start_delay_s(Cost(100, 10), CRIT) == pytest.approx(before)  # lower class
+    assert cap.pending == 1
+    admitted.settled = True
+    cap.update([signal(Role.PREFILL, rate=1000.0), signal(Role.DECODE)])
+    assert cap.pending == 0
+
+
+def test_decode_room_includes_pending_passes() -> None:
+    cap = Capacity()
+    cap.update([signal(Role.PREFILL, rate=1.0), signal(Role.DECODE, free=20)])
+    assert cap.decode_fits(Cost(16 * 10, 16 * 10))  # 20 blocks exactly
+    assert not cap.decode_fits(Cost(16 * 10, 16 * 11))
+    cap.admitted(Cost(16 * 5, 16 * 5), STD)  # 10 blocks on their way
+    assert not cap.decode_fits(Cost(16 * 10, 16 * 10)) and cap.decode_fits(Cost(16 * 5, 16 * 5))
+
+
+def test_mixed_workers_stand_in_for_both_pools() -> None:
+    cap = Capacity()
+    cap.update([signal(Role.MIXED, rate=200.0, free=50)])
+    assert cap.known and cap.start_delay_s(Cost(200, 1), STD) == pytest.approx(1.0)
+    assert cap.decode_fits(Cost(16 * 50, 0)) and not cap.decode_fits(Cost(16 * 51, 0))
+
+
+def test_higher_classes_arriving_lately_slow_a_lower_one() -> None:
+    cap = Capacity()
+    cap.update([signal(Role.PREFILL, rate=1000.0), signal(Role.DECODE)])
+    alone = cap.start_delay_s(Cost(100, 10), STD)
+    assert alone == pytest.approx(0.1)
+    cap.admitted(Cost(2000, 10), CRIT)  # 2000 critical tokens in the last 5 s: 400/s
+    assert cap.start_delay_s(Cost(100, 10), STD) == pytest.approx((2000 + 100) / 600)
+    assert cap.start_delay_s(Cost(100, 10), CRIT) == pytest.approx((2000 + 100) / 1000)
+
+
+def test_a_prompt_sent_before_the_signal_is_the_workers_to_count() -> None:
+    cap = Capacity()
+    admitted = cap.admitted(Cost(500, 10), SHED)
+    admitted.sent = 5.0
+    cap.update([signal(Role.PREFILL, rate=1000.0, age=1.0), signal(Role.DECODE)], now=7.0)
+    assert cap.start_delay_s(Cost(100, 10), SHED) == pytest.approx(0.1)  # taken at 6.0
+    admitted.sent = 6.5
+    assert cap.start_delay_s(Cost(100, 10), SHED) == pytest.approx(0.6)
+
+
+def test_calibration_learns_how_late_first_tokens_come() -> None:
+    cap = Capacity()
+    cap.update([signal(Role.PREFILL, rate=1000.0), signal(Role.DECODE)])
+    assert cap.start_delay_s(Cost(500, 10), STD) == pytest.approx(0.5)
+    for _ in range(30):  # every first token comes twice as late as estimated
+        admitted = cap.admitted(Cost(500, 10), STD)
+        admitted.sent = admitted.admitted
+        admitted.first_token = admitted.admitted + 2 * admitted.estimate_s
+        admitted.settled = True
+        cap.update([signal(Role.PREFILL, rate=1000.0), signal(Role.DECODE)])
+    assert cap.calibration.factor == pytest.approx(2.0, rel=0.02)
+    assert cap.start_delay_s(Cost(500, 10), CRIT) == pytest.approx(1.0, rel=0.02)
+    assert cap.idle_delay_s(Cost(500, 10)) == pytest.approx(1.0, rel=0.02)
