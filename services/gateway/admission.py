@@ -3,8 +3,9 @@ class's TTFT budget; otherwise it waits, for at most that budget, or is refused 
 
 Lifecycle: the gateway makes one `Admission` and `start`s its tick task with the event
 loop. `admit(record)` runs after the quota charge and before anything reaches a worker:
-- the fast path: nobody of its class or higher is waiting and `Capacity` says it fits
-  (start delay within the budget, decode KV room): it is admitted at once;
+- the fast path: nobody of its class or higher is waiting, its tenant is not over its
+  cluster-wide share, and `Capacity` says it fits (start delay within the budget,
+  decode KV room): it is admitted at once;
 - else it takes a `Ticket` in the `WaitingRoom`. A full room refuses the lowest class
   first (a newcomer displaces the newest ticket of a lower class, or is refused itself),
   at once (UNAVAILABLE / 503, `Overloaded` with a retry hint);
@@ -113,7 +114,7 @@ class Admission:
         await self._first_read.wait()  # a cold gateway must not let a burst through blind
         self._weights[tenant] = weight
         now = time.monotonic()
-        if self.room.waiting_at_or_above(priority) == 0 and self._fits(cost, priority, 0.0):
+        if self._may_pass(priority, tenant) and self._fits(cost, priority, 0.0):
             return self._admitted(priority, cost, 0.0)
         budget = self.config.budget_s(priority)
         charge = self.capacity.kv_block_seconds(cost)
@@ -140,6 +141,13 @@ class Admission:
                 self.room.remove(ticket)
                 self.metrics.set_waiting(self.room)
             raise
+
+    def _may_pass(self, priority: Priority, tenant: str) -> bool:
+        """Whether a newcomer may skip the room: nobody of its class or higher waits
+        here, and its tenant is not over its cluster-wide share (else a gateway whose
+        room is empty would hand a held tenant what the other replicas hold back)."""
+        waiting = self.room.waiting_at_or_above(priority)
+        return waiting == 0 and not self.view.over_share(priority, tenant)
 
     def _fits(self, cost: Cost, priority: Priority, waited: float) -> bool:
         if not self.signalled:
@@ -222,8 +230,7 @@ class Admission:
             return self._fits(t.cost, t.priority, t.waited(now))
 
         def doomed(t: Ticket) -> bool:
-            idle = self.capacity.idle_delay_s(t.cost) if self.signalled else 0.0
-            return t.waited(now) + idle > t.budget_s * HEADROOM
+            return self._doomed(t, now)
 
         while (ticket := self.room.pick(now, fits, self.view.over_share, doomed)) is not None:
             waiting = self._waiting.pop(ticket)
@@ -233,6 +240,11 @@ class Admission:
             else:
                 waiting.set_result(admitted)
 
+    def _doomed(self, ticket: Ticket, now: float) -> bool:
+        """It has waited so long it could not make its budget even on an idle pool."""
+        idle = self.capacity.idle_delay_s(ticket.cost) if self.signalled else 0.0
+        return ticket.waited(now) + idle > ticket.budget_s * HEADROOM
+
     async def _sync_fairness(self, now: float) -> None:
         assert self.fair is not None
         elapsed, self._fair_at = now - self._fair_at, now
@@ -240,7 +252,9 @@ class Admission:
         for use in self._usage():
             weight = self._weights.get(use.tenant, 1.0)
             charges[use.priority][use.tenant] += use.blocks * elapsed / weight
-        backlog = {p: self.room.tenants(p) for p in Priority}
+        # Only tenants that could still start count as waiting: a tenant whose tickets
+        # are all doomed must not hold the others back.
+        backlog = {p: self.room.tenants(p, lambda t: not self._doomed(t, now)) for p in Priority}
         self.view = await asyncio.to_thread(self.fair.sync, charges, backlog)
         self.metrics.set_fairness(self.view, self._weights)
 

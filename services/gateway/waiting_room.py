@@ -15,8 +15,9 @@ backlogged tenant adds `quantum x weight` to its deficit, and its oldest ticket 
 when its estimated charge fits the deficit, so over time each tenant starts work in
 proportion to its weight whatever the size of its requests. A tenant the cluster-wide
 ledger says is over its share (`held`) gets no quantum while it is held: its share is
-being taken on another gateway replica. Aging keeps the hold from starving anyone: a
-ticket that has waited 80% of its budget ignores it.
+being taken on another gateway replica. Nobody starves: the ledger ages (attained
+service decays), a held tenant is released as soon as the tenants it yields to catch up
+or stop waiting, and only tenants with a ticket that can still start count as waiting.
 
 Pure data structure, no clock and no I/O: callers pass `now` (time.monotonic()).
 """
@@ -33,11 +34,6 @@ from engine.priority import Priority
 from services.gateway.capacity import Cost
 
 NO_COST = Cost(0, 0)
-# A ticket that has waited this share of its budget is no longer held back for fairness.
-# Late, because under overload every ticket waits long: an early release would undo the
-# cluster-wide hold. The decaying ledger already frees a held tenant as others catch up;
-# this only covers a backlog elsewhere that cannot start (a stuck peer gateway).
-AGING_SHARE = 0.8
 
 
 @dataclass(eq=False)
@@ -55,9 +51,6 @@ class Ticket:
 
     def waited(self, now: float) -> float:
         return now - self.arrived
-
-    def aged(self, now: float) -> bool:
-        return self.waited(now) >= self.budget_s * AGING_SHARE
 
     def expired(self, now: float) -> bool:
         return self.waited(now) >= self.budget_s
@@ -103,7 +96,7 @@ class _ClassQueue:
         heads = {}
         for tenant, q in self.queues.items():
             head = next((t for t in q if not doomed(t)), None)
-            if head is not None and (not held(tenant) or head.aged(now)):
+            if head is not None and not held(tenant):
                 heads[tenant] = head
         if not heads:
             return None
@@ -142,9 +135,12 @@ class WaitingRoom:
         """Tickets a request of `priority` would wait behind (its class and higher)."""
         return sum(len(self._classes[p]) for p in Priority if p >= priority)
 
-    def tenants(self, priority: Priority) -> list[str]:
-        """Tenants with tickets waiting in `priority`."""
-        return list(self._classes[priority].queues)
+    def tenants(
+        self, priority: Priority, viable: Callable[[Ticket], bool] = lambda t: True
+    ) -> list[str]:
+        """Tenants with a `viable` ticket waiting in `priority`."""
+        queues = self._classes[priority].queues
+        return [tenant for tenant, q in queues.items() if any(viable(t) for t in q)]
 
     def offer(self, ticket: Ticket) -> Ticket | None:
         """Seat `ticket`; returns the ticket to refuse (it, or one it displaced), if any."""
@@ -190,7 +186,7 @@ class WaitingRoom:
         Classes go highest first. Within one, DRR picks the ticket; if capacity says it
         cannot start (`fits`), nothing starts: no lower class, no smaller request jumps
         the queue (it would starve the large one). A class whose backlogged tenants are
-        all `held` (over their cluster-wide share, not yet aged) is passed over. A
+        all `held` (over their cluster-wide share) is passed over. A
         `doomed` ticket (it has waited so long it could not make its budget even on an
         idle cluster) is passed over too, and left to be refused at its budget: it must
         not block the ones behind it that still can.

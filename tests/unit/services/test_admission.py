@@ -19,6 +19,7 @@ from services.common.status import Overloaded, RefusalReason
 from services.gateway.admission import Admission
 from services.gateway.capacity import Cost
 from services.gateway.config import GatewayConfig
+from services.gateway.fair_share import FairView, TenantService
 from services.router.worker_signal import WorkerSignal
 
 CRIT, STD, SHED = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
@@ -151,3 +152,19 @@ async def test_cancel_while_waiting_leaves_nothing() -> None:
 async def test_off_without_a_board() -> None:
     admission = Admission(config())
     assert await admission.admit(STD, "a", 1.0, Cost(100, 10)) is None
+
+
+@run
+async def test_a_tenant_over_its_share_does_not_skip_the_room() -> None:
+    admission = await started(FakeBoard(queued=0))
+    admission.view = FairView(
+        {STD: {"heavy": TenantService(10.0, True), "light": TenantService(1.0, True)}}
+    )
+    granted = await admission.admit(STD, "light", 1.0, Cost(100, 10))  # under its share
+    assert granted is not None
+    held = asyncio.create_task(admission.admit(STD, "heavy", 1.0, Cost(100, 10)))
+    await asyncio.sleep(0.1)
+    assert not held.done() and admission.room.tenants(STD) == ["heavy"]
+    admission.view = FairView()  # light is no longer waiting anywhere: heavy may go
+    assert await asyncio.wait_for(held, 1.0) is not None
+    await admission.close()

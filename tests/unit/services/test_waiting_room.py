@@ -107,16 +107,25 @@ def test_an_idle_tenant_keeps_no_credit() -> None:
     assert sorted(order) == ["a", "b"]
 
 
-def test_held_tenants_wait_unless_aged_or_alone() -> None:
+def test_held_tenants_wait_while_held() -> None:
     room = WaitingRoom(10)
     a, b = ticket(tenant="a", arrived=0.0, budget=10), ticket(tenant="b", arrived=0.0, budget=10)
     room.offer(a)
     room.offer(b)
-    held = lambda p, tenant: tenant == "a"  # noqa: E731 - a is over its cluster share
-    assert room.pick(1.0, lambda t: True, held) is b
-    assert room.pick(1.0, lambda t: True, held) is None  # only a left, and it is held
-    assert room.pick(7.9, lambda t: True, held) is None
-    assert room.pick(8.0, lambda t: True, held) is a  # aged: 80% of its budget waited
+    held = {"a"}
+    assert room.pick(1.0, lambda t: True, lambda p, t: t in held) is b
+    assert room.pick(9.0, lambda t: True, lambda p, t: t in held) is None  # only a: held
+    held.clear()  # the others caught up or stopped waiting
+    assert room.pick(9.0, lambda t: True, lambda p, t: t in held) is a
+
+
+def test_only_tenants_with_a_viable_ticket_count_as_waiting() -> None:
+    room = WaitingRoom(10)
+    stale, fresh = ticket(tenant="a", arrived=0.0), ticket(tenant="b", arrived=5.0)
+    room.offer(stale)
+    room.offer(fresh)
+    assert room.tenants(STD) == ["a", "b"]
+    assert room.tenants(STD, lambda t: t is not stale) == ["b"]
 
 
 def test_a_held_class_lets_lower_classes_through() -> None:

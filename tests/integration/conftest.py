@@ -1,0 +1,29 @@
+"""What every integration test's cluster inherits: TTFT budgets long enough that
+admission control never refuses a test's request on this host.
+
+The gateway's default budgets (critical 10 s, standard 5 s, sheddable 2 s) are for a
+serving fleet; here one CPU core prefills the default model at a few hundred tokens per
+second, and the fault drills, the fuzzer and the disconnect tests send prompts that take
+longer than that. They test faults, input and cleanup, not admission, so their clusters
+get 120 s budgets through the env vars the gateway children inherit. The admission tests
+set their own (`test_admission.py` through env vars, `test_fairness.py` through gateway
+flags, which win over env vars).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from engine.priority import Priority
+
+TEST_BUDGET_S = "120"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def generous_ttft_budgets() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as env:
+        for p in Priority:
+            env.setenv(f"PDSERVE_TTFT_BUDGET_{p.name}_S", TEST_BUDGET_S)
+        yield
