@@ -21,7 +21,9 @@ from engine.priority import Priority
 TEST_BUDGET_S = "120"
 
 
-@pytest.fixture(scope="session", autouse=True)
+# Per module, not per session: set before each module's cluster starts (autouse runs
+# first in its scope), and gone before the unit tests, whose configs read the env too.
+@pytest.fixture(scope="module", autouse=True)
 def generous_ttft_budgets() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as env:
         for p in Priority:
