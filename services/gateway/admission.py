@@ -4,8 +4,8 @@ class's TTFT budget; otherwise it waits, for at most that budget, or is refused 
 Lifecycle: the gateway makes one `Admission` and `start`s its tick task with the event
 loop. `admit(record)` runs after the quota charge and before anything reaches a worker:
 - the fast path: nobody of its class or higher is waiting, its tenant is not over its
-  cluster-wide share, and `Capacity` says it fits (start delay within the budget,
-  decode KV room): it is admitted at once;
+  cluster-wide share, and `Capacity` says it fits (start delay within the budget and
+  within `QUEUE_TARGET_S` of an idle pool's, decode KV room): it is admitted at once;
 - else it takes a `Ticket` in the `WaitingRoom`. A full room refuses the lowest class
   first (a newcomer displaces the newest ticket of a lower class, or is refused itself),
   at once (UNAVAILABLE / 503, `Overloaded` with a retry hint);
@@ -52,6 +52,9 @@ FAIR_SYNC_S = 0.25
 # A request is let in only if its estimated prefill ends within this share of its budget
 # (the estimate is a mean; TTFT has a tail).
 HEADROOM = 0.9
+# The most a request is let queue in the engines behind others: enough to keep the pool
+# busy across a signal's lag, short enough that the backlog waits here, in order.
+QUEUE_TARGET_S = 1.0
 # Before any prefill worker has measured its speed there is no estimate; this many
 # admitted requests may be on their way at once until there is.
 UNMEASURED_PENDING = 8
@@ -156,7 +159,16 @@ class Admission:
             return self.capacity.pending < UNMEASURED_PENDING
         delay = self.capacity.start_delay_s(cost, priority)
         budget = self.config.budget_s(priority)
-        return waited + delay <= budget * HEADROOM and self.capacity.decode_fits(cost)
+        # Within its budget, and without queueing long in the engine: a backlog left in
+        # the waiting room is still in class and fairness order, one in an engine's
+        # queue is not (a tenant admitted up to the whole budget would keep the next
+        # request of a quieter tenant waiting behind it).
+        queue_limit = self.capacity.idle_delay_s(cost) + QUEUE_TARGET_S
+        return (
+            waited + delay <= budget * HEADROOM
+            and delay <= queue_limit
+            and self.capacity.decode_fits(cost)
+        )
 
     def _admitted(self, priority: Priority, cost: Cost, waited: float) -> Pass:
         self.metrics.admitted(priority, waited)

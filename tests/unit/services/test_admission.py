@@ -168,3 +168,17 @@ async def test_a_tenant_over_its_share_does_not_skip_the_room() -> None:
     admission.view = FairView()  # light is no longer waiting anywhere: heavy may go
     assert await asyncio.wait_for(held, 1.0) is not None
     await admission.close()
+
+
+@run
+async def test_the_backlog_waits_here_not_in_the_engines() -> None:
+    """Within its budget is not enough: a request that would queue more than the target
+    behind others waits in the room (where class and fairness order it)."""
+    board = FakeBoard(queued=3000)  # 3 s ahead: within a 20 s budget, past the target
+    admission = await started(board, ttft_budget_critical_s=20.0)
+    waiting = asyncio.create_task(admission.admit(CRIT, "a", 1.0, Cost(100, 10)))
+    await asyncio.sleep(0.2)
+    assert not waiting.done() and len(admission.room) == 1
+    board.queued = 500  # 0.6 s ahead: within an idle pool's 0.1 s plus the 1 s target
+    assert await asyncio.wait_for(waiting, 1.0) is not None
+    await admission.close()
