@@ -24,10 +24,10 @@ import pytest
 
 from engine.model_store import DEFAULT_MODEL_NAME
 from pdserve.v1 import common_pb2, gateway_pb2_grpc
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.local_cluster import LocalCluster
 from services.gateway.client import GatewayClient, build_request
 from services.gateway.http_api import PRIORITY_HEADER
-from tests.conftest import MODEL_CACHE
+from tests.integration.keyed_cluster import keyed_cluster
 from tests.integration.leak_check import assert_cluster_clean, start_probe
 
 KEY = "tenant-a-key-000000000001"
@@ -38,19 +38,9 @@ COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,"  # greedy co
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    keys = tmp_path_factory.mktemp("keys") / "keys"
-    keys.write_text(f"tenant-a {KEY}\nbatch {KEY_BATCH} class=sheddable\n")
-    cfg = ClusterConfig(
-        gateway_port=0, model_cache_dir=MODEL_CACHE, worker_kv_cache_bytes=96 << 20,
-        api_keys_file=str(keys),
-    )  # fmt: skip
-    c = LocalCluster(cfg)
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in GATEWAY_ENV.items():
-            env.setenv(name, value)
-        c.start()
-    yield c
-    c.stop()
+    yield from keyed_cluster(
+        tmp_path_factory, f"tenant-a {KEY}\nbatch {KEY_BATCH} class=sheddable\n", GATEWAY_ENV
+    )
 
 
 def _openai(cluster: LocalCluster, key: str) -> openai.OpenAI:
