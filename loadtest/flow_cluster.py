@@ -7,8 +7,7 @@ a private temporary directory, starts a `LocalCluster` whose gateways all load i
 get the run's admission flags), and on exit stops the cluster and deletes the file.
 Inside, `warm_up` sends a few unmeasured requests through every gateway, and
 `start_leak_probes` / `check_leaks` run the leak probe (`loadtest.leak_probe`) over the
-workers, Redis and every gateway replica: the first probe reads everything, the others
-only their gateway's held resources (the workers and Redis are the same for all).
+workers, Redis and every gateway replica (one probe, `ProbeTarget.local`, reads them all).
 """
 
 from __future__ import annotations
@@ -138,7 +137,7 @@ def probe_targets(cluster: LocalCluster) -> list[ProbeTarget]:
 @dataclass(frozen=True)
 class LeakCheck:
     clean: bool
-    by_gateway: list[Leaks] = field(default_factory=list)  # the first has workers and Redis
+    by_gateway: list[Leaks] = field(default_factory=list)  # one reading per probe (now one)
 
 
 async def start_leak_probes(fc: FlowCluster) -> list[LeakProbe]:

@@ -79,5 +79,5 @@ def target_lines(targets: Sequence[TargetResult]) -> list[str]:
 def leak_line(check: LeakCheck, when: str = "after the run") -> str:
     if check.clean:
         return f"leaks {when}: none"
-    held = [f"gateway {i}: {leaks}" for i, leaks in enumerate(check.by_gateway) if not leaks.clean]
+    held = [str(leaks) for leaks in check.by_gateway if not leaks.clean]
     return f"leaks {when}: " + "; ".join(held)

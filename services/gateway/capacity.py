@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -165,7 +165,7 @@ class Capacity:
             if p.first_token is not None and p.estimate_s > 0:
                 self.calibration.observe(p)
                 p.estimate_s = 0.0  # observed once
-        self._passes = [p for p in self._passes if not p.settled]
+        self._passes = list(self._unsettled())
 
     @property
     def known(self) -> bool:
@@ -185,8 +185,8 @@ class Capacity:
         taken = self.prefill.taken
         unseen = sum(
             p.cost.prompt_tokens
-            for p in self._passes
-            if p.priority >= priority and not p.settled and p.unseen_at(taken)
+            for p in self._unsettled()
+            if p.priority >= priority and p.unseen_at(taken)
         )
         # Higher classes that arrive while it waits go first (the engines admit them
         # first): only the speed they leave over is its own.
@@ -204,16 +204,13 @@ class Capacity:
         if not self.decode.signals:
             return True
         size = self.decode.block_size
-        pending = sum(p.cost.blocks(size) for p in self._passes if not p.settled)
+        pending = sum(p.cost.blocks(size) for p in self._unsettled())
         return self.decode.free_blocks - pending >= cost.blocks(size)
 
     def kv_block_seconds(self, cost: Cost) -> float:
         """The request's estimated KV-block-seconds: its blocks held for its decode."""
-        return (
-            cost.blocks(self.decode.block_size)
-            * max(1, cost.max_tokens)
-            * (self.decode.decode_step_s)
-        )
+        blocks = cost.blocks(self.decode.block_size)
+        return blocks * max(1, cost.max_tokens) * self.decode.decode_step_s
 
     def admitted(self, cost: Cost, priority: Priority) -> Pass:
         admission = Pass(cost, priority, estimate_s=self.raw_delay_s(cost, priority))
@@ -224,4 +221,8 @@ class Capacity:
     @property
     def pending(self) -> int:
         """Admitted requests whose KV has not reached a decode worker."""
-        return sum(1 for p in self._passes if not p.settled)
+        return sum(1 for _ in self._unsettled())
+
+    def _unsettled(self) -> Iterator[Pass]:
+        """The passes still counted here: admitted, KV not yet on a decode worker."""
+        return (p for p in self._passes if not p.settled)
