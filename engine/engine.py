@@ -286,7 +286,8 @@ class LLMEngine:
             started = time.perf_counter()
             outputs = self._run_batch(self._drain_inbox())
             self._meter.stop(time.perf_counter() - started)
-            self._last_stats = self._collect_stats()
+            # No snapshot here: between steps `stats()` takes a fresh one, and the next
+            # step takes its own before it runs (`_run_batch`).
             return outputs
 
     def _run_batch(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
