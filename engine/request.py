@@ -19,6 +19,11 @@ otherwise recompute it after a preemption: past it, the request ends with DEADLI
 
 `num_computed_tokens` counts tokens whose KV is in the cache; `all_token_ids` is prompt
 plus output. When computed reaches the total, the last logits are sampled.
+
+Forks (`SamplingParams.n` > 1): the request the caller added is fork 0 and keeps its id;
+forks 1..n-1 are requests of their own (`request_id` "<id>/<index>") with the caller's
+id as `group_id` and their `index`. Their outputs carry the group id and the index, so a
+caller reads one stream per group; an abort of the group id ends every fork.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import DeadlineExceededError
+from engine.logprobs import TokenLogprobs
 from engine.priority import Priority
 from engine.sampling_params import SamplingParams
 
@@ -103,6 +109,20 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
+    # Forks: the caller's id (empty: this request's own) and this fork's index.
+    group_id: str = ""
+    index: int = 0
+    # Prefill side of a hand-off with n > 1: forks 1..n-1's first tokens, sampled from
+    # the prompt's last logits with their own generators (the decode side forks).
+    fork_token_ids: list[int] = field(default_factory=list)
+    fork_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # prompt_logprobs asked: positions 1.. as prefill chunks compute them.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def group(self) -> str:
+        """The id the caller knows this request by (a fork's parent's)."""
+        return self.group_id or self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -145,6 +165,13 @@ class RequestOutput:
     arrival_time: float = 0.0  # monotonic; see Request
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    index: int = 0  # the fork (n > 1); request_id is then the group's id
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when asked
+    # prompt_logprobs asked: positions 1..end, on the output with the first token.
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    # Prefill side, n > 1: forks 1..n-1's first tokens (and logprobs, when asked).
+    fork_token_ids: tuple[int, ...] = ()
+    fork_logprobs: tuple[TokenLogprobs, ...] = ()
 
     def raise_for_deadline(self) -> None:
         """DeadlineExceededError if the engine ended the request on its deadline (a worker

@@ -44,6 +44,8 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
         self._template = env.from_string(self.chat_template) if self.chat_template else None
+        decoder = json.loads(path.read_text()).get("decoder") or {}
+        self._byte_level = decoder.get("type") == "ByteLevel"
 
     @property
     def vocab_size(self) -> int:
@@ -80,8 +82,32 @@ class Tokenizer:
         except TemplateError as exc:
             raise InvalidRequestError("messages", f"rejected by the chat template: {exc}") from exc
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE token may hold part of a UTF-8
+        character, so its text alone can lose them); log-probability answers show them."""
+        surface = self._tok.id_to_token(token_id) or ""
+        if self._byte_level and all(c in _BYTE_OF for c in surface):
+            return bytes(_BYTE_OF[c] for c in surface)
+        return surface.encode("utf-8")
+
     def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
         return self.encode(self.render_chat(messages))
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte -> the byte (GPT-2's scheme:
+    printable Latin-1 bytes stand for themselves, the rest map to code points 256+)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    out = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+_BYTE_OF = _byte_alphabet()
 
 
 def _token_text(value: object) -> str | None:

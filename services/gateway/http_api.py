@@ -49,6 +49,7 @@ from services.common.status import (
 )
 from services.gateway import openai_schema as oa
 from services.gateway.auth import Principal
+from services.gateway.openai_answer import Answer, Choices, TokenText
 from services.gateway.service import REFUSAL_REASON_KEY, GatewayService
 
 log = logging.getLogger(__name__)
@@ -272,7 +273,7 @@ class HttpApi:
         except oa.SchemaError as exc:
             return _json(400, oa.error_body(str(exc), "invalid_request_error", exc.param))
         request_id = uuid.uuid4().hex
-        answer = oa.Answer(req, req.model or self.service.model_name, request_id)
+        answer = self._answer(req, request_id)
         generate = oa.to_generate_request(req, request_id)
         if asked is not None:
             generate.priority = priority_proto.to_proto(asked)
@@ -294,19 +295,27 @@ class HttpApi:
                 return _refusal_response(exc)
             return await self._sse(request, answer, first, messages, disconnect)
 
+    def _answer(self, req: oa.OpenAIRequest, request_id: str) -> Answer:
+        tokenizer = self.service.tokenizer
+        prompt = req.prompt
+        if req.sampling.echo and req.prompt_token_ids:
+            prompt = tokenizer.decode(list(req.prompt_token_ids), skip_special_tokens=False)
+        model = req.model or self.service.model_name
+        return Answer(req, model, request_id, TokenText(tokenizer), prompt)
+
     async def _whole(
-        self, answer: oa.Answer, first: gateway_pb2.GenerateResponse, messages: Messages
+        self, answer: Answer, first: gateway_pb2.GenerateResponse, messages: Messages
     ) -> oa.Json:
-        parts, last = [first.text], first
-        while not last.finished:
-            last = await anext(messages)
-            parts.append(last.text)
-        return answer.whole("".join(parts), last.finish_reason, last.usage)
+        choices = Choices(answer.req.sampling.best_of)
+        choices.add(first)
+        async for msg in messages:
+            choices.add(msg)
+        return answer.whole(choices)
 
     async def _sse(
         self,
         request: web.Request,
-        answer: oa.Answer,
+        answer: Answer,
         first: gateway_pb2.GenerateResponse,
         messages: Messages,
         disconnect: SseDisconnect,
@@ -315,21 +324,27 @@ class HttpApi:
         await response.prepare(request)
         _bound_buffers(request, self.service.config.stream_buffer_messages)
         disconnect.response, disconnect.oa_request = response, answer.req
-        msg, opening = first, True
+        forks = answer.req.sampling.best_of
+        opened: set[int] = set()
+        done = 0
+        msg = first
         try:
-            while not msg.finished:
+            while True:
+                done += msg.finished
+                if done == forks:  # the last fork's last message
+                    break
                 # Deltas held back by the detokenizer or a possible stop string are empty.
-                if msg.text or opening:
-                    await _event(response, answer.chunk(msg.text, first=opening))
+                if msg.text or msg.logprobs or msg.finished or msg.index not in opened:
+                    await _event(response, answer.chunk(msg, first=msg.index not in opened))
+                    opened.add(msg.index)
                     # Take the next message only once this one has left: a client that
                     # stops reading leaves its messages in the request's StreamBuffer.
                     await request.writer.drain()
-                    opening = False
                 msg = await anext(messages)
             # The request is over: give back what it holds now, not once a slow client
             # has taken the last events.
             await messages.aclose()
-            tail = [answer.chunk(msg.text, msg.finish_reason, first=opening)]
+            tail = [answer.chunk(msg, first=msg.index not in opened)]
             if answer.req.include_usage:
                 tail.append(answer.usage_chunk(msg.usage))
         except (StatusError, NoWorkerError) as exc:

@@ -1,27 +1,34 @@
 """OpenAI request bodies in, typed requests out; OpenAI response and chunk bodies back.
 
 Lifecycle: the HTTP layer hands a decoded JSON body to `parse_completion` or
-`parse_chat`. They check the type of every OpenAI field pdserve honours, refuse the ones
-it cannot honour (n > 1, logprobs, tools, penalties, ...) with a `SchemaError` naming the
-parameter, and return an `OpenAIRequest`; `to_generate_request` turns that into the
-gateway's protobuf request. Limits that depend on the model (context length, vocabulary,
-chat roles) are checked afterwards by the gateway's own validation, the same as for
-gRPC; `param_for` renames its field names to the OpenAI parameter. While the request
-runs, `Answer` turns gateway messages into completion bodies or SSE chunk bodies.
+`parse_chat`. They check the type of every OpenAI field pdserve honours (the sampling
+ones in `openai_sampling`), refuse the ones it cannot honour (`UNSUPPORTED`) with a
+`SchemaError` naming the parameter, and return an `OpenAIRequest`;
+`to_generate_request` turns that into the gateway's protobuf request. Limits that depend
+on the model (context length, vocabulary, chat roles) are checked afterwards by the
+gateway's own validation, the same as for gRPC; `param_for` renames its field names to
+the OpenAI parameter. While the request runs, `openai_answer.Answer` turns gateway
+messages into completion bodies or SSE chunk bodies.
 """
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from pdserve.v1 import common_pb2, gateway_pb2
-from services.gateway.client import build_request
+from pdserve.v1 import gateway_pb2
+from services.gateway.openai_sampling import (
+    Sampling,
+    SchemaError,
+    get_bool,
+    get_int,
+    parse_sampling,
+)
+
+__all__ = ["OpenAIRequest", "SchemaError", "parse_chat", "parse_completion"]
 
 Json = dict[str, Any]
 
@@ -29,13 +36,6 @@ Json = dict[str, Any]
 COMPLETION_MAX_TOKENS = 16
 CHAT_MAX_TOKENS = 512
 MAX_TOKENS_CAP = 2**31 - 1
-SEED_CAP = 2**63
-
-FINISH_REASONS = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
 
 #: gRPC status of the shared gateway path -> (HTTP status, OpenAI error type).
 HTTP_FOR_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -54,68 +54,61 @@ SERVER_ERROR = (500, "server_error")
 
 #: Parameters pdserve cannot honour: the values that mean "not used", and why not.
 UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
-    "n": ((None, 1), "only n=1 is supported; send one request per choice"),
-    "best_of": ((None, 1), "only best_of=1 is supported"),
-    "echo": ((None, False), "echo is not supported"),
     "suffix": ((None, ""), "suffix (insertion) is not supported"),
-    "logprobs": ((None, False), "logprobs are not supported"),
-    "top_logprobs": ((None, 0), "logprobs are not supported"),
-    "frequency_penalty": ((None, 0), "frequency_penalty is not supported (send 0)"),
-    "presence_penalty": ((None, 0), "presence_penalty is not supported (send 0)"),
-    "logit_bias": ((None, {}), "logit_bias is not supported"),
-    "tools": ((None, []), "tool calling is not supported"),
-    "functions": ((None, []), "function calling is not supported"),
-    "tool_choice": ((None, "none"), "tool calling is not supported"),
-    "response_format": ((None, {"type": "text"}), "only the text response format is supported"),
+    "functions": ((None, []), "the deprecated functions parameter is not supported: send tools"),
+    "function_call": ((None, "none", "auto"), "function_call is not supported: send tool_choice"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only the text modality is supported"),
 }
-
-
-class SchemaError(ValueError):
-    """A request body OpenAI's schema or pdserve refuses: HTTP 400 naming `param`."""
-
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(f"{param}: {message}" if param else message)
-        self.param = param
 
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    """One validated /v1/completions or /v1/chat/completions request."""
+    """One validated /v1/completions or /v1/chat/completions request. A completion's
+    prompt is text (`prompt`) or token ids (`prompt_token_ids`)."""
 
     chat: bool
+    sampling: Sampling
     model: str = ""
     prompt: str = ""
+    prompt_token_ids: tuple[int, ...] = ()
     messages: tuple[tuple[str, str], ...] = ()
-    max_tokens: int = COMPLETION_MAX_TOKENS
     max_tokens_param: str = "max_tokens"  # the name the client used, for error messages
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = field(default=())
     stream: bool = False
     include_usage: bool = False
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.params.max_tokens
 
 
 # -- parsing -------------------------------------------------------------------------
 def parse_completion(body: object) -> OpenAIRequest:
     obj = _object(body)
-    max_tokens = _int(obj, "max_tokens", 1, MAX_TOKENS_CAP)
+    max_tokens = get_int(obj, "max_tokens", 1, MAX_TOKENS_CAP)
+    prompt, prompt_ids = _prompt(obj)
+    sampling = parse_sampling(
+        obj, chat=False, max_tokens=COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+    )
     return OpenAIRequest(
-        chat=False,
-        prompt=_prompt(obj),
-        max_tokens=COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
-        **_common(obj),
+        chat=False, sampling=sampling, prompt=prompt, prompt_token_ids=prompt_ids, **_common(obj)
     )
 
 
 def parse_chat(body: object) -> OpenAIRequest:
     obj = _object(body)
     param = "max_completion_tokens" if obj.get("max_completion_tokens") is not None else ""
-    max_tokens = _int(obj, param or "max_tokens", 1, MAX_TOKENS_CAP)
+    max_tokens = get_int(obj, param or "max_tokens", 1, MAX_TOKENS_CAP)
+    for name in ("echo", "best_of"):
+        if obj.get(name) is not None:
+            raise SchemaError(name, "is a /v1/completions parameter, not one of chat")
+    sampling = parse_sampling(
+        obj, chat=True, max_tokens=CHAT_MAX_TOKENS if max_tokens is None else max_tokens
+    )
     return OpenAIRequest(
         chat=True,
+        sampling=sampling,
         messages=_messages(obj),
-        max_tokens=CHAT_MAX_TOKENS if max_tokens is None else max_tokens,
         max_tokens_param=param or "max_tokens",
         **_common(obj),
     )
@@ -134,76 +127,35 @@ def _common(obj: Mapping[str, object]) -> Json:
     model = obj.get("model")
     if model is not None and not isinstance(model, str):
         raise SchemaError("model", "must be a string")
-    stream = _bool(obj, "stream")
+    stream = get_bool(obj, "stream")
     options = obj.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise SchemaError("stream_options", "must be an object")
     if options is not None and not stream:
         raise SchemaError("stream_options", "only allowed when stream is true")
-    include_usage = _bool(options or {}, "include_usage", "stream_options.include_usage")
-    temperature = _number(obj, "temperature", 0.0, 2.0)
-    top_p = _number(obj, "top_p", 0.0, 1.0)
-    return {
-        "model": model or "",
-        "temperature": 1.0 if temperature is None else temperature,
-        "top_p": 1.0 if top_p is None else top_p,
-        "seed": _int(obj, "seed", 0, SEED_CAP - 1),
-        "stop": _stop(obj),
-        "stream": stream,
-        "include_usage": include_usage,
-    }
+    include_usage = get_bool(options or {}, "include_usage", "stream_options.include_usage")
+    return {"model": model or "", "stream": stream, "include_usage": include_usage}
 
 
-def _bool(obj: Mapping[str, object], key: str, param: str = "") -> bool:
-    value = obj.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise SchemaError(param or key, "must be true or false")
-    return bool(value)
-
-
-def _int(obj: Mapping[str, object], key: str, lo: int, hi: int) -> int | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SchemaError(key, f"must be an integer (got {value!r})")
-    if not lo <= value <= hi:
-        raise SchemaError(key, f"must be in [{lo}, {hi}] (got {value})")
-    return value
-
-
-def _number(obj: Mapping[str, object], key: str, lo: float, hi: float) -> float | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise SchemaError(key, f"must be a number (got {value!r})")
-    if not lo <= value <= hi:
-        raise SchemaError(key, f"must be in [{lo:g}, {hi:g}] (got {value})")
-    return float(value)
-
-
-def _stop(obj: Mapping[str, object]) -> tuple[str, ...]:
-    value = obj.get("stop")
-    if value is None:
-        return ()
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise SchemaError("stop", "must be a string or a list of strings")
-    return tuple(stops)
-
-
-def _prompt(obj: Mapping[str, object]) -> str:
+def _prompt(obj: Mapping[str, object]) -> tuple[str, tuple[int, ...]]:
+    """(text, ()) or ("", token ids): a string, a list of token ids, or either of those
+    alone in a one-element list."""
     value = obj.get("prompt")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
     if isinstance(value, str):
-        return value
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        return value[0]
+        return value, ()
     if value is None:
         raise SchemaError("prompt", "is required")
-    if isinstance(value, list) and value and all(isinstance(s, str) for s in value):
+    if isinstance(value, list) and value and all(_is_token_id(t) for t in value):
+        return "", tuple(value)
+    if isinstance(value, list) and value and all(isinstance(s, str | list) for s in value):
         raise SchemaError("prompt", "one prompt per request (batched prompts are not supported)")
-    raise SchemaError("prompt", "must be a string (token-id prompts are not supported)")
+    raise SchemaError("prompt", "must be a string or a non-empty list of token ids")
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
 
 
 def _messages(obj: Mapping[str, object]) -> tuple[tuple[str, str], ...]:
@@ -239,17 +191,18 @@ def _content(msg: Mapping[str, object], i: int) -> str:
 
 # -- into the gateway, and errors out of it -------------------------------------------
 def to_generate_request(req: OpenAIRequest, request_id: str) -> gateway_pb2.GenerateRequest:
-    return build_request(
-        prompt=None if req.chat else req.prompt,
-        messages=list(req.messages) if req.chat else None,
-        max_tokens=req.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        seed=req.seed,
-        stop=req.stop,
-        model=req.model,
-        request_id=request_id,
+    msg = gateway_pb2.GenerateRequest(
+        model=req.model, request_id=request_id, sampling=req.sampling.params
     )
+    if req.chat:
+        msg.messages.messages.extend(
+            gateway_pb2.ChatMessage(role=r, content=c) for r, c in req.messages
+        )
+    elif req.prompt_token_ids:
+        msg.prompt_token_ids.ids.extend(req.prompt_token_ids)
+    else:
+        msg.prompt = req.prompt
+    return msg
 
 
 def param_for(req: OpenAIRequest, gateway_field: str) -> str:
@@ -259,6 +212,14 @@ def param_for(req: OpenAIRequest, gateway_field: str) -> str:
         return req.max_tokens_param
     if (req.chat and name in ("prompt", "input")) or name.startswith("messages"):
         return "messages"
+    if name == "prompt_token_ids":
+        return "prompt"
+    if name.startswith("guided") and req.sampling.guided_param:
+        return req.sampling.guided_param
+    if name == "n" and req.sampling.best_of > req.sampling.n:
+        return "best_of"
+    if name == "logprobs" and req.chat:
+        return "top_logprobs"
     return name
 
 
@@ -268,71 +229,3 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 
 def http_for_status(code: grpc.StatusCode) -> tuple[int, str]:
     return HTTP_FOR_STATUS.get(code, SERVER_ERROR)
-
-
-# -- out: bodies and chunks -------------------------------------------------------------
-def usage_body(usage: common_pb2.Usage) -> Json:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
-
-
-def finish_reason(reason: int) -> str:
-    return FINISH_REASONS.get(reason, "stop")
-
-
-@dataclass(frozen=True)
-class Answer:
-    """Builds the response bodies of one request; `id` and `created` stay fixed."""
-
-    req: OpenAIRequest
-    model: str
-    request_id: str
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def id(self) -> str:
-        return ("chatcmpl-" if self.req.chat else "cmpl-") + self.request_id
-
-    def _head(self, obj: str) -> Json:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def whole(self, text: str, reason: int, usage: common_pb2.Usage) -> Json:
-        """The non-streamed body."""
-        choice: Json = {"index": 0, "logprobs": None, "finish_reason": finish_reason(reason)}
-        if self.req.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-            body = self._head("chat.completion")
-        else:
-            choice["text"] = text
-            body = self._head("text_completion")
-        return {**body, "choices": [choice], "usage": usage_body(usage)}
-
-    def chunk(self, text: str, reason: int | None = None, *, first: bool = False) -> Json:
-        """One SSE chunk with a text delta; the last one carries the finish reason."""
-        choice: Json = {
-            "index": 0,
-            "logprobs": None,
-            "finish_reason": None if reason is None else finish_reason(reason),
-        }
-        if self.req.chat:
-            delta: Json = {"role": "assistant"} if first else {}
-            if text or first:
-                delta["content"] = text
-            choice["delta"] = delta
-            body = self._head("chat.completion.chunk")
-        else:
-            choice["text"] = text
-            body = self._head("text_completion")
-        body["choices"] = [choice]
-        if self.req.include_usage:
-            body["usage"] = None
-        return body
-
-    def usage_chunk(self, usage: common_pb2.Usage) -> Json:
-        """The extra last chunk `stream_options.include_usage` asks for: no choices."""
-        obj = "chat.completion.chunk" if self.req.chat else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage_body(usage)}

@@ -133,6 +133,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             raise InvalidRequestError(
                 "sampling.stop_token_ids", f"each id must be < {self.vocab_size}"
             )
+        if any(t >= self.vocab_size for t, _ in params.logit_bias):
+            raise InvalidRequestError(
+                "sampling.logit_bias", f"each token id must be < {self.vocab_size}"
+            )
         deadline = time.monotonic() + self.config.request_deadline_s
         return Prepared(request.request_id or uuid.uuid4().hex, prompt, params, "", deadline)
 
@@ -149,7 +153,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     "messages", f"at most {MAX_PROMPT_CHARS} characters in all"
                 )
             return self.tokenizer.encode_chat(msgs)
-        raise InvalidRequestError("input", "set prompt or messages")
+        if which == "prompt_token_ids":
+            ids = list(request.prompt_token_ids.ids)
+            if any(t >= self.vocab_size for t in ids):
+                raise InvalidRequestError(
+                    "prompt_token_ids", f"each id must be < the vocabulary size {self.vocab_size}"
+                )
+            return ids
+        raise InvalidRequestError("input", "set prompt, messages or prompt_token_ids")
 
     # -- the one path of both front doors (gRPC Generate, OpenAI HTTP) -------------
     async def stream(

@@ -43,7 +43,10 @@ class PrefillHandler:
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
         params = sampling.from_proto(request.sampling)
-        first_only = dataclasses.replace(params, max_tokens=1)
+        # One token here; min_tokens >= 1 still keeps EOS from being that token.
+        first_only = dataclasses.replace(
+            params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
+        )
         rid = request.request_id
         parent = self.telemetry.parent(context)
         queue = self.loop.open(rid)

@@ -24,27 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\">\n\x0b\x45rrorDetail\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\"\xae\x01\n\x08KvLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x13\n\x0bmemory_kind\x18\x07 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x08 \x01(\t\"\xaa\x02\n\x08KvHandle\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x18\n\x10transfer_address\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x08 \x01(\t\x12\x10\n\x08lease_id\x18\t \x01(\t\x12\x1c\n\x14lease_expiry_unix_ms\x18\n \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x0b \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x0c \x01(\r\x12\x12\n\nrequest_id\x18\r \x01(\t\"^\n\x0bPhaseTiming\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0fstart_unix_nano\x18\x02 \x01(\x03\x12\x15\n\rend_unix_nano\x18\x03 \x01(\x03\x12\x11\n\tworker_id\x18\x04 \x01(\t*\x94\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x04*j\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x16\n\x12PRIORITY_SHEDDABLE\x10\x01\x12\x15\n\x11PRIORITY_STANDARD\x10\x02\x12\x15\n\x11PRIORITY_CRITICAL\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xc3\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12=\n\nlogit_bias\x18\x0c \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\r \x01(\rH\x08\x88\x01\x01\x12\x12\n\x05min_p\x18\x0e \x01(\x02H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\x0c\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\r\x88\x01\x01\x12*\n\x06guided\x18\x14 \x01(\x0b\x32\x1a.pdserve.v1.GuidedDecoding\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x08\n\x06_min_pB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_nB\x16\n\x14_skip_special_tokens\"U\n\x0eGuidedDecoding\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.GuidedKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x0f\n\x07\x63hoices\x18\x03 \x03(\t\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"d\n\rTokenLogprobs\x12#\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x13.pdserve.v1.Logprob\x12 \n\x03top\x18\x02 \x03(\x0b\x32\x13.pdserve.v1.Logprob\x12\x0c\n\x04rank\x18\x03 \x01(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\">\n\x0b\x45rrorDetail\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\"\xae\x01\n\x08KvLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x13\n\x0bmemory_kind\x18\x07 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x08 \x01(\t\"\xc2\x02\n\x08KvHandle\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x18\n\x10transfer_address\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x08 \x01(\t\x12\x10\n\x08lease_id\x18\t \x01(\t\x12\x1c\n\x14lease_expiry_unix_ms\x18\n \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x0b \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x0c \x01(\r\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x16\n\x0e\x66ork_token_ids\x18\x0e \x03(\r\"^\n\x0bPhaseTiming\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0fstart_unix_nano\x18\x02 \x01(\x03\x12\x15\n\rend_unix_nano\x18\x03 \x01(\x03\x12\x11\n\tworker_id\x18\x04 \x01(\t*\xab\x01\n\nGuidedKind\x12\x1b\n\x17GUIDED_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17GUIDED_KIND_JSON_OBJECT\x10\x01\x12\x1b\n\x17GUIDED_KIND_JSON_SCHEMA\x10\x02\x12\x15\n\x11GUIDED_KIND_REGEX\x10\x03\x12\x16\n\x12GUIDED_KIND_CHOICE\x10\x04\x12\x17\n\x13GUIDED_KIND_GRAMMAR\x10\x05*\x94\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x04*j\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x16\n\x12PRIORITY_SHEDDABLE\x10\x01\x12\x15\n\x11PRIORITY_STANDARD\x10\x02\x12\x15\n\x11PRIORITY_CRITICAL\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1007
-  _globals['_FINISHREASON']._serialized_end=1155
-  _globals['_PRIORITY']._serialized_start=1157
-  _globals['_PRIORITY']._serialized_end=1263
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_GUIDEDKIND']._serialized_start=1857
+  _globals['_GUIDEDKIND']._serialized_end=2028
+  _globals['_FINISHREASON']._serialized_start=2031
+  _globals['_FINISHREASON']._serialized_end=2179
+  _globals['_PRIORITY']._serialized_start=2181
+  _globals['_PRIORITY']._serialized_end=2287
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=284
-  _globals['_USAGE']._serialized_start=286
-  _globals['_USAGE']._serialized_end=366
-  _globals['_ERRORDETAIL']._serialized_start=368
-  _globals['_ERRORDETAIL']._serialized_end=430
-  _globals['_KVLAYOUT']._serialized_start=433
-  _globals['_KVLAYOUT']._serialized_end=607
-  _globals['_KVHANDLE']._serialized_start=610
-  _globals['_KVHANDLE']._serialized_end=908
-  _globals['_PHASETIMING']._serialized_start=910
-  _globals['_PHASETIMING']._serialized_end=1004
+  _globals['_SAMPLINGPARAMS']._serialized_end=875
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=613
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=661
+  _globals['_GUIDEDDECODING']._serialized_start=877
+  _globals['_GUIDEDDECODING']._serialized_end=962
+  _globals['_LOGPROB']._serialized_start=964
+  _globals['_LOGPROB']._serialized_end=1008
+  _globals['_TOKENLOGPROBS']._serialized_start=1010
+  _globals['_TOKENLOGPROBS']._serialized_end=1110
+  _globals['_USAGE']._serialized_start=1112
+  _globals['_USAGE']._serialized_end=1192
+  _globals['_ERRORDETAIL']._serialized_start=1194
+  _globals['_ERRORDETAIL']._serialized_end=1256
+  _globals['_KVLAYOUT']._serialized_start=1259
+  _globals['_KVLAYOUT']._serialized_end=1433
+  _globals['_KVHANDLE']._serialized_start=1436
+  _globals['_KVHANDLE']._serialized_end=1758
+  _globals['_PHASETIMING']._serialized_start=1760
+  _globals['_PHASETIMING']._serialized_end=1854
 # @@protoc_insertion_point(module_scope)

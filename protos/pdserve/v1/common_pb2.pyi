@@ -2,10 +2,19 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class GuidedKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GUIDED_KIND_UNSPECIFIED: _ClassVar[GuidedKind]
+    GUIDED_KIND_JSON_OBJECT: _ClassVar[GuidedKind]
+    GUIDED_KIND_JSON_SCHEMA: _ClassVar[GuidedKind]
+    GUIDED_KIND_REGEX: _ClassVar[GuidedKind]
+    GUIDED_KIND_CHOICE: _ClassVar[GuidedKind]
+    GUIDED_KIND_GRAMMAR: _ClassVar[GuidedKind]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -21,6 +30,12 @@ class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PRIORITY_SHEDDABLE: _ClassVar[Priority]
     PRIORITY_STANDARD: _ClassVar[Priority]
     PRIORITY_CRITICAL: _ClassVar[Priority]
+GUIDED_KIND_UNSPECIFIED: GuidedKind
+GUIDED_KIND_JSON_OBJECT: GuidedKind
+GUIDED_KIND_JSON_SCHEMA: GuidedKind
+GUIDED_KIND_REGEX: GuidedKind
+GUIDED_KIND_CHOICE: GuidedKind
+GUIDED_KIND_GRAMMAR: GuidedKind
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -32,7 +47,14 @@ PRIORITY_STANDARD: Priority
 PRIORITY_CRITICAL: Priority
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "min_p", "logprobs", "prompt_logprobs", "n", "include_stop_str_in_output", "skip_special_tokens", "guided")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +63,18 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -49,7 +83,47 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    min_tokens: int
+    min_p: float
+    logprobs: int
+    prompt_logprobs: int
+    n: int
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    guided: GuidedDecoding
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., min_p: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., guided: _Optional[_Union[GuidedDecoding, _Mapping]] = ...) -> None: ...
+
+class GuidedDecoding(_message.Message):
+    __slots__ = ("kind", "spec", "choices")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    kind: GuidedKind
+    spec: str
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[_Union[GuidedKind, str]] = ..., spec: _Optional[str] = ..., choices: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Logprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("chosen", "top", "rank")
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    chosen: Logprob
+    top: _containers.RepeatedCompositeFieldContainer[Logprob]
+    rank: int
+    def __init__(self, chosen: _Optional[_Union[Logprob, _Mapping]] = ..., top: _Optional[_Iterable[_Union[Logprob, _Mapping]]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens")
@@ -92,7 +166,7 @@ class KvLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., memory_kind: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("protocol_version", "engine_id", "incarnation", "agent_name", "transfer_address", "block_ids", "num_tokens", "layout_fingerprint", "lease_id", "lease_expiry_unix_ms", "backend", "first_token_id", "request_id")
+    __slots__ = ("protocol_version", "engine_id", "incarnation", "agent_name", "transfer_address", "block_ids", "num_tokens", "layout_fingerprint", "lease_id", "lease_expiry_unix_ms", "backend", "first_token_id", "request_id", "fork_token_ids")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +180,7 @@ class KvHandle(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FORK_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     engine_id: str
     incarnation: str
@@ -119,7 +194,8 @@ class KvHandle(_message.Message):
     backend: str
     first_token_id: int
     request_id: str
-    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., transfer_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix_ms: _Optional[int] = ..., backend: _Optional[str] = ..., first_token_id: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    fork_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., transfer_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix_ms: _Optional[int] = ..., backend: _Optional[str] = ..., first_token_id: _Optional[int] = ..., request_id: _Optional[str] = ..., fork_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PhaseTiming(_message.Message):
     __slots__ = ("name", "start_unix_nano", "end_unix_nano", "worker_id")

@@ -26,7 +26,7 @@ from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve.v1 import worker_pb2 as pdserve_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x17pdserve/v1/worker.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xcf\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\x08messages\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.ChatListH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12&\n\x08priority\x18\x06 \x01(\x0e\x32\x14.pdserve.v1.PriorityB\x07\n\x05input\"5\n\x08\x43hatList\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x96\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x10\n\x08trace_id\x18\t \x01(\t\x12\'\n\x06phases\x18\n \x03(\x0b\x32\x17.pdserve.v1.PhaseTiming\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"\x16\n\x14\x43lusterStatusRequest\"n\n\x15\x43lusterStatusResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerStats\x12\x16\n\x0e\x61\x63tive_streams\x18\x02 \x01(\r\x12\x13\n\x0bmax_streams\x18\x03 \x01(\r2\xbc\x02\n\x07Gateway\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12T\n\rClusterStatus\x12 .pdserve.v1.ClusterStatusRequest\x1a!.pdserve.v1.ClusterStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x17pdserve/v1/worker.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x82\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\x08messages\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.ChatListH\x00\x12\x31\n\x10prompt_token_ids\x18\x07 \x01(\x0b\x32\x15.pdserve.v1.TokenListH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12&\n\x08priority\x18\x06 \x01(\x0e\x32\x14.pdserve.v1.PriorityB\x07\n\x05input\"5\n\x08\x43hatList\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x18\n\tTokenList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa0\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x10\n\x08trace_id\x18\t \x01(\t\x12\'\n\x06phases\x18\n \x03(\x0b\x32\x17.pdserve.v1.PhaseTiming\x12\r\n\x05index\x18\x0b \x01(\r\x12+\n\x08logprobs\x18\x0c \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x18\n\x10prompt_token_ids\x18\x0e \x03(\r\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"\x16\n\x14\x43lusterStatusRequest\"n\n\x15\x43lusterStatusResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerStats\x12\x16\n\x0e\x61\x63tive_streams\x18\x02 \x01(\r\x12\x13\n\x0bmax_streams\x18\x03 \x01(\r2\xbc\x02\n\x07Gateway\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12T\n\rClusterStatus\x12 .pdserve.v1.ClusterStatusRequest\x1a!.pdserve.v1.ClusterStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,21 +36,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=90
   _globals['_CHATMESSAGE']._serialized_end=134
   _globals['_GENERATEREQUEST']._serialized_start=137
-  _globals['_GENERATEREQUEST']._serialized_end=344
-  _globals['_CHATLIST']._serialized_start=346
-  _globals['_CHATLIST']._serialized_end=399
-  _globals['_GENERATERESPONSE']._serialized_start=402
-  _globals['_GENERATERESPONSE']._serialized_end=680
-  _globals['_LISTMODELSREQUEST']._serialized_start=682
-  _globals['_LISTMODELSREQUEST']._serialized_end=701
-  _globals['_MODELINFO']._serialized_start=703
-  _globals['_MODELINFO']._serialized_end=749
-  _globals['_LISTMODELSRESPONSE']._serialized_start=751
-  _globals['_LISTMODELSRESPONSE']._serialized_end=810
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=812
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=834
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=836
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=946
-  _globals['_GATEWAY']._serialized_start=949
-  _globals['_GATEWAY']._serialized_end=1265
+  _globals['_GENERATEREQUEST']._serialized_end=395
+  _globals['_CHATLIST']._serialized_start=397
+  _globals['_CHATLIST']._serialized_end=450
+  _globals['_TOKENLIST']._serialized_start=452
+  _globals['_TOKENLIST']._serialized_end=476
+  _globals['_GENERATERESPONSE']._serialized_start=479
+  _globals['_GENERATERESPONSE']._serialized_end=895
+  _globals['_LISTMODELSREQUEST']._serialized_start=897
+  _globals['_LISTMODELSREQUEST']._serialized_end=916
+  _globals['_MODELINFO']._serialized_start=918
+  _globals['_MODELINFO']._serialized_end=964
+  _globals['_LISTMODELSRESPONSE']._serialized_start=966
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1025
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1027
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1049
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1051
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1161
+  _globals['_GATEWAY']._serialized_start=1164
+  _globals['_GATEWAY']._serialized_end=1480
 # @@protoc_insertion_point(module_scope)

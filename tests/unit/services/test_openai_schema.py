@@ -3,6 +3,8 @@ the response/chunk bodies built back from gateway messages."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 
@@ -14,7 +16,9 @@ def test_completion_defaults_follow_openai() -> None:
     req = oa.parse_completion({"model": "m", "prompt": "Hello"})
     assert (req.chat, req.prompt, req.model) == (False, "Hello", "m")
     assert req.max_tokens == oa.COMPLETION_MAX_TOKENS
-    assert (req.temperature, req.top_p, req.seed, req.stop) == (1.0, 1.0, None, ())
+    s = req.sampling.params
+    assert (s.temperature, s.top_p, s.HasField("seed"), list(s.stop)) == (1.0, 1.0, False, [])
+    assert (req.sampling.n, req.sampling.logprobs, req.sampling.echo) == (1, None, False)
     assert not req.stream and not req.include_usage
 
 
@@ -59,10 +63,10 @@ def test_chat_messages_parts_roles_and_max_completion_tokens() -> None:
     }
     req = oa.parse_chat(body)
     assert req.messages == (("system", "Be brief."), ("user", "a\nb"), ("assistant", ""))
-    assert (req.max_tokens, req.max_tokens_param, req.stop) == (
+    assert (req.max_tokens, req.max_tokens_param, list(req.sampling.params.stop)) == (
         9,
         "max_completion_tokens",
-        ("x", "y"),
+        ["x", "y"],
     )
     msg = oa.to_generate_request(req, "r")
     assert [(m.role, m.content) for m in msg.messages.messages] == list(req.messages)
@@ -74,8 +78,43 @@ def test_chat_messages_parts_roles_and_max_completion_tokens() -> None:
 @pytest.mark.parametrize(
     ("parse", "body", "param"),
     [
-        (oa.parse_completion, {"prompt": "hi", "n": 2}, "n"),
-        (oa.parse_chat, {"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
+        (oa.parse_completion, {"prompt": "hi", "n": 17}, "n"),
+        (oa.parse_chat, {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+        (oa.parse_completion, {"prompt": "hi", "n": 3, "best_of": 2}, "best_of"),
+        (oa.parse_completion, {"prompt": "hi", "best_of": 2, "stream": True}, "best_of"),
+        (oa.parse_chat, {"messages": [{"role": "user", "content": "q"}], "echo": True}, "echo"),
+        (oa.parse_completion, {"prompt": "hi", "logprobs": 21}, "logprobs"),
+        (oa.parse_completion, {"prompt": "hi", "logprobs": True}, "logprobs"),
+        (
+            oa.parse_chat,
+            {"messages": [{"role": "user", "content": "q"}], "top_logprobs": 2},
+            "top_logprobs",
+        ),
+        (oa.parse_completion, {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+        (oa.parse_completion, {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+        (oa.parse_completion, {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+        (oa.parse_completion, {"prompt": "hi", "logit_bias": [1]}, "logit_bias"),
+        (oa.parse_completion, {"prompt": "hi", "min_p": 2}, "min_p"),
+        (oa.parse_completion, {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+        (oa.parse_completion, {"prompt": "hi", "ignore_eos": 1}, "ignore_eos"),
+        (
+            oa.parse_completion,
+            {"prompt": "hi", "response_format": {"type": "xml"}},
+            "response_format",
+        ),
+        (
+            oa.parse_completion,
+            {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format.json_schema.schema",
+        ),
+        (oa.parse_completion, {"prompt": "hi", "guided_choice": "a"}, "guided_choice"),
+        (
+            oa.parse_completion,
+            {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]},
+            "guided_choice",
+        ),
+        (oa.parse_completion, {"prompt": "hi", "guided_json": "{"}, "guided_json"),
+        (oa.parse_completion, {"prompt": "hi", "suffix": "x"}, "suffix"),
         (oa.parse_completion, {"prompt": "hi", "temperature": 2.5}, "temperature"),
         (oa.parse_completion, {"prompt": "hi", "temperature": "hot"}, "temperature"),
         (oa.parse_completion, {"prompt": "hi", "top_p": -0.1}, "top_p"),
@@ -87,7 +126,7 @@ def test_chat_messages_parts_roles_and_max_completion_tokens() -> None:
             {"messages": [{"role": "user", "content": "q"}], "max_completion_tokens": -1},
             "max_completion_tokens",
         ),
-        (oa.parse_completion, {"prompt": "hi", "seed": -1}, "seed"),
+        (oa.parse_completion, {"prompt": "hi", "seed": 2**64}, "seed"),
         (oa.parse_completion, {"prompt": "hi", "stop": ["a", 1]}, "stop"),
         (oa.parse_completion, {"prompt": "hi", "stream": "yes"}, "stream"),
         (
@@ -100,16 +139,9 @@ def test_chat_messages_parts_roles_and_max_completion_tokens() -> None:
             {"prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}},
             "stream_options.include_usage",
         ),
-        (oa.parse_completion, {"prompt": "hi", "logprobs": 5}, "logprobs"),
-        (oa.parse_completion, {"prompt": "hi", "echo": True}, "echo"),
-        (oa.parse_completion, {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
-        (
-            oa.parse_chat,
-            {"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "function"}]},
-            "tools",
-        ),
         (oa.parse_completion, {}, "prompt"),
-        (oa.parse_completion, {"prompt": [1, 2, 3]}, "prompt"),
+        (oa.parse_completion, {"prompt": [1, -2, 3]}, "prompt"),
+        (oa.parse_completion, {"prompt": []}, "prompt"),
         (oa.parse_completion, {"prompt": ["a", "b"]}, "prompt"),
         (oa.parse_completion, {"prompt": "hi", "model": 3}, "model"),
         (oa.parse_chat, {"messages": []}, "messages"),
@@ -166,49 +198,73 @@ def test_status_table_matches_openai_http_codes() -> None:
     }
 
 
-def _usage() -> common_pb2.Usage:
-    return common_pb2.Usage(prompt_tokens=5, cached_tokens=2, completion_tokens=3)
+def test_new_sampling_parameters_reach_the_proto() -> None:
+    body = {
+        "prompt": [1, 2, 3],
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"7": -100, "9": 5.5},
+        "min_tokens": 2,
+        "min_p": 0.1,
+        "top_k": -1,
+        "ignore_eos": True,
+        "stop_token_ids": [4, 5],
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": False,
+        "n": 2,
+        "best_of": 3,
+        "logprobs": 2,
+        "echo": True,
+        "seed": -1,
+    }
+    req = oa.parse_completion(body)
+    s = req.sampling.params
+    assert req.prompt_token_ids == (1, 2, 3) and req.prompt == ""
+    assert (s.presence_penalty, s.frequency_penalty, s.min_tokens) == (0.5, -1.0, 2)
+    assert dict(s.logit_bias) == {7: -100.0, 9: 5.5}
+    assert (s.ignore_eos, list(s.stop_token_ids), s.include_stop_str_in_output) == (
+        True,
+        [4, 5],
+        True,
+    )
+    assert not s.skip_special_tokens and not s.HasField("top_k")
+    assert (req.sampling.n, req.sampling.best_of, s.n) == (2, 3, 3)
+    assert (s.logprobs, s.prompt_logprobs, req.sampling.echo) == (2, 2, True)
+    assert s.seed == 2**63 - 1
+    msg = oa.to_generate_request(req, "r")
+    assert list(msg.prompt_token_ids.ids) == [1, 2, 3]
 
 
-def test_whole_bodies() -> None:
-    text = oa.Answer(oa.parse_completion({"prompt": "p"}), "m", "abc")
-    body = text.whole("out", common_pb2.FINISH_REASON_LENGTH, _usage())
-    assert body["id"] == "cmpl-abc" and body["object"] == "text_completion"
-    assert body["choices"] == [
-        {"index": 0, "text": "out", "logprobs": None, "finish_reason": "length"}
-    ]
-    assert body["usage"]["total_tokens"] == 8
-    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
-    chat = oa.Answer(oa.parse_chat({"messages": [{"role": "user", "content": "q"}]}), "m", "x")
-    body = chat.whole("hi", common_pb2.FINISH_REASON_STOP, _usage())
-    assert body["object"] == "chat.completion" and body["id"] == "chatcmpl-x"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
-    assert body["choices"][0]["finish_reason"] == "stop"
+def test_best_of_without_logprobs_asks_for_them_quietly() -> None:
+    req = oa.parse_completion({"prompt": "p", "best_of": 2})
+    assert req.sampling.params.logprobs == 0 and req.sampling.logprobs is None
 
 
-def test_chat_chunks_and_the_usage_chunk() -> None:
+def test_chat_logprobs_and_structured_output() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     req = oa.parse_chat(
         {
             "messages": [{"role": "user", "content": "q"}],
-            "stream": True,
-            "stream_options": {"include_usage": True},
+            "logprobs": True,
+            "top_logprobs": 3,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": schema},
+            },
         }
     )
-    answer = oa.Answer(req, "m", "id")
-    first = answer.chunk("He", first=True)
-    assert first["object"] == "chat.completion.chunk" and first["usage"] is None
-    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "He"}
-    assert answer.chunk("llo")["choices"][0]["delta"] == {"content": "llo"}
-    last = answer.chunk("", common_pb2.FINISH_REASON_STOP)
-    assert last["choices"][0] == {
-        "index": 0,
-        "logprobs": None,
-        "finish_reason": "stop",
-        "delta": {},
-    }
-    usage = answer.usage_chunk(_usage())
-    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
-    assert {first["id"], last["id"], usage["id"]} == {"chatcmpl-id"}
-    plain = oa.Answer(oa.parse_completion({"prompt": "p", "stream": True}), "m", "id")
-    assert "usage" not in plain.chunk("a")
-    assert plain.chunk("a")["choices"][0]["text"] == "a"
+    g = req.sampling.params.guided
+    assert g.kind == common_pb2.GUIDED_KIND_JSON_SCHEMA and json.loads(g.spec) == schema
+    assert req.sampling.logprobs == 3 and req.sampling.guided_param == "response_format"
+    assert oa.param_for(req, "sampling.guided.spec") == "response_format"
+    assert oa.param_for(req, "sampling.logprobs") == "top_logprobs"
+    obj = oa.parse_chat(
+        {"messages": [{"role": "user", "content": "q"}], "response_format": {"type": "json_object"}}
+    )
+    assert obj.sampling.params.guided.kind == common_pb2.GUIDED_KIND_JSON_OBJECT
+    choice = oa.parse_completion({"prompt": "p", "structured_outputs": {"choice": ["yes", "no"]}})
+    assert list(choice.sampling.params.guided.choices) == ["yes", "no"]
+    assert choice.sampling.guided_param == "structured_outputs"
+    text = oa.parse_completion({"prompt": "p", "response_format": {"type": "text"}})
+    assert text.sampling.params.guided.kind == common_pb2.GUIDED_KIND_UNSPECIFIED

@@ -52,3 +52,9 @@ def test_stop_strings_never_reach_the_client(
     out = "".join(trim.push(p) for p in pieces) + trim.flush()
     assert out == expected
     assert all(s not in out for s in stops)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_and_cuts_after_it() -> None:
+    trim = StopTrimmer(("STOP",), include_stop=True)
+    out = "".join(trim.push(p) for p in ["Hello ST", "OP and", " more"]) + trim.flush()
+    assert out == "Hello STOP"

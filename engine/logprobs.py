@@ -1,0 +1,35 @@
+"""Log-probabilities a request asked for, as the engine reports them.
+
+Lifecycle: the sampler computes one `TokenLogprobs` per sampled token of a request that
+set `SamplingParams.logprobs` (the chosen token and the top N), and the model runner one
+per prompt position 1..end for `prompt_logprobs` (position 0 has no context, so no
+value). They ride on `RequestOutput` to the worker, which puts them on the wire
+(`pdserve.v1.TokenLogprobs`); the gateway formats them for OpenAI clients.
+
+Values are the natural-log softmax of the model's raw float32 logits: before penalties,
+biases, grammar masks and temperature, the convention of vLLM's default and of
+HF transformers' `log_softmax(logits)` that evaluation harnesses compare against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: OpenAI's cap on top_logprobs and on the completions API's `logprobs`.
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class Logprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position: the chosen (or prompt) token, its rank among all tokens (1 = the
+    most likely) and the `top` N most likely tokens, most likely first."""
+
+    chosen: Logprob
+    rank: int = 1
+    top: tuple[Logprob, ...] = field(default=())
