@@ -39,10 +39,13 @@ from engine.attention import select_backend
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.grammar import GrammarCompiler, MaskJob
 from engine.kv_cache import KvLayout, allocate_kv_cache, blocks_for_budget
 from engine.kv_handoff import HeldKv, HeldKvIndex, ImportSlot
 from engine.linear_kernel import pick_linear_kernel
 from engine.llama import LlamaModel
+from engine.logits_processing import RowContext
+from engine.logprobs import TokenLogprobs, token_logprobs
 from engine.model_runner import ModelRunner
 from engine.model_spec import ModelSpec
 from engine.model_store import resolve_model_dir
@@ -51,6 +54,7 @@ from engine.priority import Priority
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from engine.sampler import new_generator, sample
 from engine.sampling_params import SamplingParams
+from engine.scheduled_batch import ScheduledBatch
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stats import ClassCounts, EngineStats
 from engine.step_gate import StepGate
@@ -96,6 +100,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.stop_checker = StopChecker(self.tokenizer, eos, self.max_model_len)
+        self._eos_ids = frozenset(eos)
         self.gate = StepGate()
         self.lock = self.gate.lock  # held for a whole step
         self._held = HeldKvIndex()
@@ -104,6 +109,7 @@ class LLMEngine:
         self._inbox_add: list[Request] = []
         self._inbox_abort: list[str] = []
         self._meter = StepMeter()
+        self._grammars: GrammarCompiler | None = None
         self._last_stats = self._collect_stats()
         log.info(
             "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token), model %s",
@@ -132,6 +138,10 @@ class LLMEngine:
         vocab = self.spec.vocab_size
         if any(not (0 <= t < vocab) for t in prompt_token_ids):
             raise InvalidRequestError("prompt_token_ids", f"each id must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in sampling.logit_bias):
+            raise InvalidRequestError("logit_bias", f"each token id must be < {vocab}")
+        if any(t >= vocab for t in sampling.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"each id must be < {vocab}")
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt", f"has {n} tokens; must be < the context length {self.max_model_len}"
@@ -176,6 +186,13 @@ class LLMEngine:
         with self._inbox_lock:
             self._inbox_abort.append(request_id)
 
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler, built on first use (it indexes the vocabulary)."""
+        with self._inbox_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler.of(self.tokenizer, self.spec.vocab_size)
+            return self._grammars
+
     def _new_request(
         self,
         request_id: str | None,
@@ -184,6 +201,7 @@ class LLMEngine:
         cache_salt: str,
         hold_kv: bool,
     ) -> Request:
+        grammar = None if sampling.guided is None else self.grammars().matcher(sampling.guided)
         return Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=list(prompt),
@@ -191,6 +209,7 @@ class LLMEngine:
             hash_seed=self.hash_seed_for(cache_salt),
             hold_kv=hold_kv,
             generator=None if sampling.greedy else new_generator(sampling.seed),
+            grammar=grammar,
         )
 
     def _claim_id(self, request_id: str) -> None:
@@ -242,6 +261,8 @@ class LLMEngine:
             raise InvalidRequestError("first_token_id", f"must be in [0, {vocab})")
         req = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, False)
         req.priority, req.deadline = _priority(priority), deadline
+        if req.grammar is not None:  # the prefill worker sampled it under the same grammar
+            req.grammar.advance([first_token_id])
 
         def reserve() -> ImportSlot:
             self._claim_id(request_id)
@@ -298,19 +319,60 @@ class LLMEngine:
         self._meter.count(batch)  # before `advance` moves the requests on
         # The snapshot readers get while this step runs: its prefill tokens still to do.
         self._last_stats = self._collect_stats()
+        masks = self._start_masks(batch)
         result = self.runner.execute(batch)
         for req, n in batch.items:
             self.scheduler.advance(req, n)
         if result.sampling_requests:
             self._meter.sampled(len(result.sampling_requests))
-            tokens = sample(
-                result.logits,
-                [r.sampling for r in result.sampling_requests],
-                [r.generator for r in result.sampling_requests],
-            )
-            for req, token in zip(result.sampling_requests, tokens, strict=True):
-                outputs.append(self._append_token(req, token))
+            outputs.extend(self._sample(result.logits, result.sampling_requests, masks))
         return outputs
+
+    def _start_masks(self, batch: ScheduledBatch) -> tuple[MaskJob, list[Request]] | None:
+        """Start the grammar masks of this step's constrained sampling rows, to compute
+        while the model runs; None when no row is constrained."""
+        rows = [
+            req
+            for req, n in batch.items
+            if req.grammar is not None and req.num_computed_tokens + n == req.num_tokens
+        ]
+        if not rows:
+            return None
+        return MaskJob(
+            [r.grammar for r in rows if r.grammar is not None], self.spec.vocab_size
+        ), rows
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        masks: tuple[MaskJob, list[Request]] | None,
+    ) -> list[RequestOutput]:
+        """Sample each row's token (with its logit processing and grammar mask), and its
+        log-probabilities where asked, from the raw logits."""
+        contexts = [RowContext(r.sampling, r.prompt_token_ids, r.output_token_ids) for r in reqs]
+        allowed = None
+        if masks is not None:
+            job, rows = masks
+            at = {id(r): i for i, r in enumerate(reqs)}
+            allowed = job.allowed(len(reqs), [at[id(r)] for r in rows])
+        tokens = sample(
+            logits, [r.sampling for r in reqs], [r.generator for r in reqs],
+            contexts=contexts, eos_ids=self._eos_ids, allowed=allowed,
+        )  # fmt: skip
+        asked = [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]
+        scored: dict[int, TokenLogprobs] = {}
+        if asked:
+            values = token_logprobs(
+                logits[torch.tensor(asked)],
+                [tokens[i] for i in asked],
+                [reqs[i].sampling.logprobs or 0 for i in asked],
+            )
+            scored = dict(zip(asked, values, strict=True))
+        return [
+            self._append_token(req, token, scored.get(i))
+            for i, (req, token) in enumerate(zip(reqs, tokens, strict=True))
+        ]
 
     def _drain_inbox(self) -> list[RequestOutput]:
         # Deferred calls first: releases free blocks and commits queue imports before
@@ -328,16 +390,25 @@ class LLMEngine:
         req = self.scheduler.abort(request_id)
         return None if req is None else self._output(req, [])
 
-    def _append_token(self, req: Request, token: int) -> RequestOutput:
-        if req.first_token_time is None:
+    def _append_token(
+        self, req: Request, token: int, logprobs: TokenLogprobs | None = None
+    ) -> RequestOutput:
+        first = req.first_token_time is None
+        if first:
             req.first_token_time = time.monotonic()
         req.output_token_ids.append(token)
+        if req.grammar is not None:
+            req.grammar.advance([token])
         reason = self.stop_checker.check(req)
         if reason is not None:
             self.scheduler.finish(req, reason)
             if req.status is RequestStatus.HELD_FOR_EXPORT:
                 self._held.publish(HeldKv.of(req))
-        return self._output(req, [token])
+        out = self._output(req, [token])
+        prompt = tuple(req.prompt_logprobs) if first else ()
+        if logprobs is None and not prompt:
+            return out
+        return replace(out, logprobs=(logprobs,) if logprobs else (), prompt_logprobs=prompt)
 
     @staticmethod
     def _output(req: Request, new_tokens: list[int]) -> RequestOutput:

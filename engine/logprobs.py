@@ -13,7 +13,10 @@ HF transformers' `log_softmax(logits)` that evaluation harnesses compare against
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 #: OpenAI's cap on top_logprobs and on the completions API's `logprobs`.
 MAX_LOGPROBS = 20
@@ -33,3 +36,25 @@ class TokenLogprobs:
     chosen: Logprob
     rank: int = 1
     top: tuple[Logprob, ...] = field(default=())
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], tops: Sequence[int]
+) -> list[TokenLogprobs]:
+    """Row i's log-probability of `tokens[i]`, its rank and the top `tops[i]` tokens, from
+    raw logits ([N, vocab]); one log-softmax and one top-k for all rows."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens)[:, None])
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    k = max(tops)
+    top_values, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    values, ids = top_values.tolist(), top_ids.tolist()
+    out = []
+    for i, token in enumerate(tokens):
+        top = tuple(
+            Logprob(t, v) for t, v in zip(ids[i][: tops[i]], values[i][: tops[i]], strict=True)
+        )
+        out.append(TokenLogprobs(Logprob(token, float(chosen[i, 0])), int(ranks[i]), top))
+    return out

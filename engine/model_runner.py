@@ -3,7 +3,10 @@
 Lifecycle per step: `execute(batch)` lays the batch out flat (decodes first, then prefill
 chunks), builds `AttentionMetadata` and the slot mapping from each request's block table,
 runs one forward pass, and returns logits only for requests whose last known token was
-computed this step (a mid-prompt chunk samples nothing).
+computed this step (a mid-prompt chunk samples nothing). A request that asked for
+`prompt_logprobs` also gets the log-probability of each next prompt token its chunk's
+positions predict, appended to `Request.prompt_logprobs` here (positions it already has,
+after a preemption, are not computed again).
 """
 
 from __future__ import annotations
@@ -14,8 +17,12 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.llama import LlamaModel
+from engine.logprobs import token_logprobs
 from engine.request import Request
 from engine.scheduled_batch import ScheduledBatch
+
+#: Prompt positions scored per LM-head call: bounds the logits tensor (rows x vocab).
+SCORE_ROWS = 256
 
 
 @dataclass
@@ -52,8 +59,11 @@ class ModelRunner:
         seqlens: list[int] = []
         last_rows: list[int] = []
         sampling: list[Request] = []
+        scored: list[tuple[Request, int, int]] = []  # prompt_logprobs: (request, row, n)
         for req, n in items:
             start = req.num_computed_tokens
+            if req.sampling.prompt_logprobs is not None and start < req.num_prompt_tokens:
+                scored.append((req, len(ids), n))
             ids.extend(req.token_at(i) for i in range(start, start + n))
             pos.extend(range(start, start + n))
             slots.extend(self._slot(req, i) for i in range(start, start + n))
@@ -71,10 +81,27 @@ class ModelRunner:
             meta,
             self.backend,
         )
+        for req, row, n in scored:
+            self._score_prompt(req, hidden, row, n)
         if not last_rows:
             return StepResult(torch.empty(0, 0), [])
         rows = hidden[torch.tensor(last_rows, device=self.device)]
         return StepResult(self.model.logits(rows), sampling)
+
+    def _score_prompt(self, req: Request, hidden: torch.Tensor, first_row: int, n: int) -> None:
+        """Append the log-probabilities of the prompt tokens this chunk's positions
+        predict (position i predicts token i + 1), in pieces of `SCORE_ROWS` rows."""
+        start = req.num_computed_tokens
+        begin = max(start, len(req.prompt_logprobs))
+        # The last prompt position predicts the output, not a prompt token.
+        end = min(req.num_prompt_tokens - 1, start + n)
+        top = req.sampling.prompt_logprobs or 0
+        for lo in range(begin, end, SCORE_ROWS):
+            hi = min(end, lo + SCORE_ROWS)
+            rows = hidden[first_row + lo - start : first_row + hi - start]
+            targets = req.prompt_token_ids[lo + 1 : hi + 1]
+            logits = self.model.logits(rows)
+            req.prompt_logprobs.extend(token_logprobs(logits, targets, [top] * len(targets)))
 
     def _slot(self, req: Request, index: int) -> int:
         return req.block_ids[index // self.block_size] * self.block_size + index % self.block_size

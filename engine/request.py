@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import DeadlineExceededError
+from engine.grammar import Grammar
 from engine.logprobs import TokenLogprobs
 from engine.priority import Priority
 from engine.sampling_params import SamplingParams
@@ -118,6 +119,7 @@ class Request:
     fork_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # prompt_logprobs asked: positions 1.. as prefill chunks compute them.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    grammar: Grammar | None = None  # structured output: the state after the output so far
 
     @property
     def group(self) -> str:

@@ -1,14 +1,19 @@
 """Turning the last position's logits into one token per request.
 
-Greedy rows take the argmax in one batched call. Sampled rows apply temperature, top-k
-and top-p and draw from the request's own `torch.Generator`, so a seeded request gives
-the same tokens whatever else shares the batch.
+Logit processing (penalties, biases, min_tokens, grammar masks: `logits_processing`)
+comes first, batched over the rows that ask for it. Greedy rows then take the argmax in
+one batched call. Sampled rows apply temperature, top-k, top-p and min_p and draw from
+the request's own `torch.Generator`, so a seeded request gives the same tokens whatever
+else shares the batch. A row that processing left with no token at all (a grammar mask
+and min_tokens that exclude each other) falls back to its unprocessed logits rather
+than fail the step.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.logits_processing import RowContext, process
 from engine.sampling_params import SamplingParams
 
 
@@ -23,9 +28,21 @@ def new_generator(seed: int | None) -> torch.Generator:
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    *,
+    contexts: list[RowContext] | None = None,
+    eos_ids: frozenset[int] = frozenset(),
+    allowed: torch.Tensor | None = None,
 ) -> list[int]:
-    """One token per row of `logits` ([N, vocab], float32)."""
+    """One token per row of `logits` ([N, vocab], float32). `contexts` (the rows'
+    settings and tokens so far) enable logit processing; `allowed` masks rows to the
+    tokens their grammar accepts."""
+    if contexts is not None:
+        processed = process(logits, contexts, eos_ids, allowed)
+        dead = torch.isneginf(processed.max(dim=-1).values)
+        logits = torch.where(dead[:, None], logits, processed) if bool(dead.any()) else processed
     tokens = logits.argmax(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if not p.greedy:
@@ -52,4 +69,6 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
         drop[0] = False
         scaled = scaled.scatter(0, order[drop], float("-inf"))
     probs = scaled.softmax(dim=-1)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     return int(torch.multinomial(probs, 1, generator=gen).item())

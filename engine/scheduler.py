@@ -199,6 +199,10 @@ class Scheduler:
         """Reuse cached blocks for the longest cached prefix (always computing >= 1 token)."""
         self._extend_hashes(req, req.num_tokens)
         max_hit = (req.num_tokens - 1) // self.config.block_size
+        if req.sampling.prompt_logprobs is not None:
+            # Cached blocks hold no logits: compute every prompt position whose
+            # log-probability is still owed (all of them, unless a preemption came after).
+            max_hit = min(max_hit, len(req.prompt_logprobs) // self.config.block_size)
         hits = self.pool.longest_cached_prefix(req.block_hashes[:max_hit])
         self.pool.touch(hits)
         req.block_ids = list(hits)

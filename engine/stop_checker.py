@@ -7,7 +7,8 @@ from engine.tokenizer import Tokenizer
 
 
 class StopChecker:
-    """EOS, stop token ids, max_tokens, the context limit and stop strings, in that order.
+    """EOS, stop token ids, a completed grammar, stop strings, then max_tokens and the
+    context limit, in that order.
 
     Stop strings are matched on the decoded tail of the output: only the last few tokens
     are decoded each step, enough to cover the longest stop string (a token is at least
@@ -29,6 +30,8 @@ class StopChecker:
         if token in p.stop_token_ids:
             req.stop_reason = token
             return FinishReason.STOP
+        if req.grammar is not None and req.grammar.complete:
+            return FinishReason.STOP  # the structured output is whole
         if p.stop:
             hit = self._stop_string(req)
             if hit is not None:

@@ -82,6 +82,10 @@ class Tokenizer:
         except TemplateError as exc:
             raise InvalidRequestError("messages", f"rejected by the chat template: {exc}") from exc
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (grammar engines index the vocabulary)."""
+        return str(self._tok.to_str())
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a byte-level BPE token may hold part of a UTF-8
         character, so its text alone can lose them); log-probability answers show them."""

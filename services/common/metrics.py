@@ -35,6 +35,7 @@ class GatewayMetrics:
     """Per-request latency, goodput against the SLOs, outcomes and the stream count."""
 
     def __init__(self, registry: CollectorRegistry, slo_ttft_s: float, slo_itl_s: float) -> None:
+        self.registry = registry  # the process's: the HTTP API's /metrics serves it too
         self.slo_ttft_s = slo_ttft_s
         self.slo_itl_s = slo_itl_s
         self.ttft = Histogram(

@@ -194,4 +194,7 @@ class DecodeHandler:
             finish_reason=sampling.finish_reason(out.finish_reason),
             cached_tokens=out.num_cached_tokens,
             kv_bytes=kv_bytes,
+            index=out.index,
+            logprobs=sampling.logprobs_to_proto(out.logprobs),
+            prompt_logprobs=sampling.logprobs_to_proto(out.prompt_logprobs),
         )

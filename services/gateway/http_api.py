@@ -49,8 +49,10 @@ from services.common.status import (
 )
 from services.gateway import openai_schema as oa
 from services.gateway.auth import Principal
+from services.gateway.json_body import read_json
 from services.gateway.openai_answer import Answer, Choices, TokenText
 from services.gateway.service import REFUSAL_REASON_KEY, GatewayService
+from services.gateway.serving_routes import OPEN_PATHS, ServingRoutes
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +181,8 @@ def _auth_middleware(service: GatewayService) -> Callable[..., Awaitable[web.Str
 
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in OPEN_PATHS:
+            return await handler(request)
         try:
             request[PRINCIPAL] = service.access.authenticate(request.headers.items())
         except AuthError as exc:
@@ -212,6 +216,7 @@ class HttpApi:
         app.router.add_get("/v1/models/{model:.+}", self._model)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        ServingRoutes(service).add_to(app)
         # handler_cancellation: a disconnect cancels the handler even while it waits for
         # prefill, so the request is cancelled on the workers, not just at the next write.
         self._runner = web.AppRunner(
@@ -263,12 +268,7 @@ class HttpApi:
         self, request: web.Request, parse: Callable[[object], oa.OpenAIRequest]
     ) -> web.StreamResponse:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            message = f"the request body is not valid JSON: {exc}"
-            return _json(400, oa.error_body(message, "invalid_request_error"))
-        try:
-            req = parse(body)
+            req = parse(read_json(await request.read()))
             asked = asked_priority(request.headers)
         except oa.SchemaError as exc:
             return _json(400, oa.error_body(str(exc), "invalid_request_error", exc.param))

@@ -177,7 +177,10 @@ def _messages(obj: Mapping[str, object]) -> tuple[tuple[str, str], ...]:
 def _content(msg: Mapping[str, object], i: int) -> str:
     content = msg.get("content")
     if content is None:
-        return ""
+        # Only an assistant turn may have no text (it made tool calls instead).
+        if msg.get("role") == "assistant":
+            return ""
+        raise SchemaError(f"messages[{i}].content", "is required (null only for an assistant)")
     if isinstance(content, str):
         return content
     if isinstance(content, list):

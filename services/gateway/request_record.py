@@ -182,7 +182,8 @@ class RequestRecord:
         pass it gets counts against capacity until `decode_started` or the cleanup."""
         self._enter(RequestState.ADMITTING)
         req = self.req
-        cost = Cost(len(req.prompt), req.params.max_tokens)
+        # n forks share the prompt's KV; each may write max_tokens of its own.
+        cost = Cost(len(req.prompt), req.params.max_tokens * req.params.n)
         self._pass = await admission.admit(req.priority, req.tenant, req.weight, cost)
         self._changed()
 
@@ -209,7 +210,8 @@ class RequestRecord:
         """Charge prompt + max_tokens to the tenant's quota; raises QuotaExceeded."""
         self._enter(RequestState.ADMITTING)
         params = self.req.params
-        self._charge = self.keepers.access.admit(principal, len(self.req.prompt), params.max_tokens)
+        most = params.max_tokens * params.n  # every fork may write max_tokens
+        self._charge = self.keepers.access.admit(principal, len(self.req.prompt), most)
         self._charge.add_done_callback(self._charged)
         self._changed()
         await asyncio.shield(self._charge)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 import grpc
 
@@ -85,7 +85,10 @@ class RequestStream:
         self.config = config
         self.stubs = stubs
         self.detok = detok
-        self.trim = StopTrimmer(self.req.params.stop)
+        self.trim = StopTrimmer(
+            self.req.params.stop, include_stop=self.req.params.include_stop_str_in_output
+        )
+        self.prompt_sent = False  # prompt_logprobs go on the first message only
         self.cached_tokens = 0
         self.tel = (telemetry or GatewayTelemetry.disabled()).stream(
             self.req.request_id, self.req.tenant, len(self.req.prompt), self.req.priority
@@ -111,7 +114,10 @@ class RequestStream:
                 async for msg in self._decode_with_retry(decision, None):
                     yield msg
                 return
-            yield self._delta([first.first_token_id], prefill=decision)
+            yield self._delta(
+                [first.first_token_id], prefill=decision, logprobs=first.first_logprobs,
+                prompt_logprobs=first.prompt_logprobs,
+            )  # fmt: skip
             if first.finished:
                 yield self._final(first.finish_reason)
                 return
@@ -234,8 +240,9 @@ class RequestStream:
                 self.tel.add_phases(chunk.phases)
             if chunk.token_ids:
                 yield self._delta(
-                    list(chunk.token_ids), prefill=decision if first else None, decode=decision
-                )
+                    list(chunk.token_ids), prefill=decision if first else None, decode=decision,
+                    logprobs=chunk.logprobs, prompt_logprobs=chunk.prompt_logprobs,
+                )  # fmt: skip
                 first = False
             if chunk.finished:
                 self.record.decode_ended()
@@ -297,13 +304,19 @@ class RequestStream:
         *,
         prefill: RouteDecision | None = None,
         decode: RouteDecision | None = None,
+        logprobs: Sequence[common_pb2.TokenLogprobs] = (),
+        prompt_logprobs: Sequence[common_pb2.TokenLogprobs] = (),
     ) -> gateway_pb2.GenerateResponse:
         self.record.generated(len(tokens))
         self.tel.on_tokens(len(tokens))
         text = self.trim.push(self.detok.push(tokens))
         msg = gateway_pb2.GenerateResponse(
-            request_id=self.req.request_id, text=text, token_ids=tokens
+            request_id=self.req.request_id, text=text, token_ids=tokens, logprobs=logprobs
         )
+        if self.req.params.prompt_logprobs is not None and not self.prompt_sent:
+            self.prompt_sent = True
+            msg.prompt_logprobs.extend(prompt_logprobs)
+            msg.prompt_token_ids.extend(self.req.prompt)
         if prefill is not None:
             msg.prefill_worker = (
                 prefill.prefill.worker_id if prefill.prefill else prefill.decode.worker_id

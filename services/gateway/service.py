@@ -27,6 +27,7 @@ from dataclasses import replace
 import grpc
 
 from engine.errors import InvalidRequestError
+from engine.grammar import GrammarCompiler
 from engine.tokenizer import ChatMessage, Tokenizer
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2
 from services.common import priority_proto, sampling
@@ -83,6 +84,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.book: RecordBook[RequestRecord] = RecordBook()
         self.keepers = Keepers(placement, self.access, self.stubs, self.book)
         self.admission = admission or Admission(config)
+        self._grammar_compiler: GrammarCompiler | None = None
 
     @property
     def active(self) -> int:
@@ -137,8 +139,19 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             raise InvalidRequestError(
                 "sampling.logit_bias", f"each token id must be < {self.vocab_size}"
             )
+        if params.guided is not None:
+            # Compile here too: a bad schema is a 400 before any worker is involved.
+            try:
+                self._grammars().matcher(params.guided)
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(f"sampling.{exc.field}", exc.limit) from exc
         deadline = time.monotonic() + self.config.request_deadline_s
         return Prepared(request.request_id or uuid.uuid4().hex, prompt, params, "", deadline)
+
+    def _grammars(self) -> GrammarCompiler:
+        if self._grammar_compiler is None:  # built on first use: it indexes the vocabulary
+            self._grammar_compiler = GrammarCompiler.of(self.tokenizer, self.vocab_size)
+        return self._grammar_compiler
 
     def _tokens(self, request: gateway_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("input")
@@ -198,10 +211,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         buffer = StreamBuffer(record, self.config, prepared.deadline, disconnect)
         try:
             await self._admit(record, principal)
-            relay = RequestStream(
-                record, self.config, self.stubs, IncrementalDetokenizer(self.tokenizer),
-                self.telemetry,
-            )  # fmt: skip
+            skip = prepared.params.skip_special_tokens
+            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip)
+            relay = RequestStream(record, self.config, self.stubs, detok, self.telemetry)
             buffer.start(relay.run())
             while (msg := await buffer.next()) is not None:
                 yield msg

@@ -90,6 +90,8 @@ class PrefillHandler:
             first_token_id=out.new_token_ids[0] if out.new_token_ids else 0,
             cached_tokens=out.num_cached_tokens,
             worker_id=self.worker_id,
+            prompt_logprobs=sampling.logprobs_to_proto(out.prompt_logprobs),
+            first_logprobs=sampling.logprobs_to_proto(out.logprobs),
         )
         ended = out.finish_reason in (FinishReason.STOP, FinishReason.ABORT)
         if ended or max_tokens == 1:

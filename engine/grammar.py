@@ -1,0 +1,164 @@
+"""Structured output: grammars compiled once, a matcher per request, token masks per step.
+
+Built on llguidance (see docs/engine.md "Structured output" for why it and not xgrammar
+or outlines-core). Lifecycle:
+- `GrammarCompiler(tokenizer_json, vocab_size, eos_id)` is built once per engine (about a
+  second: it indexes the vocabulary). `matcher(spec)` turns a `GuidedSpec` into a fresh
+  `Grammar` for one request, in the caller's thread (add_request / reserve_import), so a
+  slow compile never holds a step; an invalid schema, regex or grammar raises
+  InvalidRequestError naming `guided.spec` (or `guided.choices`).
+- `Grammar` follows its request: `advance(tokens)` feeds sampled tokens (an imported
+  request feeds the first token the prefill worker sampled under the same grammar),
+  `complete` says the grammar can end and nothing else may follow (the stop checker ends
+  the request with STOP), `fork()` copies the state. Preemption needs nothing: the
+  request keeps its output tokens and the matcher their state.
+- `MaskJob.start(grammars)` computes the next-token masks of a step's constrained rows
+  on a worker thread (llguidance drops the GIL and fills them on its own thread pool)
+  while the model runs; `rows(n, index)` then returns the [n, vocab] bool `allowed`
+  tensor for the sampler. A step with no constrained row starts no job.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import llguidance.torch
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import GuidedKind, GuidedSpec
+from engine.tokenizer import Tokenizer
+
+#: Compiled grammars kept per engine (the text llguidance builds from a spec).
+CACHE_SIZE = 256
+#: Bits in one word of llguidance's token bitmask.
+WORD_BITS = 32
+_BIT = torch.arange(WORD_BITS, dtype=torch.int32)
+
+
+class Grammar:
+    """One request's grammar state (an llguidance matcher)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Feed sampled tokens; a token the grammar refused leaves it in an error state,
+        which `complete` reports (the request then stops rather than run unconstrained)."""
+        for token in tokens:
+            if not self._matcher.consume_token(token):
+                return
+
+    @property
+    def complete(self) -> bool:
+        """The output satisfies the grammar and it accepts nothing more (or it failed)."""
+        return bool(self._matcher.is_stopped())
+
+    @property
+    def failed(self) -> bool:
+        return bool(self._matcher.is_error())
+
+    def fork(self) -> Grammar:
+        return Grammar(self._matcher.deep_copy())
+
+    @property
+    def matcher(self) -> llguidance.LLMatcher:
+        return self._matcher
+
+
+class GrammarCompiler:
+    """Specs -> grammars for one tokenizer, with a bounded cache of compiled texts."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_id: int | None) -> None:
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.LLTokenizer(
+            tokenizer_json, n_vocab=vocab_size, eos_token=eos_id
+        )
+        self._cache: OrderedDict[GuidedSpec, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, vocab_size: int) -> GrammarCompiler:
+        return cls(tokenizer.to_json(), vocab_size, tokenizer.eos_token_id)
+
+    def matcher(self, spec: GuidedSpec) -> Grammar:
+        """A fresh grammar state for `spec`; InvalidRequestError if it does not compile."""
+        text = self._grammar_text(spec)
+        matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(_field(spec), f"does not compile: {matcher.get_error()}")
+        return Grammar(matcher)
+
+    def _grammar_text(self, spec: GuidedSpec) -> str:
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return self._cache[spec]
+        text = _grammar_of(spec)
+        error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+        if error:
+            raise InvalidRequestError(_field(spec), f"is not valid: {error}")
+        with self._lock:
+            self._cache[spec] = text
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return text
+
+
+def _field(spec: GuidedSpec) -> str:
+    return "guided.choices" if spec.kind is GuidedKind.CHOICE else "guided.spec"
+
+
+def _grammar_of(spec: GuidedSpec) -> str:
+    """llguidance's grammar text for a spec."""
+    if spec.kind is GuidedKind.JSON_OBJECT:
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+    if spec.kind is GuidedKind.JSON_SCHEMA:
+        try:
+            schema = json.loads(spec.spec)
+        except ValueError as exc:
+            raise InvalidRequestError("guided.spec", f"is not JSON: {exc}") from None
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema)
+        except ValueError as exc:
+            raise InvalidRequestError("guided.spec", f"is not a JSON schema: {exc}") from None
+    if spec.kind is GuidedKind.REGEX:
+        return llguidance.LLMatcher.grammar_from_regex(spec.spec)
+    if spec.kind is GuidedKind.CHOICE:
+        return llguidance.grammar_from("choice", json.dumps(list(spec.choices)))
+    try:
+        return llguidance.grammar_from("grammar", spec.spec)
+    except ValueError as exc:
+        raise InvalidRequestError("guided.spec", f"is not a grammar: {exc}") from None
+
+
+class MaskJob:
+    """The next-token masks of one step's constrained rows, computed off the step thread."""
+
+    _pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+    _executor = llguidance.LLExecutor()
+
+    def __init__(self, grammars: Sequence[Grammar], vocab_size: int) -> None:
+        self.count = len(grammars)
+        self.vocab_size = vocab_size
+        words = (vocab_size + WORD_BITS - 1) // WORD_BITS
+        self._bits = torch.full((self.count, words), -1, dtype=torch.int32)
+        pairs = [(g.matcher, i) for i, g in enumerate(grammars)]
+        self._done: Future[None] = self._pool.submit(
+            llguidance.torch.fill_next_token_bitmask_par, self._executor, pairs, self._bits
+        )
+
+    def allowed(self, rows: int, index: Sequence[int]) -> torch.Tensor:
+        """[rows, vocab] bool: the constrained rows' masks at `index` (job row i goes to
+        row index[i]); every other row allows everything."""
+        self._done.result()
+        out = torch.ones(rows, self.vocab_size, dtype=torch.bool)
+        if self.count:
+            bits = (self._bits[:, :, None] >> _BIT) & 1
+            out[torch.tensor(list(index))] = bits.reshape(self.count, -1)[:, : self.vocab_size] > 0
+        return out
