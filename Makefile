@@ -47,6 +47,8 @@ bench: model
 	$(BIN)/python -m loadtest.gateway_bench --out bench-results/gateway.json
 	$(BIN)/python -m loadtest.router_bench --out bench-results/router.json
 	$(BIN)/python -m loadtest.tracing_bench --out bench-results/tracing.json
+	# per-step cost of structured output and logit processing at batch 16 (about 1 minute)
+	$(BIN)/python -m loadtest.structured_bench --out bench-results/structured.json
 	# 2,000 requests, 10% cancelled, then leak and RSS accounting (about 3 minutes)
 	$(BIN)/python -m loadtest.soak --out bench-results/soak.json
 	# the headline, short (about 10 minutes); the full sweep is `python -m loadtest.headline`

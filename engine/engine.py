@@ -39,6 +39,7 @@ from engine.attention import select_backend
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.fork import Forker, fork_id
 from engine.grammar import GrammarCompiler, MaskJob
 from engine.kv_cache import KvLayout, allocate_kv_cache, blocks_for_budget
 from engine.kv_handoff import HeldKv, HeldKvIndex, ImportSlot
@@ -53,7 +54,7 @@ from engine.prefix_hash import hash_seed
 from engine.priority import Priority
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from engine.sampler import new_generator, sample
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_FORKS, SamplingParams
 from engine.scheduled_batch import ScheduledBatch
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stats import ClassCounts, EngineStats
@@ -110,6 +111,11 @@ class LLMEngine:
         self._inbox_abort: list[str] = []
         self._meter = StepMeter()
         self._grammars: GrammarCompiler | None = None
+        self._forker = Forker(
+            self.scheduler, self.pool, self.kv_cache, config.block_size,
+            lambda spec: self.grammars().matcher(spec),
+        )  # fmt: skip
+        self._pending: list[RequestOutput] = []  # forks ended at an import's commit
         self._last_stats = self._collect_stats()
         log.info(
             "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token), model %s",
@@ -153,9 +159,10 @@ class LLMEngine:
                 sampling.max_tokens,
             )
         capacity = self.pool.num_blocks * self.config.block_size
-        if n + sampling.max_tokens > capacity:
+        if n + sampling.n * sampling.max_tokens > capacity:
             raise InvalidRequestError(
-                "max_tokens", f"prompt ({n}) + max_tokens must fit the KV pool ({capacity} tokens)"
+                "max_tokens",
+                f"prompt ({n}) + n x max_tokens must fit the KV pool ({capacity} tokens)",
             )
 
     def add_request(
@@ -251,9 +258,11 @@ class LLMEngine:
         cache_salt: str = "",
         priority: Priority = Priority.STANDARD,
         deadline: float | None = None,
+        fork_token_ids: Sequence[int] = (),
     ) -> ImportSlot:
         """Reserve blocks for a prompt whose KV comes from elsewhere (reusing cached prefix
-        blocks); OutOfBlocksError if short, InvalidRequestError for a bad request.
+        blocks); OutOfBlocksError if short, InvalidRequestError for a bad request. With
+        n > 1, `fork_token_ids` are forks 1..n-1's first tokens: the commit forks them.
         `priority` and `deadline` as for `add_request`, once the import is committed."""
         self.validate(prompt_token_ids, sampling)
         vocab = self.spec.vocab_size
@@ -263,6 +272,9 @@ class LLMEngine:
         req.priority, req.deadline = _priority(priority), deadline
         if req.grammar is not None:  # the prefill worker sampled it under the same grammar
             req.grammar.advance([first_token_id])
+        if len(fork_token_ids) != sampling.n - 1:
+            raise InvalidRequestError("fork_token_ids", f"must hold n - 1 = {sampling.n - 1} ids")
+        req.fork_token_ids = list(fork_token_ids)
 
         def reserve() -> ImportSlot:
             self._claim_id(request_id)
@@ -285,6 +297,13 @@ class LLMEngine:
         req = self.scheduler.commit_import(request_id)
         if req is None:
             return FinishReason.ABORT
+        req.forked = True
+        for index, token in enumerate(req.fork_token_ids, start=1):
+            fork = self._forker.spawn(req, index, [token])
+            ended = self.stop_checker.check(fork)
+            if ended is not None:  # its first token (sent from prefill) already ended it
+                self.scheduler.finish(fork, ended)
+                self._pending.append(self._output(fork, []))
         reason = self.stop_checker.check(req)
         if reason is not None:
             self.scheduler.finish(req, reason)
@@ -349,13 +368,19 @@ class LLMEngine:
         masks: tuple[MaskJob, list[Request]] | None,
     ) -> list[RequestOutput]:
         """Sample each row's token (with its logit processing and grammar mask), and its
-        log-probabilities where asked, from the raw logits."""
-        contexts = [RowContext(r.sampling, r.prompt_token_ids, r.output_token_ids) for r in reqs]
+        log-probabilities where asked, from the raw logits. A request with n > 1 whose
+        prompt just completed forks first: its forks are rows too, on its logits row."""
         allowed = None
         if masks is not None:
             job, rows = masks
             at = {id(r): i for i, r in enumerate(reqs)}
             allowed = job.allowed(len(reqs), [at[id(r)] for r in rows])
+        reqs, parent_row = self._with_forks(reqs)
+        if len(parent_row) > logits.shape[0]:
+            index = torch.tensor(parent_row)
+            logits = logits[index]
+            allowed = None if allowed is None else allowed[index]
+        contexts = [RowContext(r.sampling, r.prompt_token_ids, r.output_token_ids) for r in reqs]
         tokens = sample(
             logits, [r.sampling for r in reqs], [r.generator for r in reqs],
             contexts=contexts, eos_ids=self._eos_ids, allowed=allowed,
@@ -369,10 +394,34 @@ class LLMEngine:
                 [reqs[i].sampling.logprobs or 0 for i in asked],
             )
             scored = dict(zip(asked, values, strict=True))
+        # Forks sampled on a prefill engine first: their tokens ride on their parent's output.
+        for i, req in enumerate(reqs):
+            if req.request_id not in self.scheduler.requests and req.group_id:
+                parent = reqs[parent_row[i]]
+                parent.fork_token_ids.append(tokens[i])
+                if i in scored:
+                    parent.fork_logprobs.append(scored[i])
         return [
             self._append_token(req, token, scored.get(i))
             for i, (req, token) in enumerate(zip(reqs, tokens, strict=True))
+            if req.request_id in self.scheduler.requests
         ]
+
+    def _with_forks(self, reqs: list[Request]) -> tuple[list[Request], list[int]]:
+        """The rows plus the forks of requests with n > 1 about to sample their first
+        token, and each row's logits row (a fork samples from its parent's)."""
+        rows, parent_row = list(reqs), list(range(len(reqs)))
+        for i, req in enumerate(reqs):
+            if req.sampling.n == 1 or req.forked or req.group_id or req.output_token_ids:
+                continue
+            req.forked = True
+            for index in range(1, req.sampling.n):
+                if req.hold_kv:  # prefill: sampled only, the decode engine forks
+                    rows.append(self._forker.sampled_only(req, index))
+                else:
+                    rows.append(self._forker.spawn(req, index, []))
+                parent_row.append(i)
+        return rows, parent_row
 
     def _drain_inbox(self) -> list[RequestOutput]:
         # Deferred calls first: releases free blocks and commits queue imports before
@@ -383,12 +432,16 @@ class LLMEngine:
             aborts, self._inbox_abort = self._inbox_abort, []
         for req in adds:
             self.scheduler.add(req)
-        return [out for rid in aborts if (out := self._abort_now(rid)) is not None]
+        outputs, self._pending = self._pending, []
+        for rid in aborts:
+            outputs.extend(self._abort_now(rid))
+        return outputs
 
-    def _abort_now(self, request_id: str) -> RequestOutput | None:
+    def _abort_now(self, request_id: str) -> list[RequestOutput]:
+        """Abort a request and its forks (an id of a group ends every fork)."""
         self._held.withdraw(request_id)  # before its blocks may be handed out again
-        req = self.scheduler.abort(request_id)
-        return None if req is None else self._output(req, [])
+        ids = [request_id, *(fork_id(request_id, i) for i in range(1, MAX_FORKS))]
+        return [self._output(req, []) for rid in ids if (req := self.scheduler.abort(rid))]
 
     def _append_token(
         self, req: Request, token: int, logprobs: TokenLogprobs | None = None
@@ -413,7 +466,10 @@ class LLMEngine:
     @staticmethod
     def _output(req: Request, new_tokens: list[int]) -> RequestOutput:
         return RequestOutput(
-            request_id=req.request_id,
+            request_id=req.group,
+            index=req.index,
+            fork_token_ids=tuple(req.fork_token_ids),
+            fork_logprobs=tuple(req.fork_logprobs),
             new_token_ids=new_tokens,
             finished=req.finished,
             finish_reason=req.finish_reason,

@@ -17,7 +17,7 @@ An `ImportSlot` is returned by a reservation: the blocks a transfer must fill.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.errors import UnknownRequestError
 from engine.request import Request
@@ -32,6 +32,7 @@ class HeldKv:
     num_tokens: int
     block_hashes: list[int]
     first_token_id: int
+    fork_token_ids: list[int] = field(default_factory=list)  # n > 1: forks 1..n-1's
 
     @classmethod
     def of(cls, req: Request) -> HeldKv:
@@ -41,6 +42,7 @@ class HeldKv:
             num_tokens=req.num_computed_tokens,
             block_hashes=list(req.block_hashes),
             first_token_id=req.output_token_ids[0],
+            fork_token_ids=list(req.fork_token_ids),
         )
 
 

@@ -120,6 +120,7 @@ class Request:
     # prompt_logprobs asked: positions 1.. as prefill chunks compute them.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     grammar: Grammar | None = None  # structured output: the state after the output so far
+    forked: bool = False  # n > 1: its forks exist (or, on a prefill engine, were sampled)
 
     @property
     def group(self) -> str:

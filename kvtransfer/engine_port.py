@@ -70,8 +70,10 @@ class ImportPort(Protocol):
         cache_salt: str = "",
         priority: Priority = Priority.STANDARD,
         deadline: float | None = None,
+        fork_token_ids: Sequence[int] = (),
     ) -> ImportSlot:
-        """Reserve blocks for the prompt, for a request of class `priority` that must be
+        """Reserve blocks for the prompt (forks 1..n-1 start from `fork_token_ids` at the
+        commit), for a request of class `priority` that must be
         done by `deadline` (monotonic seconds); raises OutOfBlocksError when short (taking
         nothing) and InvalidRequestError for a request the engine refuses."""
         ...

@@ -131,6 +131,7 @@ class KvExporter:
             lease_expiry_unix_ms=lease.expires_at_unix_ms,
             backend=self.backend.name,
             first_token_id=held.first_token_id,
+            fork_token_ids=held.fork_token_ids,
             request_id=request_id,
         )
 

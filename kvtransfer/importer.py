@@ -159,6 +159,7 @@ class KvImporter:
                 cache_salt=cache_salt,
                 priority=priority,
                 deadline=request_deadline,
+                fork_token_ids=list(handle.fork_token_ids),
             )
         except OutOfBlocksError as exc:
             raise NoBlocksError(str(exc)) from exc

@@ -28,6 +28,10 @@ class IncrementalDetokenizer:
         self._read_start = 0  # tokens before it have been emitted as text
         self.text = ""
 
+    def fresh(self) -> IncrementalDetokenizer:
+        """A new stream's detokenizer with the same settings (a fork's text)."""
+        return IncrementalDetokenizer(self._tok, skip_special_tokens=self._skip)
+
     def push(self, token_ids: list[int]) -> str:
         self._ids.extend(token_ids)
         prefix = self._decode(self._ids[self._prefix_start : self._read_start])

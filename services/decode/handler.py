@@ -71,20 +71,22 @@ class DecodeHandler:
                 # reservation), so no abort, which could hit a retry of this id here.
                 finished = rid not in self.engine.requests
                 raise
-            if ended is not None:  # the imported first token already ended it
-                finished = True
+            open_forks = params.n  # the stream ends once every fork has
+            if ended is not None:  # the imported first token already ended fork 0
+                open_forks -= 1
+                finished = open_forks == 0
                 chunk = worker_pb2.DecodeChunk(
                     finished=True, finish_reason=sampling.finish_reason(ended)
                 )
                 chunk.phases.extend(trace.take())
                 yield chunk
-                return
             first = True
             while not finished:
                 out: RequestOutput = await queue.get()
                 if out.error:
                     raise RuntimeError(out.error)
-                finished = out.finished
+                open_forks -= out.finished
+                finished = open_forks == 0
                 out.raise_for_deadline()  # ended by the engine, blocks freed: DEADLINE_EXCEEDED
                 chunk = self._chunk(out, kv_bytes if first else 0)
                 trace.on_output(out, first, chunk)

@@ -20,7 +20,9 @@ from typing import Any
 
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, gateway_pb2
+from services.gateway import tool_calls
 from services.gateway.openai_schema import OpenAIRequest
+from services.gateway.tool_calls import ToolCall, ToolCallStream
 
 Json = dict[str, Any]
 
@@ -119,6 +121,7 @@ class Answer:
     tokens: TokenText
     prompt_text: str = ""  # echo: the prompt as the client sent it (or decoded ids)
     created: int = field(default_factory=lambda: int(time.time()))
+    _tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -142,6 +145,12 @@ class Answer:
         if self.req.chat:
             out["message"] = {"role": "assistant", "content": text}
             out["logprobs"] = self._chat_logprobs(c.logprobs)
+            if self.req.tools is not None:
+                content, calls = tool_calls.parse_output(text, self.req.tools)
+                if calls:
+                    out["message"] = {"role": "assistant", "content": content,
+                                      "tool_calls": [call.message() for call in calls]}  # fmt: skip
+                    out["finish_reason"] = "tool_calls"
             return out
         echo = self.prompt_text if self.req.sampling.echo else ""
         out["text"] = echo + text
@@ -157,9 +166,13 @@ class Answer:
         reason = finish_reason(msg.finish_reason) if msg.finished else None
         choice: Json = {"index": msg.index, "finish_reason": reason}
         if self.req.chat:
+            text, calls = self._tool_text(msg)
             delta: Json = {"role": "assistant"} if first else {}
-            if msg.text or first:
-                delta["content"] = msg.text
+            if text or first:
+                delta["content"] = text
+            if calls:
+                delta["tool_calls"] = [call.delta(i) for i, call in enumerate(calls)]
+                choice["finish_reason"] = "tool_calls"
             choice["delta"] = delta
             choice["logprobs"] = self._chat_logprobs(msg.logprobs)
             body = self._head("chat.completion.chunk")
@@ -173,6 +186,18 @@ class Answer:
         if self.req.include_usage:
             body["usage"] = None
         return body
+
+    def _tool_text(self, msg: gateway_pb2.GenerateResponse) -> tuple[str, list[ToolCall]]:
+        """A chat delta's text once tool calls are taken out (held back while one may be
+        opening); a fork's last message brings its calls."""
+        if self.req.tools is None:
+            return msg.text, []
+        stream = self._tool_streams.setdefault(msg.index, ToolCallStream(self.req.tools))
+        text = stream.push(msg.text)
+        if not msg.finished:
+            return text, []
+        rest, calls = stream.finish()
+        return text + rest, calls
 
     def usage_chunk(self, usage: common_pb2.Usage) -> Json:
         """The extra last chunk `stream_options.include_usage` asks for: no choices."""

@@ -14,12 +14,13 @@ messages into completion bodies or SSE chunk bodies.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
 
-from pdserve.v1 import gateway_pb2
+from pdserve.v1 import common_pb2, gateway_pb2
+from services.gateway import tool_calls
 from services.gateway.openai_sampling import (
     Sampling,
     SchemaError,
@@ -74,6 +75,7 @@ class OpenAIRequest:
     prompt_token_ids: tuple[int, ...] = ()
     messages: tuple[tuple[str, str], ...] = ()
     max_tokens_param: str = "max_tokens"  # the name the client used, for error messages
+    tools: tool_calls.ToolRequest | None = None
     stream: bool = False
     include_usage: bool = False
 
@@ -105,13 +107,30 @@ def parse_chat(body: object) -> OpenAIRequest:
     sampling = parse_sampling(
         obj, chat=True, max_tokens=CHAT_MAX_TOKENS if max_tokens is None else max_tokens
     )
+    tools = tool_calls.parse_tools(obj)
+    if tools is not None and tools.forced:
+        sampling = _force_call(sampling, tools)
     return OpenAIRequest(
         chat=True,
         sampling=sampling,
-        messages=_messages(obj),
+        messages=_with_tools(_messages(obj), tools),
+        tools=tools,
         max_tokens_param=param or "max_tokens",
         **_common(obj),
     )
+
+
+def _force_call(sampling: Sampling, tools: tool_calls.ToolRequest) -> Sampling:
+    """A forced tool call constrains the answer to the call's JSON (so it always parses)."""
+    if sampling.guided_param:
+        raise SchemaError(
+            "tool_choice", f"cannot force a call together with {sampling.guided_param}"
+        )
+    params = common_pb2.SamplingParams()
+    params.CopyFrom(sampling.params)
+    params.guided.kind = common_pb2.GUIDED_KIND_JSON_SCHEMA
+    params.guided.spec = tool_calls.forced_schema(tools)
+    return replace(sampling, params=params, guided_param="tools")
 
 
 def _object(body: object) -> Mapping[str, object]:
@@ -170,8 +189,21 @@ def _messages(obj: Mapping[str, object]) -> tuple[tuple[str, str], ...]:
         if not isinstance(role, str):
             raise SchemaError(f"messages[{i}].role", "must be a string")
         # OpenAI's newer name for the system role.
-        out.append(("system" if role == "developer" else role, _content(msg, i)))
+        content = tool_calls.render_message(i, msg, _content(msg, i))
+        out.append(("system" if role == "developer" else role, content))
     return tuple(out)
+
+
+def _with_tools(
+    messages: tuple[tuple[str, str], ...], tools: tool_calls.ToolRequest | None
+) -> tuple[tuple[str, str], ...]:
+    """The tools' signatures in the system message (merged into the client's own)."""
+    if tools is None:
+        return messages
+    prompt = tool_calls.system_prompt(tools)
+    if messages[0][0] == "system":
+        return (("system", messages[0][1] + "\n\n" + prompt), *messages[1:])
+    return (("system", prompt), *messages)
 
 
 def _content(msg: Mapping[str, object], i: int) -> str:

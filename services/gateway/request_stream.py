@@ -84,10 +84,10 @@ class RequestStream:
         self.req = record.req
         self.config = config
         self.stubs = stubs
+        # Each fork (n > 1) has its own text: detokenizer and stop trimmer, by index.
+        self.texts: dict[int, tuple[IncrementalDetokenizer, StopTrimmer]] = {}
         self.detok = detok
-        self.trim = StopTrimmer(
-            self.req.params.stop, include_stop=self.req.params.include_stop_str_in_output
-        )
+        self.open_forks = self.req.params.n  # the stream ends when each fork has
         self.prompt_sent = False  # prompt_logprobs go on the first message only
         self.cached_tokens = 0
         self.tel = (telemetry or GatewayTelemetry.disabled()).stream(
@@ -114,10 +114,13 @@ class RequestStream:
                 async for msg in self._decode_with_retry(decision, None):
                     yield msg
                 return
+            lps = list(first.first_logprobs)
             yield self._delta(
-                [first.first_token_id], prefill=decision, logprobs=first.first_logprobs,
+                [first.first_token_id], prefill=decision, logprobs=lps[:1],
                 prompt_logprobs=first.prompt_logprobs,
             )  # fmt: skip
+            for index, token in enumerate(first.fork_token_ids, start=1):
+                yield self._delta([token], index=index, logprobs=lps[index : index + 1])
             if first.finished:
                 yield self._final(first.finish_reason)
                 return
@@ -242,12 +245,15 @@ class RequestStream:
                 yield self._delta(
                     list(chunk.token_ids), prefill=decision if first else None, decode=decision,
                     logprobs=chunk.logprobs, prompt_logprobs=chunk.prompt_logprobs,
+                    index=chunk.index,
                 )  # fmt: skip
                 first = False
             if chunk.finished:
-                self.record.decode_ended()
-                yield self._final(chunk.finish_reason)
-                return
+                if self.open_forks == 1:
+                    self.record.decode_ended()
+                yield self._final(chunk.finish_reason, chunk.index)
+                if self.open_forks == 0:
+                    return
             chunk = await self._read(call, self.config.token_timeout_s, decision)
 
     async def _first_chunk(
@@ -306,13 +312,16 @@ class RequestStream:
         decode: RouteDecision | None = None,
         logprobs: Sequence[common_pb2.TokenLogprobs] = (),
         prompt_logprobs: Sequence[common_pb2.TokenLogprobs] = (),
+        index: int = 0,
     ) -> gateway_pb2.GenerateResponse:
         self.record.generated(len(tokens))
         self.tel.on_tokens(len(tokens))
-        text = self.trim.push(self.detok.push(tokens))
+        detok, trim = self._text(index)
+        text = trim.push(detok.push(tokens))
         msg = gateway_pb2.GenerateResponse(
-            request_id=self.req.request_id, text=text, token_ids=tokens, logprobs=logprobs
-        )
+            request_id=self.req.request_id, text=text, token_ids=tokens, logprobs=logprobs,
+            index=index,
+        )  # fmt: skip
         if self.req.params.prompt_logprobs is not None and not self.prompt_sent:
             self.prompt_sent = True
             msg.prompt_logprobs.extend(prompt_logprobs)
@@ -325,17 +334,32 @@ class RequestStream:
             msg.decode_worker = decode.decode.worker_id
         return msg
 
-    def _final(self, reason: int) -> gateway_pb2.GenerateResponse:
-        """The last message; `reason` is the worker's FinishReason, passed on as it is
-        (max_tokens: LENGTH on every path)."""
-        self.record.finished()
-        text = self.trim.push(self.detok.flush()) + self.trim.flush()
+    def _text(self, index: int) -> tuple[IncrementalDetokenizer, StopTrimmer]:
+        if index not in self.texts:
+            params = self.req.params
+            detok = self.detok if not self.texts else self.detok.fresh()
+            trim = StopTrimmer(params.stop, include_stop=params.include_stop_str_in_output)
+            self.texts[index] = (detok, trim)
+        return self.texts[index]
+
+    def _final(self, reason: int, index: int = 0) -> gateway_pb2.GenerateResponse:
+        """A fork's last message; `reason` is the worker's FinishReason, passed on as it
+        is (max_tokens: LENGTH on every path). The last fork's carries the usage."""
+        detok, trim = self._text(index)
+        text = trim.push(detok.flush()) + trim.flush()
         msg = gateway_pb2.GenerateResponse(
             request_id=self.req.request_id, text=text, finished=True, finish_reason=reason,
-            usage=common_pb2.Usage(
+            index=index,
+        )  # fmt: skip
+        self.open_forks -= 1
+        if self.open_forks > 0:
+            return msg
+        self.record.finished()
+        msg.usage.CopyFrom(
+            common_pb2.Usage(
                 prompt_tokens=len(self.req.prompt), cached_tokens=self.cached_tokens,
                 completion_tokens=self.record.completion_tokens,
-            ),
+            )
         )  # fmt: skip
         self.tel.finish(msg)  # trace id and phase timeline; latency and goodput metrics
         return msg

@@ -257,6 +257,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     async def Complete(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.GenerateResponse:
+        if request.sampling.n > 1:
+            message = "sampling.n: Complete returns one answer; use Generate for n > 1"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         whole = gateway_pb2.GenerateResponse()
         async for msg in self.Generate(request, context):
             whole.request_id = msg.request_id

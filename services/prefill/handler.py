@@ -18,6 +18,7 @@ import grpc
 from opentelemetry.context import Context
 
 from engine.request import FinishReason, RequestOutput
+from engine.sampling_params import SamplingParams
 from kvtransfer.exporter import KvExporter
 from pdserve.v1 import common_pb2, worker_pb2
 from services.common import priority_proto, sampling
@@ -44,9 +45,7 @@ class PrefillHandler:
     ) -> worker_pb2.PrefillResponse:
         params = sampling.from_proto(request.sampling)
         # One token here; min_tokens >= 1 still keeps EOS from being that token.
-        first_only = dataclasses.replace(
-            params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
-        )
+        first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         rid = request.request_id
         parent = self.telemetry.parent(context)
         queue = self.loop.open(rid)
@@ -64,7 +63,7 @@ class PrefillHandler:
                 raise RuntimeError(out.error)
             finished = True
             out.raise_for_deadline()  # ended by the engine, blocks freed: DEADLINE_EXCEEDED
-            response = self._respond(rid, out, params.max_tokens)
+            response = self._respond(rid, out, params)
             response.phases.extend(self._phases(request, out, parent))
             return response
         except asyncio.CancelledError:
@@ -85,16 +84,23 @@ class PrefillHandler:
                  "pdserve.cached_tokens": out.num_cached_tokens}  # fmt: skip
         return self.telemetry.emit(phases, parent, attrs)
 
-    def _respond(self, rid: str, out: RequestOutput, max_tokens: int) -> worker_pb2.PrefillResponse:
+    def _respond(
+        self, rid: str, out: RequestOutput, params: SamplingParams
+    ) -> worker_pb2.PrefillResponse:
         response = worker_pb2.PrefillResponse(
             first_token_id=out.new_token_ids[0] if out.new_token_ids else 0,
             cached_tokens=out.num_cached_tokens,
             worker_id=self.worker_id,
             prompt_logprobs=sampling.logprobs_to_proto(out.prompt_logprobs),
-            first_logprobs=sampling.logprobs_to_proto(out.logprobs),
+            first_logprobs=sampling.logprobs_to_proto(out.logprobs + out.fork_logprobs),
+            fork_token_ids=out.fork_token_ids,
         )
         ended = out.finish_reason in (FinishReason.STOP, FinishReason.ABORT)
-        if ended or max_tokens == 1:
+        # With forks the decode worker ends each one itself: the blocks always go there
+        # (unless the request was aborted).
+        if out.finish_reason is FinishReason.ABORT or (
+            params.n == 1 and (ended or params.max_tokens == 1)
+        ):
             self.engine.release_held(rid)
             response.finished = True
             response.finish_reason = sampling.finish_reason(out.finish_reason)
