@@ -306,6 +306,29 @@ def fairness(data: Json) -> list[str]:
     ]
 
 
+def structured(data: Json) -> list[str]:
+    """Per-step cost of structured output and logit processing at one batch size."""
+    batches = data.get("batches")
+    rows = [
+        [
+            str(b.get("name")),
+            _fmt(_num(b.get("median_ms")), ".1f"),
+            _fmt(_num(b.get("ratio")), ".2f", "x"),
+            str(len(b.get("step_ms") or [])),
+        ]
+        for b in (batches if isinstance(batches, list) else [])
+        if isinstance(b, dict)
+    ]
+    mask = _fmt(_num(data.get("mask_ms_per_step")), ".2f")
+    return [
+        f"Batch of {data.get('batch')} decoding requests; {data.get('note', '')}.",
+        "",
+        *_table(["batch", "median step ms", "ratio to plain", "steps timed"], rows),
+        "",
+        f"Grammar masks of the constrained rows, timed alone: {mask} ms per step.",
+    ]
+
+
 #: schema -> (title, renderer), in the page's order.
 SECTIONS: dict[str, tuple[str, Renderer]] = {
     "pdserve.headline/1": ("Headline: disaggregated vs colocated", headline),
@@ -317,6 +340,7 @@ SECTIONS: dict[str, tuple[str, Renderer]] = {
     "pdserve.overload_bench/1": ("Overload: admission control at 3x capacity", overload),
     "pdserve.fairness_bench/1": ("Noisy neighbour: fairness between tenants", fairness),
     "pdserve.bench/1": ("Load sweep (pdserve-bench)", sweep),
+    "structured_bench/v1": ("Structured output and logit processing: cost per step", structured),
 }
 
 
