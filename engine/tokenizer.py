@@ -8,6 +8,7 @@ threads (the `tokenizers` library releases the GIL and keeps no per-call state).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,10 +62,21 @@ class Tokenizer:
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
+    @property
+    def takes_tools(self) -> bool:
+        """The chat template renders OpenAI `tools` itself (else the gateway writes them
+        into the system message: services/gateway/tool_prompt.py)."""
+        return self.chat_template is not None and "tools" in self.chat_template
+
     def render_chat(
-        self, messages: list[ChatMessage], *, add_generation_prompt: bool = True
+        self,
+        messages: list[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> str:
-        """The prompt text for a message list, by the model's own chat template."""
+        """The prompt text for a message list, by the model's own chat template; `tools`
+        (OpenAI's list of function tools) reaches a template that `takes_tools`."""
         if self._template is None:
             raise InvalidRequestError("messages", "this model has no chat template; send a prompt")
         if not messages:
@@ -78,6 +90,7 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                **({} if tools is None else {"tools": list(tools)}),
             )
         except TemplateError as exc:
             raise InvalidRequestError("messages", f"rejected by the chat template: {exc}") from exc
@@ -94,8 +107,10 @@ class Tokenizer:
             return bytes(_BYTE_OF[c] for c in surface)
         return surface.encode("utf-8")
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
-        return self.encode(self.render_chat(messages))
+    def encode_chat(
+        self, messages: list[ChatMessage], *, tools: Sequence[Mapping[str, object]] | None = None
+    ) -> list[int]:
+        return self.encode(self.render_chat(messages, tools=tools))
 
 
 def _byte_alphabet() -> dict[str, int]:

@@ -69,7 +69,9 @@ def test_token_and_prompt_logprobs_equal_hf(engine: LLMEngine, hf: torch.nn.Modu
         top = row.topk(3)
         assert [t.token_id for t in lp.top] == top.indices.tolist()  # greedy: rank 1 first
         assert lp.rank == 1 and lp.top[0].token_id == output[k]
-        assert all(abs(t.logprob - v) < TOLERANCE for t, v in zip(lp.top, top.values.tolist()))
+        assert all(
+            abs(t.logprob - v) < TOLERANCE for t, v in zip(lp.top, top.values.tolist(), strict=True)
+        )
     assert_no_leaks(engine)
 
 
