@@ -64,8 +64,8 @@ class Tokenizer:
 
     @property
     def takes_tools(self) -> bool:
-        """The chat template renders OpenAI `tools` itself (else the gateway writes them
-        into the system message: services/gateway/tool_prompt.py)."""
+        """The chat template renders OpenAI `tools` itself (else the caller writes them
+        into the system message)."""
         return self.chat_template is not None and "tools" in self.chat_template
 
     def render_chat(

@@ -20,9 +20,13 @@ from typing import Any
 
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, gateway_pb2
-from services.gateway import tool_calls
 from services.gateway.openai_schema import OpenAIRequest
-from services.gateway.tool_calls import ToolCall, ToolCallStream
+from services.gateway.tool_calls import (
+    ContentDelta,
+    ToolCallDelta,
+    ToolCallStream,
+    parse_tool_calls,
+)
 
 Json = dict[str, Any]
 
@@ -145,12 +149,12 @@ class Answer:
         if self.req.chat:
             out["message"] = {"role": "assistant", "content": text}
             out["logprobs"] = self._chat_logprobs(c.logprobs)
-            if self.req.tools is not None:
-                content, calls = tool_calls.parse_output(text, self.req.tools)
-                if calls:
-                    out["message"] = {"role": "assistant", "content": content,
-                                      "tool_calls": [call.message() for call in calls]}  # fmt: skip
-                    out["finish_reason"] = "tool_calls"
+            t = self.req.tools
+            if t is not None:
+                parsed = parse_tool_calls(text, t.tools, t.forced, parallel=t.parallel)
+                if parsed.calls:
+                    out["message"] = parsed.message()
+                    out["finish_reason"] = parsed.finish_reason
             return out
         echo = self.prompt_text if self.req.sampling.echo else ""
         out["text"] = echo + text
@@ -166,13 +170,14 @@ class Answer:
         reason = finish_reason(msg.finish_reason) if msg.finished else None
         choice: Json = {"index": msg.index, "finish_reason": reason}
         if self.req.chat:
-            text, calls = self._tool_text(msg)
+            text, calls, tool_reason = self._tool_text(msg)
             delta: Json = {"role": "assistant"} if first else {}
             if text or first:
                 delta["content"] = text
             if calls:
-                delta["tool_calls"] = [call.delta(i) for i, call in enumerate(calls)]
-                choice["finish_reason"] = "tool_calls"
+                delta["tool_calls"] = calls
+            if tool_reason is not None and msg.finished:
+                choice["finish_reason"] = tool_reason
             choice["delta"] = delta
             choice["logprobs"] = self._chat_logprobs(msg.logprobs)
             body = self._head("chat.completion.chunk")
@@ -187,17 +192,24 @@ class Answer:
             body["usage"] = None
         return body
 
-    def _tool_text(self, msg: gateway_pb2.GenerateResponse) -> tuple[str, list[ToolCall]]:
+    def _tool_text(
+        self, msg: gateway_pb2.GenerateResponse
+    ) -> tuple[str, list[dict[str, object]], str | None]:
         """A chat delta's text once tool calls are taken out (held back while one may be
-        opening); a fork's last message brings its calls."""
-        if self.req.tools is None:
-            return msg.text, []
-        stream = self._tool_streams.setdefault(msg.index, ToolCallStream(self.req.tools))
-        text = stream.push(msg.text)
-        if not msg.finished:
-            return text, []
-        rest, calls = stream.finish()
-        return text + rest, calls
+        opening), the tool-call deltas of calls that closed, and the fork's finish reason
+        when it made calls."""
+        t = self.req.tools
+        if t is None:
+            return msg.text, [], None
+        stream = self._tool_streams.setdefault(
+            msg.index, ToolCallStream(t.tools, forced=t.forced, parallel=t.parallel)
+        )
+        events = stream.feed(msg.text)
+        if msg.finished:
+            events += stream.finish()
+        text = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        calls = [e.to_json() for e in events if isinstance(e, ToolCallDelta)]
+        return text, calls, stream.finish_reason
 
     def usage_chunk(self, usage: common_pb2.Usage) -> Json:
         """The extra last chunk `stream_options.include_usage` asks for: no choices."""

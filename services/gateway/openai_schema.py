@@ -19,8 +19,8 @@ from typing import Any
 
 import grpc
 
+from engine.tokenizer import ChatMessage
 from pdserve.v1 import common_pb2, gateway_pb2
-from services.gateway import tool_calls
 from services.gateway.openai_sampling import (
     Sampling,
     SchemaError,
@@ -28,6 +28,8 @@ from services.gateway.openai_sampling import (
     get_int,
     parse_sampling,
 )
+from services.gateway.tool_prompt import add_tool_prompt, forced_json_schema, render_message
+from services.gateway.tool_request import ToolRequest, parse_tools
 
 __all__ = ["OpenAIRequest", "SchemaError", "parse_chat", "parse_completion"]
 
@@ -75,7 +77,7 @@ class OpenAIRequest:
     prompt_token_ids: tuple[int, ...] = ()
     messages: tuple[tuple[str, str], ...] = ()
     max_tokens_param: str = "max_tokens"  # the name the client used, for error messages
-    tools: tool_calls.ToolRequest | None = None
+    tools: ToolRequest | None = None
     stream: bool = False
     include_usage: bool = False
 
@@ -107,7 +109,7 @@ def parse_chat(body: object) -> OpenAIRequest:
     sampling = parse_sampling(
         obj, chat=True, max_tokens=CHAT_MAX_TOKENS if max_tokens is None else max_tokens
     )
-    tools = tool_calls.parse_tools(obj)
+    tools = parse_tools(obj)
     if tools is not None and tools.forced:
         sampling = _force_call(sampling, tools)
     return OpenAIRequest(
@@ -120,7 +122,7 @@ def parse_chat(body: object) -> OpenAIRequest:
     )
 
 
-def _force_call(sampling: Sampling, tools: tool_calls.ToolRequest) -> Sampling:
+def _force_call(sampling: Sampling, tools: ToolRequest) -> Sampling:
     """A forced tool call constrains the answer to the call's JSON (so it always parses)."""
     if sampling.guided_param:
         raise SchemaError(
@@ -129,7 +131,7 @@ def _force_call(sampling: Sampling, tools: tool_calls.ToolRequest) -> Sampling:
     params = common_pb2.SamplingParams()
     params.CopyFrom(sampling.params)
     params.guided.kind = common_pb2.GUIDED_KIND_JSON_SCHEMA
-    params.guided.spec = tool_calls.forced_schema(tools)
+    params.guided.spec = forced_json_schema(tools.tools, tools.choice)
     return replace(sampling, params=params, guided_param="tools")
 
 
@@ -189,21 +191,19 @@ def _messages(obj: Mapping[str, object]) -> tuple[tuple[str, str], ...]:
         if not isinstance(role, str):
             raise SchemaError(f"messages[{i}].role", "must be a string")
         # OpenAI's newer name for the system role.
-        content = tool_calls.render_message(i, msg, _content(msg, i))
+        content = render_message(i, msg, _content(msg, i))
         out.append(("system" if role == "developer" else role, content))
     return tuple(out)
 
 
 def _with_tools(
-    messages: tuple[tuple[str, str], ...], tools: tool_calls.ToolRequest | None
+    messages: tuple[tuple[str, str], ...], tools: ToolRequest | None
 ) -> tuple[tuple[str, str], ...]:
     """The tools' signatures in the system message (merged into the client's own)."""
     if tools is None:
         return messages
-    prompt = tool_calls.system_prompt(tools)
-    if messages[0][0] == "system":
-        return (("system", messages[0][1] + "\n\n" + prompt), *messages[1:])
-    return (("system", prompt), *messages)
+    out = add_tool_prompt([ChatMessage(r, c) for r, c in messages], tools)
+    return tuple((m.role, m.content) for m in out)
 
 
 def _content(msg: Mapping[str, object], i: int) -> str:

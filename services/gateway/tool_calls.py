@@ -1,279 +1,305 @@
-"""Tool calling for chat: tools into the prompt, calls out of the model's text.
+"""Tool calls out of the model's text, from a whole answer or a stream of deltas.
 
-Lifecycle: `parse_tools(body)` checks `tools` and `tool_choice` (SchemaError naming the
-parameter) and returns a `ToolRequest`, or None when the request has no tools or says
-`tool_choice: none`. `render_message` turns an assistant turn's `tool_calls` and a
-`tool` turn's result into the text the model was trained on, and `system_prompt` the
-tool signatures. The default model's chat template (SmolLM2) has no tool support, so the
-tools go into the system message in the Hermes / Qwen style that small instruct models
-know: signatures as JSON inside <tools></tools>, calls written as
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+Lifecycle: once an answer is complete, `parse_tool_calls(text, tools, forced)` splits it
+into content and calls; while it streams, one `ToolCallStream` per choice is fed each
+text delta (`feed`) and flushed once at the end (`finish`), and the events it returns,
+joined, say exactly what `parse_tool_calls` says of the whole text, however the text was
+cut into deltas. The prompt side (tools into the prompt, forced calls as a JSON schema)
+is `tool_prompt`.
 
-`required` and a named function are forced with structured output: the whole answer is
-constrained (`forced_schema`) to the JSON call object itself, without the tags, so the
-call always parses; `auto` leaves the model free, and `parse_output` takes the calls it
-wrote from the text (a block that does not parse, or names an unknown tool, stays
-content). `ToolCallStream` does the same while streaming: text is held back from the
-first `<` that may open a call, and calls are sent whole as `delta.tool_calls` when the
-answer ends.
+What counts as a call: a `<tool_call>` block, up to the first `</tool_call>` or the end
+of the answer, holding a JSON object `{"name": <one of the tools>, "arguments": <object,
+or JSON text of one>}` (whitespace around it is fine). When the request forced a call
+(`tool_choice` required or a named function) the answer was constrained to the bare
+object, which is then the one call. Anything else stays content, a block that does not
+parse or names an unknown tool included, so a parse never raises and never loses text.
+With calls made, content that is only whitespace is None; without, the content is the
+text as written. `parallel_tool_calls: false` keeps the first call and drops later ones.
+An answer that made calls finishes with reason "tool_calls" (`finish_reason`).
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import re
 import secrets
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from services.gateway.openai_sampling import SchemaError
+from services.gateway.tool_prompt import CLOSE, OPEN
+from services.gateway.tool_request import ToolSpec
 
-MAX_TOOLS = 128
-NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+__all__ = [
+    "ContentDelta",
+    "ParsedOutput",
+    "StreamEvent",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolCallStream",
+    "parse_tool_calls",
+    "read_call",
+]
 
-
-class ToolChoiceMode(enum.Enum):
-    AUTO = "auto"
-    REQUIRED = "required"
-    NAMED = "named"
-
-
-@dataclass(frozen=True)
-class ToolSpec:
-    name: str
-    description: str
-    parameters: Mapping[str, object]
+TOOL_CALLS = "tool_calls"
+BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
 
 
 @dataclass(frozen=True)
-class ToolRequest:
-    tools: tuple[ToolSpec, ...]
-    mode: ToolChoiceMode = ToolChoiceMode.AUTO
-    named: str = ""
+class ContentDelta:
+    """Text for `delta.content`."""
 
-    @property
-    def forced(self) -> bool:
-        return self.mode is not ToolChoiceMode.AUTO
+    text: str
 
-    def names(self) -> set[str]:
-        return {t.name for t in self.tools}
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """One entry of `delta.tool_calls`: the first of a call names it (`id` set, empty
+    arguments), the second carries its whole arguments."""
+
+    index: int
+    arguments: str
+    id: str = ""
+    name: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        if not self.id:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {
+            "index": self.index,
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+StreamEvent = ContentDelta | ToolCallDelta
 
 
 @dataclass(frozen=True)
 class ToolCall:
     id: str
     name: str
-    arguments: str  # compact JSON, as OpenAI sends it
+    arguments_json: str  # compact JSON text, as OpenAI sends arguments
 
-    def delta(self, index: int) -> dict[str, object]:
-        return {"index": index, "id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
+    def to_json(self) -> dict[str, object]:
+        """The call as an entry of a message's `tool_calls`."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments_json},
+        }
+
+    def deltas(self, index: int) -> tuple[ToolCallDelta, ToolCallDelta]:
+        return (
+            ToolCallDelta(index, "", self.id, self.name),
+            ToolCallDelta(index, self.arguments_json),
+        )
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str | None
+    calls: tuple[ToolCall, ...]
+
+    @property
+    def finish_reason(self) -> str | None:
+        """ "tool_calls" when calls were made; None keeps the engine's own reason."""
+        return TOOL_CALLS if self.calls else None
 
     def message(self) -> dict[str, object]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
+        """The answer's `message` object."""
+        out: dict[str, object] = {"role": "assistant", "content": self.content}
+        if self.calls:
+            out["tool_calls"] = [c.to_json() for c in self.calls]
+        return out
 
 
-# -- the request ---------------------------------------------------------------------
-def parse_tools(obj: Mapping[str, object]) -> ToolRequest | None:
-    tools = obj.get("tools")
-    choice = obj.get("tool_choice")
-    if tools is None or tools == []:
-        if choice not in (None, "none", "auto"):
-            raise SchemaError("tool_choice", "needs tools")
-        return None
-    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise SchemaError("tools", f"must be a list of at most {MAX_TOOLS} tools")
-    specs = tuple(_tool(i, t) for i, t in enumerate(tools))
-    if len({s.name for s in specs}) != len(specs):
-        raise SchemaError("tools", "function names must be unique")
-    if choice is None or choice == "auto":
-        return ToolRequest(specs)
-    if choice == "none":
-        return None
-    if choice == "required":
-        return ToolRequest(specs, ToolChoiceMode.REQUIRED)
-    name = _named(choice)
-    if name not in {s.name for s in specs}:
-        raise SchemaError("tool_choice", f"names {name!r}, which is not in tools")
-    return ToolRequest(specs, ToolChoiceMode.NAMED, name)
-
-
-def _tool(i: int, tool: object) -> ToolSpec:
-    where = f"tools[{i}]"
-    if not isinstance(tool, dict) or tool.get("type") != "function":
-        raise SchemaError(where, 'must be {"type": "function", "function": {...}}')
-    fn = tool.get("function")
-    if not isinstance(fn, dict):
-        raise SchemaError(f"{where}.function", "must be an object")
-    name = fn.get("name")
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise SchemaError(f"{where}.function.name", "must match ^[a-zA-Z0-9_-]{1,64}$")
-    description = fn.get("description", "")
-    if not isinstance(description, str):
-        raise SchemaError(f"{where}.function.description", "must be a string")
-    parameters = fn.get("parameters", {"type": "object", "properties": {}})
-    if not isinstance(parameters, dict):
-        raise SchemaError(f"{where}.function.parameters", "must be a JSON schema (an object)")
-    return ToolSpec(name, description, parameters)
-
-
-def _named(choice: object) -> str:
-    fn = choice.get("function") if isinstance(choice, dict) else None
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if not (
-        isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)
-    ):
-        raise SchemaError(
-            "tool_choice",
-            'must be "auto", "none", "required" or {"type": "function", "function": {"name"}}',
-        )
-    return name
-
-
-# -- into the prompt -------------------------------------------------------------------
-def system_prompt(request: ToolRequest) -> str:
-    signatures = "\n".join(
-        json.dumps(
-            {
-                "type": "function",
-                "function": {
-                    "name": t.name,
-                    "description": t.description,
-                    "parameters": t.parameters,
-                },
-            }
-        )
-        for t in request.tools
-    )
-    return (
-        "You may call one or more functions to help with the user's request. The "
-        f"functions are listed within <tools></tools>:\n<tools>\n{signatures}\n</tools>\n"
-        "To call a function, answer with a JSON object holding its name and arguments "
-        f'within tags: {OPEN}{{"name": <function-name>, "arguments": <args-object>}}{CLOSE}'
-    )
-
-
-def render_message(i: int, msg: Mapping[str, object], content: str) -> str:
-    """The text of an assistant turn with tool calls, or of a tool result."""
-    if msg.get("role") == "tool":
-        call_id = msg.get("tool_call_id")
-        if call_id is not None and not isinstance(call_id, str):
-            raise SchemaError(f"messages[{i}].tool_call_id", "must be a string")
-        return f"<tool_response>\n{content}\n</tool_response>"
-    calls = msg.get("tool_calls")
-    if calls is None:
-        return content
-    if not isinstance(calls, list):
-        raise SchemaError(f"messages[{i}].tool_calls", "must be a list")
-    parts = [content] if content else []
-    for k, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
-                and isinstance(fn.get("arguments", "{}"), str)):  # fmt: skip
-            raise SchemaError(
-                f"messages[{i}].tool_calls[{k}]", "must hold function.name and arguments"
-            )
-        arguments = _json_or_text(str(fn.get("arguments", "{}")))
-        parts.append(f"{OPEN}{json.dumps({'name': fn['name'], 'arguments': arguments})}{CLOSE}")
-    return "\n".join(parts)
-
-
-def _json_or_text(text: str) -> object:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def forced_schema(request: ToolRequest) -> str:
-    """The JSON schema a forced call's whole answer must match: {"name", "arguments"}."""
-    tools = [
-        t
-        for t in request.tools
-        if request.mode is ToolChoiceMode.REQUIRED or t.name == request.named
-    ]
-    options = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    return json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
-
-
-# -- out of the answer -------------------------------------------------------------------
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def _call(text: str, names: set[str]) -> ToolCall | None:
+def read_call(text: str, names: frozenset[str]) -> ToolCall | None:
+    """The call a block (or a forced answer) holds, or None if it is not one."""
     try:
-        obj = json.loads(text)
-    except ValueError:
+        obj = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
         return None
-    if not isinstance(obj, dict) or obj.get("name") not in names:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    arguments = obj.get("arguments", {})
+    if obj["name"] not in names:
+        return None
+    # Some small models write "parameters" (the schema's key) for the arguments.
+    arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):
-        arguments = _json_or_text(arguments)
-    return ToolCall(new_call_id(), str(obj["name"]), json.dumps(arguments, separators=(",", ":")))
+        try:
+            arguments = json.loads(arguments, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(new_call_id(), obj["name"], _compact(arguments))
 
 
-def parse_output(text: str, request: ToolRequest) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a whole answer."""
-    names = request.names()
-    if request.forced:
-        call = _call(text.strip(), names)
-        return (None, [call]) if call else (text, [])
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")  # NaN / Infinity: clients could not read them
+
+
+def _compact(value: object) -> str:
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate from a "\\ud800" escape: keep it escaped
+        return json.dumps(value, separators=(",", ":"))
+    return text
+
+
+def parse_tool_calls(
+    text: str, tools: Sequence[ToolSpec], forced: bool, *, parallel: bool = True
+) -> ParsedOutput:
+    """A whole answer's content and calls."""
+    names = frozenset(t.name for t in tools)
+    if forced:
+        call = read_call(text, names)
+        if call is not None:
+            return ParsedOutput(None, (call,))
+    limit = None if parallel else 1
     calls: list[ToolCall] = []
-    kept: list[str] = []
+    content: list[str] = []
     at = 0
-    for match in BLOCK.finditer(text):
-        call = _call(match.group(1).strip(), names)
+    for block in BLOCK.finditer(text):
+        content.append(text[at : block.start()])
+        at = block.end()
+        call = read_call(block.group(1), names)
         if call is None:
-            continue
-        kept.append(text[at : match.start()])
-        at = match.end()
-        calls.append(call)
-    kept.append(text[at:])
-    content = "".join(kept).strip()
-    return (content or None) if calls else text, calls
+            content.append(block.group(0))
+        elif limit is None or len(calls) < limit:
+            calls.append(call)
+    content.append(text[at:])
+    return _parsed("".join(content), calls)
 
 
-@dataclass
+def _parsed(content: str, calls: list[ToolCall]) -> ParsedOutput:
+    return ParsedOutput(None if calls and not content.strip() else content, tuple(calls))
+
+
 class ToolCallStream:
-    """Streamed text of one choice: content that cannot be part of a call goes out now;
-    the rest is held until the end, when `finish` returns the last content and calls."""
+    """One streamed choice's text -> content deltas and tool-call deltas.
 
-    request: ToolRequest
-    _held: list[str] = field(default_factory=list)
-    _text: list[str] = field(default_factory=list)
-    _holding: bool = False
+    Outside a block, text goes out at once except a tail that could still become
+    `<tool_call>`; inside one, text is kept until the block closes, and then goes out as a
+    call's two deltas (or, if it is no call, as content). Content that is only
+    whitespace so far is held too: if the answer turns out to be only calls, it was never
+    content. A forced answer is kept whole and read at `finish`. Not thread-safe: one
+    reader per stream.
+    """
 
-    def push(self, delta: str) -> str:
-        self._text.append(delta)
-        if self.request.forced or self._holding:
-            self._held.append(delta)
-            return ""
-        at = delta.find("<")
-        if at < 0:
-            return delta
-        self._holding = True
-        self._held.append(delta[at:])
-        return delta[:at]
+    def __init__(self, tools: Sequence[ToolSpec], *, forced: bool, parallel: bool = True) -> None:
+        self._names = frozenset(t.name for t in tools)
+        self._tools = tuple(tools)
+        self._forced = forced
+        self._parallel = parallel
+        self._outside = ""  # undecided text outside a block: a tail that may open one
+        self._block: str | None = None  # the open block's text after <tool_call>
+        self._searched = 0  # how much of _block is known to hold no </tool_call>
+        self._space = ""  # whitespace-only content not yet sent
+        self._sent = False  # content other than whitespace has gone out
+        self._calls: list[ToolCall] = []
+        self._whole: list[str] = []  # a forced answer, read at finish
+        self._finished = False
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        held = "".join(self._held)
-        content, calls = parse_output("".join(self._text), self.request)
-        if not calls:
-            return held, []
-        sent = len("".join(self._text)) - len(held)
-        rest = (content or "")[sent:] if content else ""
-        return rest, calls
+    @property
+    def calls(self) -> tuple[ToolCall, ...]:
+        return tuple(self._calls)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """ "tool_calls" once a call has gone out; None keeps the engine's own reason."""
+        return TOOL_CALLS if self._calls else None
+
+    def feed(self, delta: str) -> list[StreamEvent]:
+        if self._finished:
+            raise RuntimeError("ToolCallStream.feed after finish")
+        if self._forced:
+            self._whole.append(delta)
+            return []
+        if self._block is None:
+            self._outside += delta
+        else:
+            self._block += delta
+        out: list[StreamEvent] = []
+        self._scan(out, final=False)
+        return out
+
+    def finish(self) -> list[StreamEvent]:
+        """The rest, once the answer has ended (a block left open is read as it is)."""
+        if self._finished:
+            return []
+        self._finished = True
+        out: list[StreamEvent] = []
+        if self._forced:
+            parsed = parse_tool_calls(
+                "".join(self._whole), self._tools, True, parallel=self._parallel
+            )
+            self._calls = list(parsed.calls)
+            if parsed.content:
+                out.append(ContentDelta(parsed.content))
+            for i, call in enumerate(parsed.calls):
+                out.extend(call.deltas(i))
+            return out
+        self._scan(out, final=True)
+        if self._space and not self._calls:
+            out.append(ContentDelta(self._space))
+        self._space = ""
+        return out
+
+    def _scan(self, out: list[StreamEvent], *, final: bool) -> None:
+        while True:
+            if self._block is None:
+                at = self._outside.find(OPEN)
+                if at < 0:
+                    keep = 0 if final else _open_prefix(self._outside)
+                    cut = len(self._outside) - keep
+                    self._content(self._outside[:cut], out)
+                    self._outside = self._outside[cut:]
+                    return
+                self._content(self._outside[:at], out)
+                self._block, self._searched = self._outside[at + len(OPEN) :], 0
+                self._outside = ""
+                continue
+            end = self._block.find(CLOSE, self._searched)
+            if end < 0:
+                self._searched = max(0, len(self._block) - len(CLOSE) + 1)
+                if final:
+                    self._close(self._block, OPEN + self._block, out)
+                    self._block = None
+                return
+            body, self._outside = self._block[:end], self._block[end + len(CLOSE) :]
+            self._block = None
+            self._close(body, OPEN + body + CLOSE, out)
+
+    def _close(self, body: str, raw: str, out: list[StreamEvent]) -> None:
+        call = read_call(body, self._names)
+        if call is None:
+            self._content(raw, out)
+        elif self._parallel or not self._calls:
+            out.extend(call.deltas(len(self._calls)))
+            self._calls.append(call)
+
+    def _content(self, text: str, out: list[StreamEvent]) -> None:
+        if not text:
+            return
+        if self._sent:
+            out.append(ContentDelta(text))
+            return
+        self._space += text
+        if self._space.strip():
+            out.append(ContentDelta(self._space))
+            self._space, self._sent = "", True
+
+
+def _open_prefix(text: str) -> int:
+    """The length of the longest tail of `text` that `<tool_call>` starts with."""
+    for n in range(min(len(text), len(OPEN) - 1), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0

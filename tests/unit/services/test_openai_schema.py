@@ -268,3 +268,30 @@ def test_chat_logprobs_and_structured_output() -> None:
     assert choice.sampling.guided_param == "structured_outputs"
     text = oa.parse_completion({"prompt": "p", "response_format": {"type": "text"}})
     assert text.sampling.params.guided.kind == common_pb2.GUIDED_KIND_UNSPECIFIED
+
+
+def test_chat_request_renders_tools_and_turns() -> None:
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    req = oa.parse_chat(
+        {
+            "messages": [
+                {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            ],
+            "tools": [weather],
+            "tool_choice": "required",
+        }
+    )
+    assert [r for r, _ in req.messages] == ["system", "user", "assistant", "tool"]
+    assert "<tools>" in req.messages[0][1] and "get_weather" in req.messages[0][1]
+    assert "<tool_call>" in req.messages[2][1] and "Oslo" in req.messages[2][1]
+    assert "<tool_response>" in req.messages[3][1] and "sunny" in req.messages[3][1]
+    assert req.sampling.params.guided.kind == common_pb2.GUIDED_KIND_JSON_SCHEMA
+    assert req.sampling.guided_param == "tools"
+    with pytest.raises(oa.SchemaError) as info:
+        oa.parse_chat({"messages": [{"role": "user", "content": None}]})
+    assert info.value.param == "messages[0].content"
