@@ -89,6 +89,11 @@ class PoolView:
         return sum(s.free_blocks for s in self.signals)
 
     @property
+    def largest_pool(self) -> int:
+        """The most blocks one worker has in all: a request needing more fits nowhere."""
+        return max((s.total_blocks for s in self.signals), default=0)
+
+    @property
     def block_size(self) -> int:
         return next((s.block_size for s in self.signals if s.block_size), DEFAULT_BLOCK_SIZE)
 
@@ -204,6 +209,10 @@ class Capacity:
         if not self.decode.signals:
             return True
         size = self.decode.block_size
+        if cost.blocks(size) > self.decode.largest_pool:
+            # It can never fit: waiting would only run out its budget. Let it through so
+            # the worker refuses it at once, naming max_tokens and the pool (a 400).
+            return True
         pending = sum(p.cost.blocks(size) for p in self._unsettled())
         return self.decode.free_blocks - pending >= cost.blocks(size)
 

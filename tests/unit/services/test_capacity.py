@@ -102,3 +102,12 @@ def test_calibration_learns_how_late_first_tokens_come() -> None:
     assert cap.calibration.factor == pytest.approx(2.0, rel=0.02)
     assert cap.start_delay_s(Cost(500, 10), CRIT) == pytest.approx(1.0, rel=0.02)
     assert cap.idle_delay_s(Cost(500, 10)) == pytest.approx(1.0, rel=0.02)
+
+
+def test_a_request_larger_than_any_decode_pool_is_let_through() -> None:
+    # Waiting could never make room: the worker refuses it at once (a 400 naming the pool)
+    # instead of the request sitting out its budget in the waiting room.
+    cap = Capacity()
+    cap.update([signal(Role.PREFILL, rate=1.0), signal(Role.DECODE, free=20)])
+    assert not cap.decode_fits(Cost(16 * 500, 16 * 500))  # 1,000 blocks: the whole pool
+    assert cap.decode_fits(Cost(16 * 500, 16 * 501))  # more than the pool holds
