@@ -185,7 +185,7 @@ def test_stop_strings_cut_the_text_streamed_or_not(
 @pytest.mark.parametrize(
     ("kwargs", "error", "param"),
     [
-        ({"n": 2}, openai.BadRequestError, "n"),
+        ({"n": 17}, openai.BadRequestError, "n"),
         ({"temperature": 3.0}, openai.BadRequestError, "temperature"),
         ({"top_p": 0.0}, openai.BadRequestError, "top_p"),
         ({"max_tokens": 9000}, openai.BadRequestError, "max_tokens"),
@@ -230,7 +230,7 @@ def test_chat_refusals_and_openai_error_shape(
     # The raw body: OpenAI's shape exactly, for any client.
     base = f"http://{cluster.http_address}/v1"
     for path, body, status in [
-        ("/completions", {"prompt": "hi", "n": 2}, 400),
+        ("/completions", {"prompt": "hi", "n": 17}, 400),
         ("/completions", "{not json", 400),
         ("/nowhere", {}, 404),
     ]:
