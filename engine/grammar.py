@@ -140,8 +140,17 @@ def _grammar_of(spec: GuidedSpec) -> str:
 class MaskJob:
     """The next-token masks of one step's constrained rows, computed off the step thread."""
 
-    _pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-    _executor = llguidance.LLExecutor()
+    # Made on the first constrained step, not at import: every process imports this
+    # module (through engine.request), most never constrain a request.
+    _pool: ThreadPoolExecutor | None = None
+    _executor: llguidance.LLExecutor | None = None
+
+    @classmethod
+    def _workers(cls) -> tuple[ThreadPoolExecutor, llguidance.LLExecutor]:
+        if cls._pool is None or cls._executor is None:
+            cls._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+            cls._executor = llguidance.LLExecutor()
+        return cls._pool, cls._executor
 
     def __init__(self, grammars: Sequence[Grammar], vocab_size: int) -> None:
         self.count = len(grammars)
@@ -149,8 +158,9 @@ class MaskJob:
         words = (vocab_size + WORD_BITS - 1) // WORD_BITS
         self._bits = torch.full((self.count, words), -1, dtype=torch.int32)
         pairs = [(g.matcher, i) for i, g in enumerate(grammars)]
-        self._done: Future[None] = self._pool.submit(
-            llguidance.torch.fill_next_token_bitmask_par, self._executor, pairs, self._bits
+        pool, executor = self._workers()
+        self._done: Future[None] = pool.submit(
+            llguidance.torch.fill_next_token_bitmask_par, executor, pairs, self._bits
         )
 
     def allowed(self, rows: int, index: Sequence[int]) -> torch.Tensor:

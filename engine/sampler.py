@@ -41,8 +41,11 @@ def sample(
     tokens their grammar accepts."""
     if contexts is not None:
         processed = process(logits, contexts, eos_ids, allowed)
-        dead = torch.isneginf(processed.max(dim=-1).values)
-        logits = torch.where(dead[:, None], logits, processed) if bool(dead.any()) else processed
+        if processed is not logits:  # only processing can leave a row with no token
+            dead = torch.isneginf(processed.max(dim=-1).values)
+            logits = (
+                torch.where(dead[:, None], logits, processed) if bool(dead.any()) else processed
+            )
     tokens = logits.argmax(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if not p.greedy:

@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from engine.tokenizer import ChatMessage
 from services.gateway.json_body import read_json
 from services.gateway.openai_sampling import SchemaError, get_bool
+from services.gateway.openai_schema import error_body
 from services.gateway.service import GatewayService
 
 #: Paths answered without an API key.
@@ -34,9 +35,7 @@ def _json(status: int, body: object) -> web.Response:
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
-    return _json(
-        status, {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    )
+    return _json(status, error_body(message, kind, param))
 
 
 def missing_roles(roles: set[str]) -> list[str]:
