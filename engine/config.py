@@ -7,14 +7,18 @@ environment.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from engine.linear_kernel import KERNELS
+from engine.precision import DType, WeightQuant, check_quant, resolve_dtype
 
 DEFAULT_MODEL_CACHE = Path("~/.cache/pdserve/models")
+_E = TypeVar("_E", bound=enum.Enum)
 
 
 @dataclass(frozen=True)
@@ -46,9 +50,16 @@ class EngineConfig:
         default=None, metadata={"help": "context length cap (default: the model's)"}
     )
     device: str = field(default="cpu", metadata={"help": "cpu or cuda[:N]"})
-    dtype: str = field(
-        default="auto",
-        metadata={"help": "auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16"},
+    dtype: DType = field(
+        default=DType.AUTO,
+        metadata={
+            "help": "auto (bfloat16 on CUDA and on CPUs with native bf16, else float32), "
+            "float32, float16, bfloat16"
+        },
+    )
+    quantization: WeightQuant = field(
+        default=WeightQuant.NONE,
+        metadata={"help": "none, or int8 weights with dynamic int8 activations (CPU)"},
     )
     attention_backend: str = field(default="auto", metadata={"help": "auto, torch or flash"})
     linear_kernel: str = field(
@@ -68,8 +79,12 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be > 0")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype}")
+        # Strings are accepted (tests, env vars) and kept as the enums they name.
+        object.__setattr__(self, "dtype", _member(DType, "dtype", self.dtype))
+        object.__setattr__(
+            self, "quantization", _member(WeightQuant, "quantization", self.quantization)
+        )
+        check_quant(self.quantization, self.torch_device)
         if self.attention_backend not in ("auto", "torch", "flash"):
             raise ValueError(
                 f"attention_backend must be auto, torch or flash, got {self.attention_backend}"
@@ -83,7 +98,13 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        dtype: torch.dtype = getattr(torch, self.dtype)
-        return dtype
+        """The compute dtype; `auto` is resolved (and logged) by `precision.resolve_dtype`."""
+        return resolve_dtype(self.dtype, self.torch_device)
+
+
+def _member(cls: type[_E], name: str, value: object) -> _E:
+    try:
+        return cls(value)
+    except ValueError:
+        choices = ", ".join(str(m.value) for m in cls)
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}") from None

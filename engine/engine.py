@@ -76,13 +76,14 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(
             config.model, config.model_cache_dir.expanduser(), progress=progress
         )
-        self.spec = ModelSpec.from_dir(self.model_dir)
+        quant = config.quantization
+        self.spec = ModelSpec.from_dir(self.model_dir).with_weights(quant.value)
         self.tokenizer = Tokenizer(self.model_dir)
         device, dtype = config.torch_device, config.torch_dtype
-        kernel = pick_linear_kernel(config.linear_kernel, device, dtype)
-        log.info("linear layers: %s kernel (%s, %s)", kernel.name, device, dtype)
+        kernel = pick_linear_kernel(config.linear_kernel, device, dtype, quant)
+        log.info("linear layers: %s kernel (%s, %s, weights %s)", kernel.name, device, dtype, quant)
         self.model = LlamaModel(self.spec, dtype, device, kernel)
-        self.model.load_weights(self.model_dir)
+        self.model.load_weights(self.model_dir, progress=progress)
         self.layout = KvLayout.from_spec(self.spec, dtype, config.block_size, device)
         num_blocks = config.num_kv_blocks or blocks_for_budget(self.layout, config.kv_cache_bytes)
         self.kv_cache = allocate_kv_cache(self.layout, num_blocks, device)

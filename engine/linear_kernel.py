@@ -1,6 +1,8 @@
-"""How the model's linear layers multiply: plain torch, or oneDNN with pre-packed weights.
+"""How the model's linear layers multiply: plain torch, oneDNN with pre-packed weights, or
+int8 weights through fbgemm.
 
-Lifecycle: the engine picks a kernel once (`pick_linear_kernel(name, device, dtype)`);
+Lifecycle: the engine picks a kernel once (`pick_linear_kernel(name, device, dtype,
+quant)`);
 `LlamaModel` hands every projection weight to `prepare` as it loads them and keeps the
 `LinearWeight` it gets back, then calls `apply(x, weight, bias)` for each projection of
 each step. A `LinearWeight` is only ever handed back to the kernel that prepared it.
@@ -17,27 +19,48 @@ a second copy of the projection and LM-head weights (540 MB for SmolLM2-135M in
 float32; an engine's resident size grew by 760 MiB); `linear_kernel torch` keeps one.
 Results differ from `F.linear` in the last bits of float32 (another summation order),
 as any change of batch shape already makes them.
+
+In bfloat16 (on a CPU with native bf16: `engine.precision`) the packed copy is used for
+every row count: on the development host it ran 1.2-1.9x `F.linear` from 1 to 16 rows
+and level with it at 64-256 (`F.linear` in bf16 goes to oneDNN too, but reorders the
+weight on every call).
+
+Int8 (`quantization int8`): each weight is quantized once at load, per output channel
+and symmetric; each step's activations are quantized per token on the fly, and the
+product runs in int8 through `torch._int_mm` (oneDNN's s8s8 GEMM with VNNI dot
+products, accumulating in int32). Per token, not per tensor: fbgemm's dynamic linear
+(one scale for the whole batch) put SmolLM2's perplexity up 50%, because the MLP's
+down projection sees activation outliers that flatten every other row to a few levels.
+The full-precision weights are dropped once quantized (the tied embedding stays, for
+lookups).
 """
 
 from __future__ import annotations
 
 import platform
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from engine.precision import WeightQuant
+
 KERNELS = ("auto", "onednn", "torch")
-ONEDNN_MAX_ROWS = 48  # past this many rows MKL's sgemm is as fast as oneDNN (see above)
+ONEDNN_MAX_ROWS = 48  # in fp32, past this many rows MKL's sgemm is as fast (see above)
+#: Symmetric int8 range of a weight channel.
+INT8_MAX = 127
 
 
 @dataclass(frozen=True)
 class LinearWeight:
-    """A projection weight as loaded ([out, in]), plus the kernel's packed copy if any."""
+    """A projection weight as loaded ([out, in]) and/or the kernel's packed copy.
 
-    plain: torch.Tensor
-    packed: torch.Tensor | None = None
+    `plain` is None only for the int8 kernel, which keeps nothing but its packed form.
+    """
+
+    plain: torch.Tensor | None
+    packed: Any = None  # a oneDNN tensor, or fbgemm's packed-params object
 
 
 class LinearKernel(Protocol):
@@ -47,6 +70,9 @@ class LinearKernel(Protocol):
     steps may run from any thread."""
 
     name: str
+    #: Whether the model should fold each RMSNorm's weight into the projections it feeds
+    #: (exact in real arithmetic; see `Int8Linear`).
+    folds_norms: bool
 
     def prepare(self, weight: torch.Tensor) -> LinearWeight:
         """Wrap `weight` ([out, in]) with whatever this kernel multiplies fastest."""
@@ -63,6 +89,7 @@ class TorchLinear:
     """`F.linear` on the weights as loaded: every device, every dtype."""
 
     name = "torch"
+    folds_norms = False
 
     def prepare(self, weight: torch.Tensor) -> LinearWeight:
         return LinearWeight(weight)
@@ -70,23 +97,32 @@ class TorchLinear:
     def apply(
         self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        assert weight.plain is not None, "a weight another kernel prepared"
         return F.linear(x, weight.plain, bias)
 
 
 class OneDnnLinear:
-    """Small steps through oneDNN on a pre-packed copy, large ones through `F.linear` (CPU)."""
+    """Steps of up to `max_rows` rows through oneDNN on a pre-packed copy, larger ones
+    through `F.linear` (CPU; float32 or bfloat16)."""
 
     name = "onednn"
+    folds_norms = False
+
+    def __init__(self, max_rows: int | None = ONEDNN_MAX_ROWS) -> None:
+        self.max_rows = max_rows  # None: always packed
 
     def prepare(self, weight: torch.Tensor) -> LinearWeight:
         # The batch-size hint only picks the blocked layout; any row count works after.
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 16)
-        return LinearWeight(weight, packed)
+        # Always packed: the plain copy would never be read, so it is not kept.
+        return LinearWeight(weight if self.max_rows is not None else None, packed)
 
     def apply(
         self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if weight.packed is None or x.shape[0] > ONEDNN_MAX_ROWS:
+        too_big = self.max_rows is not None and x.shape[0] > self.max_rows
+        if weight.packed is None or too_big:
+            assert weight.plain is not None
             return F.linear(x, weight.plain, bias)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x, weight.packed, bias, "none", [], ""
@@ -94,23 +130,72 @@ class OneDnnLinear:
         return out
 
 
-def pick_linear_kernel(name: str, device: torch.device, dtype: torch.dtype) -> LinearKernel:
-    """The kernel called `name`; "auto" takes oneDNN on x86 CPUs in float32, else torch."""
+class Int8Linear:
+    """Per-channel int8 weights and per-token dynamic int8 activations (CPU).
+
+    Each step's activations are quantized per row (symmetric, scale = the row's largest
+    magnitude / 127), multiplied in int8 with int32 accumulation by `torch._int_mm`
+    (oneDNN's s8s8 GEMM, VNNI dot products where the CPU has them), and scaled back by
+    the row's and the output channel's scales.
+
+    It asks the model to fold the RMSNorm weights into the projections after them: the
+    norms' per-channel gains are where SmolLM2's activation outliers come from, and one
+    outlier channel flattens a whole token's int8 row. Folded, the quantized activations
+    are the plain normalized ones and the gains ride on the weights, per input column,
+    where per-channel weight scales absorb them (perplexity +5.0% unfolded, +1.5% folded,
+    on the accuracy gate's text).
+    """
+
+    name = "int8"
+    folds_norms = True
+
+    def prepare(self, weight: torch.Tensor) -> LinearWeight:
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=1e-12)
+        q = torch.round(w / scale[:, None]).to(torch.int8)
+        # [in, out] as a transposed view of the [out, in] rows: oneDNN's fast layout for
+        # one-row products (2-3x the contiguous [in, out] at one row here).
+        return LinearWeight(None, (q.t(), scale))
+
+    def apply(
+        self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        qweight, wscale = weight.packed
+        xf = x.float()
+        xscale = (xf.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp_(min=1e-12)
+        qx = torch.round(xf / xscale).to(torch.int8)
+        out = torch._int_mm(qx, qweight).float().mul_(xscale).mul_(wscale)
+        if bias is not None:
+            out += bias
+        return out.to(x.dtype)
+
+
+def pick_linear_kernel(
+    name: str, device: torch.device, dtype: torch.dtype, quant: WeightQuant = WeightQuant.NONE
+) -> LinearKernel:
+    """The kernel called `name`; "auto" takes oneDNN on x86 CPUs in float32 or bfloat16,
+    torch elsewhere. Int8 weights have one kernel, which only "auto" picks."""
     if name not in KERNELS:
         raise ValueError(f"linear_kernel must be one of {KERNELS}, got {name!r}")
+    if quant is WeightQuant.INT8:
+        if name != "auto":
+            raise ValueError(
+                f"quantization int8 has its own kernel; linear_kernel {name} is not it"
+            )
+        return Int8Linear()
     onednn_ok = (
         device.type == "cpu"
-        and dtype == torch.float32
+        and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and torch.backends.mkldnn.enabled
     )
     if name == "onednn" and not onednn_ok:
         raise ValueError(
-            "linear_kernel onednn needs device cpu, dtype float32 and a torch built with "
-            f"oneDNN (got device {device.type}, dtype {dtype})"
+            "linear_kernel onednn needs device cpu, dtype float32 or bfloat16 and a torch "
+            f"built with oneDNN (got device {device.type}, dtype {dtype})"
         )
     # "auto" packs only on x86, where the gain was measured.
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     if name == "torch" or (name == "auto" and not (onednn_ok and x86)):
         return TorchLinear()
-    return OneDnnLinear()
+    return OneDnnLinear(ONEDNN_MAX_ROWS if dtype == torch.float32 else None)

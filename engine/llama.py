@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from tqdm import tqdm
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.errors import ModelNotFoundError
@@ -81,7 +82,9 @@ class LlamaModel:
         self._sin = emb.sin().to(device=device, dtype=dtype)
 
     # -- weights -----------------------------------------------------------------
-    def load_weights(self, model_dir: Path) -> None:
+    def load_weights(self, model_dir: Path, *, progress: bool = False) -> None:
+        """Fill the weights from `model_dir`; `progress` shows a bar while the kernel
+        prepares (packs or quantizes) the projections, the slow part of loading."""
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise ModelNotFoundError(f"no *.safetensors in {model_dir}")
@@ -90,7 +93,15 @@ class LlamaModel:
             raw.update(load_file(str(path)))
         weights = self._arrange(raw)
         projections = self._projections(raw, weights["embed"])
-        linears = {name: self.kernel.prepare(w) for name, w in projections.items()}
+        if self.kernel.folds_norms:
+            self._fold_norms(weights, projections)
+        bar = tqdm(
+            projections.items(),
+            desc=f"weights ({self.kernel.name})",
+            unit="tensor",
+            disable=not progress,
+        )
+        linears = {name: self.kernel.prepare(w) for name, w in bar}
         self.weights, self.linears = weights, linears  # both or neither, if loading fails
 
     def _arrange(self, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -132,6 +143,20 @@ class LlamaModel:
         tied = self.spec.tie_word_embeddings or "lm_head.weight" not in raw
         out["lm_head"] = embed if tied else take("lm_head.weight")
         return out
+
+    def _fold_norms(
+        self, weights: dict[str, torch.Tensor], projections: dict[str, torch.Tensor]
+    ) -> None:
+        """Move each RMSNorm's weight into the projections it feeds (W[:, j] * g[j]) and
+        make the norm's own weight ones: (x * g) @ W.T == x @ (W * g).T. The LM head is a
+        new tensor then, never the tied embedding scaled in place."""
+        pairs = [(f"{i}.in_norm", f"{i}.qkv") for i in range(self.spec.num_layers)]
+        pairs += [(f"{i}.post_norm", f"{i}.gate_up") for i in range(self.spec.num_layers)]
+        pairs.append(("norm", "lm_head"))
+        for norm, proj in pairs:
+            gain = weights[norm]
+            projections[proj] = projections[proj] * gain[None, :]
+            weights[norm] = torch.ones_like(gain)
 
     def _taker(self, raw: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
         def take(name: str) -> torch.Tensor:

@@ -6,6 +6,7 @@ tensors, the KV pool and the layout fingerprint that peers compare before moving
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,15 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     rope_scaling: RopeScaling | None
     fingerprint: str
+
+    def with_weights(self, quantization: str) -> ModelSpec:
+        """This spec for weights stored as `quantization` ("none" keeps it as it is): the
+        format is folded into the fingerprint, so quantized and full-precision workers
+        never share KV or prefix-cache keys (their activations differ)."""
+        if quantization == "none":
+            return self
+        tagged = xxhash.xxh3_64_hexdigest(f"{self.fingerprint}|weights={quantization}".encode())
+        return dataclasses.replace(self, fingerprint=tagged)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelSpec:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import DEFAULT_MODEL_CACHE
+from engine.precision import DType, WeightQuant
 from services.common.config import config_args
 from services.common.telemetry_config import TelemetryConfig, telemetry_args
 from services.common.tls import TlsConfig
@@ -56,6 +57,13 @@ class ClusterConfig:
         default=256 << 20, metadata={"help": "KV pool bytes per worker"}
     )
     kv_backend: str = field(default="nixl", metadata={"help": "KV transfer backend: nixl or tcp"})
+    dtype: DType = field(
+        default=DType.AUTO,
+        metadata={"help": "workers' compute dtype: auto (bf16 where native), float32, ..."},
+    )
+    quantization: WeightQuant = field(
+        default=WeightQuant.NONE, metadata={"help": "workers' weights: none or int8 (CPU)"}
+    )
     model: str | None = field(
         default=None, metadata={"help": "HF-layout model dir (default: SmolLM2-135M-Instruct)"}
     )
@@ -250,6 +258,8 @@ class LocalCluster:
                 "--num-threads", str(self.cfg.worker_threads),
                 "--kv-cache-bytes", str(self.cfg.worker_kv_cache_bytes),
                 "--kv-backend", self.cfg.kv_backend,
+                "--dtype", DType(self.cfg.dtype).value,
+                "--quantization", WeightQuant(self.cfg.quantization).value,
                 *self._pin_args(role, index), *self._common(), *self._redis_args(),
                 *self._passthrough(_WORKER_PASSTHROUGH)]  # fmt: skip
 

@@ -162,6 +162,7 @@ class ClusterController:
         engine = EngineConfig(model=c.model, model_cache_dir=c.model_cache_dir,
                               kv_cache_bytes=c.worker_kv_cache_bytes,
                               num_threads=c.worker_threads,
+                              dtype=c.dtype, quantization=c.quantization,
                               device="cuda" if pool.gpus > 0 else "cpu")  # fmt: skip
         transfer = TransferConfig(kv_backend=c.kv_backend)
         return ServiceSpec(name, "worker", (worker, engine, transfer, self.telemetry))

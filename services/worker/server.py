@@ -160,7 +160,8 @@ async def serve_worker(
     telemetry = Telemetry.start(
         telemetry_cfg or TelemetryConfig(), f"pdserve-{config.role}", config.worker_id
     )
-    engine = LLMEngine(engine_cfg, progress=False)
+    # A bar only where a person watches: weight packing or quantization takes seconds.
+    engine = LLMEngine(engine_cfg, progress=sys.stderr.isatty())
     observe = WorkerTelemetry.on(telemetry, engine, config.worker_id)
     loop = EngineLoop(engine).start(asyncio.get_running_loop())
     exporter = importer = None

@@ -52,7 +52,9 @@ def main() -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=400)
     args = parser.parse_args()
     model = prepare_default_model(DEFAULT_MODEL_CACHE.expanduser(), progress=False)
-    engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=args.num_kv_blocks))
+    engine = LLMEngine(
+        EngineConfig(model=str(model), num_kv_blocks=args.num_kv_blocks, dtype="float32")
+    )
     config = TransferConfig(
         kv_backend=args.backend, kv_lease_ttl_s=args.lease_ttl, kv_transfer_port=args.port
     )

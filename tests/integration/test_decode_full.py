@@ -48,7 +48,7 @@ def tokenizer() -> Tokenizer:
 
 
 def _pool_bytes() -> int:
-    cfg = EngineConfig()
+    cfg = EngineConfig(dtype="float32")  # as the suite pins its workers (conftest)
     spec = ModelSpec.from_dir(prepare_default_model(MODEL_CACHE, progress=False))
     layout = KvLayout.from_spec(spec, cfg.torch_dtype, BLOCK, cfg.torch_device)
     return POOL_BLOCKS * layout.bytes_per_block

@@ -1,4 +1,5 @@
-"""The linear kernels: oneDNN's pre-packed product equals F.linear, and the pick rules."""
+"""The linear kernels: oneDNN's pre-packed product equals F.linear (fp32 and bf16), int8
+stays within its quantization error, and the pick rules."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import EngineConfig
-from engine.linear_kernel import ONEDNN_MAX_ROWS, OneDnnLinear, TorchLinear, pick_linear_kernel
+from engine.linear_kernel import (
+    ONEDNN_MAX_ROWS,
+    Int8Linear,
+    OneDnnLinear,
+    TorchLinear,
+    pick_linear_kernel,
+)
+from engine.precision import WeightQuant
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(
@@ -44,16 +52,57 @@ def test_torch_kernel_keeps_the_weight_as_loaded() -> None:
 
 
 @needs_onednn
-def test_auto_packs_only_x86_cpu_float32() -> None:
-    assert pick_linear_kernel("auto", CPU, torch.float32).name == ("onednn" if X86 else "torch")
-    assert pick_linear_kernel("auto", CPU, torch.bfloat16).name == "torch"
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_onednn_bf16_is_always_packed_and_matches_torch(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(192, 576, generator=gen).bfloat16()
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    kernel = pick_linear_kernel("onednn", CPU, torch.bfloat16)
+    assert isinstance(kernel, OneDnnLinear) and kernel.max_rows is None
+    prepared = kernel.prepare(weight)
+    assert prepared.plain is None, "an always-packed weight keeps no second copy"
+    got = kernel.apply(x, prepared)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-1)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_int8_is_within_its_quantization_error(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(256, 576, generator=gen)
+    bias = torch.randn(256, generator=gen)
+    x = torch.randn(rows, 576, generator=gen)
+    x[0, 3] = 40.0  # an outlier only scales its own row (per-token activation scales)
+    kernel = Int8Linear()
+    prepared = kernel.prepare(weight)
+    assert prepared.plain is None, "the full-precision weight is dropped once quantized"
+    got = kernel.apply(x, prepared, bias)
+    want = F.linear(x, weight, bias)
+    # Per row, the error is a small fraction of the row's output scale; the outlier costs
+    # its own row precision and no other row any (per-token scales).
+    err = (got - want).norm(dim=1) / want.norm(dim=1)
+    assert float(err[0]) < 0.1, err
+    assert rows == 1 or float(err[1:].max()) < 0.02, err
+    assert kernel.apply(x.bfloat16(), prepared).dtype == torch.bfloat16
+
+
+@needs_onednn
+def test_auto_packs_only_x86_cpu() -> None:
+    packs = "onednn" if X86 else "torch"
+    assert pick_linear_kernel("auto", CPU, torch.float32).name == packs
+    assert pick_linear_kernel("auto", CPU, torch.bfloat16).name == packs
+    assert pick_linear_kernel("auto", CPU, torch.float16).name == "torch"
     assert pick_linear_kernel("auto", torch.device("cuda"), torch.float32).name == "torch"
     assert pick_linear_kernel("torch", CPU, torch.float32).name == "torch"
+    int8 = pick_linear_kernel("auto", CPU, torch.bfloat16, WeightQuant.INT8)
+    assert int8.name == "int8" and int8.folds_norms
 
 
 def test_unusable_or_unknown_kernel_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="onednn needs device cpu, dtype float32"):
-        pick_linear_kernel("onednn", CPU, torch.bfloat16)
+    with pytest.raises(ValueError, match="onednn needs device cpu, dtype float32 or bfloat16"):
+        pick_linear_kernel("onednn", CPU, torch.float16)
+    with pytest.raises(ValueError, match="int8 has its own kernel"):
+        pick_linear_kernel("torch", CPU, torch.float32, WeightQuant.INT8)
     with pytest.raises(ValueError, match="linear_kernel must be one of"):
         pick_linear_kernel("mkl", CPU, torch.float32)
     with pytest.raises(ValueError, match="linear_kernel must be one of"):

@@ -1,0 +1,88 @@
+"""Number formats of one engine: the compute dtype and the weights' quantization.
+
+Lifecycle: `EngineConfig` holds a `DType` and a `WeightQuant` as chosen by flags (`auto`
+and `none` by default); at engine start `resolve_dtype` turns `auto` into a torch dtype
+for the device, once, and logs why; `LlamaModel` computes in that dtype and hands its
+projections to the linear kernel `pick_linear_kernel` chose for the pair.
+
+Why bf16 by default where the CPU computes it natively: on the development host (AMD
+EPYC with AVX-512 BF16), bf16 GEMMs at SmolLM2's shapes ran 2-2.5x the fp32 ones and
+the engine's prefill rose about 1.6x with no other change (docs/engine.md "Precision").
+A CPU without native bf16 converts every element through fp32 and gains nothing, so
+`auto` stays fp32 there. The accuracy gate in the test suite holds every non-fp32 mode
+to the fp32 engine; fp32 keeps token-exact parity with HF transformers.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: /proc/cpuinfo flags of a CPU with bf16 dot products in hardware (x86 AVX-512 BF16 or
+#: AMX; Arm's BF16 extension).
+_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+_VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+class DType(enum.StrEnum):
+    """The dtype activations, weights (unless quantized) and the KV cache compute in."""
+
+    AUTO = "auto"  # bf16 on CUDA and on CPUs with native bf16; fp32 elsewhere
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+class WeightQuant(enum.StrEnum):
+    """How the projection weights are stored and multiplied."""
+
+    NONE = "none"  # in the compute dtype
+    INT8 = "int8"  # per-channel int8 weights, per-token dynamic int8 activations (CPU)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as Linux reports them (empty where it does not)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return frozenset()
+    for line in cpuinfo.read_text(errors="replace").splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    return bool(cpu_flags() & _BF16_FLAGS)
+
+
+def cpu_has_vnni() -> bool:
+    return bool(cpu_flags() & _VNNI_FLAGS)
+
+
+def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:
+    """The torch dtype `dtype` means on `device`; `auto` is decided here and logged."""
+    if dtype is not DType.AUTO:
+        resolved: torch.dtype = getattr(torch, dtype.value)
+        return resolved
+    if device.type == "cuda":
+        return torch.bfloat16
+    if cpu_has_native_bf16():
+        log.info("dtype auto: bfloat16 (this CPU computes bf16 natively)")
+        return torch.bfloat16
+    log.info("dtype auto: float32 (no native bf16 on this %s CPU)", platform.machine())
+    return torch.float32
+
+
+def check_quant(quant: WeightQuant, device: torch.device) -> None:
+    """Refuse a quantization this device has no kernel for, naming the flag."""
+    if quant is WeightQuant.INT8 and device.type != "cpu":
+        raise ValueError(f"quantization int8 runs on the CPU only; got device {device.type}")
