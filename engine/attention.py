@@ -172,7 +172,10 @@ class TorchAttention(AttentionBackend):
         v = v_cache.index_select(0, group.blocks).view(g, length, kvh, hd).transpose(1, 2)
         # GQA without copying K/V: the query heads of one KV group become query rows.
         qg = q.view(g, kvh, heads // kvh, hd)
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask)
+        if q.dtype == torch.float32:
+            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask)
+        else:
+            out = _decode_matmul(qg, k, v, group.mask)
         return out.reshape(g, heads, hd)
 
     @staticmethod
@@ -194,6 +197,20 @@ class TorchAttention(AttentionBackend):
         else:
             out = F.scaled_dot_product_attention(qh, k, v, attn_mask=seq.mask, enable_gqa=True)
         return out[0].transpose(0, 1)
+
+
+def _decode_matmul(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Decode attention as two batched matmuls in the model's dtype, softmax in fp32.
+
+    Why not SDPA below fp32: for a handful of query rows per KV head, torch's CPU SDPA
+    in bf16 ran 1.5x (48 keys) to 2.7x (512 keys) slower than this on the development
+    host; in fp32 the two are even, and SDPA stays for fp32's bit parity with HF.
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(q.shape[-1] ** -0.5)
+    scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
 
 
 def _chunk_mask(qlen: int, seq_len: int, device: torch.device) -> torch.Tensor | None:

@@ -204,11 +204,11 @@ class LlamaModel:
         t = h.shape[0]
         qkv = self.kernel.apply(h, self.linears[f"{i}.qkv"], self.weights.get(f"{i}.qkv_b"))
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(t, s.num_heads, s.head_dim)
-        k = k.view(t, s.num_kv_heads, s.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        # Rotate q and k as one tensor of heads + kv_heads: half the small ops per layer.
+        qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
+        qk = qk.reshape(t, s.num_heads + s.num_kv_heads, s.head_dim)
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
         k_cache, v_cache = layer_cache[0], layer_cache[1]
         flat = (-1, s.num_kv_heads, s.head_dim)
         k_cache.view(flat).index_copy_(0, meta.slot_mapping, k)
