@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.precision import DType
 from loadtest.engine_workload import PRESETS, PhasePlan
 
 
@@ -25,12 +26,25 @@ class EngineBenchConfig:
         default=512, metadata={"help": "pdserve's token budget per step"}
     )
     warmup: bool = field(default=True, metadata={"help": "untimed warm-up runs on each side"})
+    dtype: DType = field(
+        default=DType.AUTO,
+        metadata={"help": "dtype of pdserve and both transformers sides (auto: pdserve's)"},
+    )
+    fp32_baseline: bool = field(
+        default=True,
+        metadata={"help": "also run pdserve in float32 on the same requests (when dtype is not)"},
+    )
+    hf_continuous: bool = field(
+        default=True,
+        metadata={"help": "also run transformers' continuous batching (paged cache) side"},
+    )
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
             raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
+        object.__setattr__(self, "dtype", DType(self.dtype))
         if self.kv_cache_bytes <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("kv_cache_bytes and max_num_batched_tokens must be > 0")
 

@@ -1,6 +1,7 @@
-"""The two sides of the engine benchmark, each timed on the same requests.
+"""The sides of the engine benchmark, each timed on the same requests.
 
-Lifecycle of a phase's side (`engine_bench.run_phase` runs pdserve, then transformers):
+Lifecycle of a phase's side (`engine_bench.run_phase` runs pdserve, pdserve in float32
+when the run's dtype is another, transformers static, then transformers continuous):
 
 - pdserve at batch B (`run_pdserve`): a fresh `LLMEngine` with `max_num_seqs=B`, an
   untimed warm-up on other prompts, then every request submitted at once and stepped
@@ -9,6 +10,13 @@ Lifecycle of a phase's side (`engine_bench.run_phase` runs pdserve, then transfo
 - transformers at batch B (`run_transformers`; the model is loaded once per run by
   `load_hf_model`): consecutive static batches of B requests, left-padded with an
   attention mask, greedy `generate` run to the batch's longest output.
+- transformers continuous batching at batch B (`run_transformers_cb`; its own copy of
+  the model with the paged SDPA attention): every request added to one
+  `ContinuousBatchingManager` at once, at most B scheduled per step, each with its own
+  `max_new_tokens` and EOS disabled; the peer `transformers serve --continuous-batching`
+  runs on.
+
+All sides compute in the run's dtype.
 
 Both are greedy and ignore EOS, so each request gets exactly its requested tokens.
 Throughput = the requests' own requested output tokens / wall seconds, prefill included:
@@ -27,6 +35,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.precision import DType
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from loadtest.engine_bench_config import EngineBenchConfig
@@ -37,6 +46,8 @@ from loadtest.settings import RunSettings
 PAD_ID = 2
 #: Tokens compared when reporting how often both sides produced the same greedy output.
 AGREEMENT_PREFIX = 8
+#: How long to wait on transformers' continuous-batching manager for a result.
+HF_CB_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -79,7 +90,9 @@ def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
 
 
 # -- pdserve --------------------------------------------------------------------------
-def build_engine(settings: RunSettings, cfg: EngineBenchConfig, batch_size: int) -> LLMEngine:
+def build_engine(
+    settings: RunSettings, cfg: EngineBenchConfig, batch_size: int, dtype: DType
+) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model_cache_dir=settings.model_cache_dir.expanduser(),
@@ -87,6 +100,7 @@ def build_engine(settings: RunSettings, cfg: EngineBenchConfig, batch_size: int)
             max_num_seqs=batch_size,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             num_threads=cfg.threads,
+            dtype=dtype,
         )
     )
 
@@ -115,9 +129,10 @@ def run_pdserve(
     plan: PhasePlan,
     requests: Sequence[EngineRequest],
     vocab_size: int,
+    dtype: DType,
 ) -> tuple[SideResult, list[list[int]], EngineStats]:
     """Time pdserve on the phase; raises if a request got other than its requested tokens."""
-    eng = build_engine(settings, cfg, plan.batch_size)
+    eng = build_engine(settings, cfg, plan.batch_size, dtype)
     if cfg.warmup:
         drive_engine(eng, warmup_workload(min(plan.batch_size, 2), vocab_size, settings.seed))
     start = time.perf_counter()
@@ -134,11 +149,15 @@ def run_pdserve(
 
 
 # -- transformers ---------------------------------------------------------------------
-def load_hf_model(model_dir: Path) -> Any:
-    """The reference model, fp32 like pdserve on CPU (transformers is a test extra)."""
+def load_hf_model(model_dir: Path, dtype: torch.dtype, *, paged: bool = False) -> Any:
+    """The reference model in pdserve's dtype (transformers is a test extra); `paged`
+    loads it with the paged SDPA attention its continuous batching needs."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    attn = "paged|sdpa" if paged else "sdpa"
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation=attn
+    )
     return model.eval()
 
 
@@ -188,3 +207,55 @@ def run_transformers(
         passes += steps
     wall = time.perf_counter() - start
     return side_result(wall, requests, computed, passes), outputs
+
+
+def hf_continuous(
+    model: Any, batch: int, step_tokens: int, requests: Sequence[EngineRequest]
+) -> tuple[list[list[int]], float]:
+    """Every request through one continuous-batching manager, at most `batch` requests
+    and `step_tokens` tokens (pdserve's budget in the same run) per step. Returns the
+    outputs and the seconds from the first request in to the last result out: the
+    manager's start (cache allocation) and stop are not timed, as a server started once
+    (`transformers serve --continuous-batching`) pays them once."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    longest = max(r.max_tokens for r in requests)
+    # eos_token_id None: the manager disables EOS, so each request runs its own length.
+    gen = GenerationConfig(do_sample=False, max_new_tokens=longest, eos_token_id=None,
+                           pad_token_id=PAD_ID)  # fmt: skip
+    cb = ContinuousBatchingConfig(max_requests_per_batch=batch, max_batch_tokens=step_tokens)
+    done: dict[str, list[int]] = {}
+    with model.continuous_batching_context_manager(
+        generation_config=gen, continuous_batching_config=cb, block=True, timeout=HF_CB_WAIT_S
+    ) as manager:
+        start = time.perf_counter()
+        ids = [manager.add_request(list(r.prompt), max_new_tokens=r.max_tokens) for r in requests]
+        while len(done) < len(ids):
+            result = manager.get_result(timeout=HF_CB_WAIT_S)
+            if result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching stopped early")
+            if result is not None and result.is_finished():
+                done[result.request_id] = list(result.generated_tokens)
+        wall = time.perf_counter() - start
+    return [done[rid] for rid in ids], wall
+
+
+def run_transformers_cb(
+    settings: RunSettings,
+    cfg: EngineBenchConfig,
+    model: Any,
+    plan: PhasePlan,
+    requests: Sequence[EngineRequest],
+    vocab_size: int,
+) -> tuple[SideResult, list[list[int]]]:
+    """Time transformers' continuous batching on the phase."""
+    if cfg.warmup:
+        warm = warmup_workload(2, vocab_size, settings.seed)
+        hf_continuous(model, plan.batch_size, cfg.max_num_batched_tokens, warm)
+    outputs, wall = hf_continuous(model, plan.batch_size, cfg.max_num_batched_tokens, requests)
+    for r, out in zip(requests, outputs, strict=True):
+        if len(out) != r.max_tokens:
+            raise RuntimeError(f"transformers CB made {len(out)} tokens, {r.max_tokens} asked")
+    computed = sum(len(r.prompt) + r.max_tokens - 1 for r in requests)
+    return side_result(wall, requests, computed, 0), outputs

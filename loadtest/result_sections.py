@@ -72,16 +72,28 @@ def provenance_line(data: Json, file: str) -> str:
     )
 
 
+def _side_tps(phase: Json, side: str) -> str:
+    return _fmt((phase.get(side) or {}).get("tokens_per_s"), ".1f")
+
+
+def _verdict(ratio: object, met: object) -> str:
+    if _num(ratio) is None:
+        return "-"
+    return _fmt(ratio, ".2f", "x") + ("" if met is None else "" if met else " (**not met**)")
+
+
 def engine(data: Json) -> list[str]:
     rows = [
         [str(p["batch_size"]), str(p["num_requests"]), _fmt(p["pdserve"]["tokens_per_s"], ".1f"),
          _fmt(p["transformers"]["tokens_per_s"], ".1f"), _fmt(p["ratio"], ".2f", "x"),
          "-" if p.get("target") is None else f">= {p['target']:.2f}x",
-         "-" if p.get("met") is None else ("met" if p["met"] else "**not met**")]
+         "-" if p.get("met") is None else ("met" if p["met"] else "**not met**"),
+         _side_tps(p, "transformers_cb"), _verdict(p.get("cb_ratio"), p.get("cb_met")),
+         _side_tps(p, "pdserve_fp32"), _verdict(p.get("dtype_ratio"), p.get("dtype_met"))]
         for p in data.get("phases", [])
     ]  # fmt: skip
     header = ["batch", "requests", "pdserve tok/s", "transformers tok/s", "ratio", "target",
-              "result"]  # fmt: skip
+              "result", "HF CB tok/s", "vs HF CB", "pdserve fp32 tok/s", "vs fp32"]  # fmt: skip
     kv = data.get("kv", {})
     preset = data.get("config", {}).get("preset", "?")
     caveat = (
@@ -89,9 +101,12 @@ def engine(data: Json) -> list[str]:
          "benchmark runs end to end, not a throughput figure to quote.", ""]
         if preset == "smoke" else []
     )  # fmt: skip
+    dtype = data.get("machine", {}).get("dtype", "float32")
     return [
         "Decode tokens/s of pdserve against HF transformers on the same requests, run back "
-        f"to back (preset `{preset}`; ratio = pdserve / transformers).",
+        f"to back (preset `{preset}`, {dtype}; ratio = pdserve / transformers static "
+        "`generate`; vs HF CB = pdserve / transformers' continuous batching, target >= 3x; "
+        "vs fp32 = pdserve / pdserve in float32).",
         "",
         *caveat,
         *_table(header, rows),
@@ -329,10 +344,57 @@ def structured(data: Json) -> list[str]:
     ]
 
 
+def roofline(data: Json) -> list[str]:
+    """The engine's prefill and decode GFLOPS as fractions of roofs measured in the run."""
+    rows = []
+    for r in data.get("precisions", []):
+        for p in r.get("prefill", []):
+            rows.append([r["name"], f"prefill {p['tokens']} tokens", _fmt(p["tokens_per_s"], ".0f")
+                         + " tok/s", _fmt(p["gflops"], ".1f"), _fmt(p["roof_gflops"], ".0f"),
+                         _fmt(p["fraction"], ".2f")])  # fmt: skip
+        for d in r.get("decode", []):
+            rows.append([r["name"], f"decode batch {d['batch']}", _fmt(d["step_ms"], ".1f")
+                         + " ms/step", _fmt(d["gflops"], ".1f"), _fmt(d["roof_gflops"], ".0f"),
+                         _fmt(d["fraction"], ".2f")])  # fmt: skip
+        rows.append([r["name"], "batch-1 bandwidth bound", _fmt(r.get("bandwidth_bound_ms"), ".1f")
+                     + " ms", "-", "-", _fmt(r.get("bandwidth_fraction"), ".2f")])  # fmt: skip
+    header = ["precision", "work", "speed", "GFLOPS", "roof GFLOPS", "fraction"]
+    return [
+        f"{data.get('threads', '?')} torch thread(s); copy bandwidth "
+        f"{_fmt(data.get('bandwidth_gb_s'), '.1f')} GB/s. {data.get('note', '')}.",
+        "",
+        *_table(header, rows),
+        *_targets(data),
+    ]
+
+
+def accuracy(data: Json) -> list[str]:
+    """Perplexity and agreement of each reduced-precision mode against float32."""
+    rows = [
+        [m["name"], _fmt(m["perplexity"], ".3f"), _fmt(100 * m["ppl_rise"], "+.2f", "%"),
+         f"<= +{100 * m['max_ppl_rise']:.0f}%", _fmt(m["forced_agreement"], ".3f"),
+         f">= {m['min_agreement']:.2f}", _fmt(m["agreement"], ".3f"),
+         _fmt(m["prefix_agreement"], ".3f"), "pass" if m["passed"] else "**fail**"]
+        for m in data.get("modes", [])
+    ]  # fmt: skip
+    header = ["mode", "perplexity", "rise", "bound", "forced agreement", "floor",
+              "free agreement", "free prefix", "gate"]  # fmt: skip
+    return [
+        f"{data.get('reference_tokens', '?')} reference tokens, {data.get('prompts', '?')} "
+        f"parity prompts, {data.get('continuation_tokens', '?')} tokens each. "
+        f"{data.get('note', '')}.",
+        "",
+        *_table(header, rows),
+    ]
+
+
 #: schema -> (title, renderer), in the page's order.
 SECTIONS: dict[str, tuple[str, Renderer]] = {
     "pdserve.headline/1": ("Headline: disaggregated vs colocated", headline),
     "pdserve.engine_bench/1": ("Engine: decode throughput", engine),
+    "pdserve.engine_bench/2": ("Engine: decode throughput", engine),
+    "roofline_bench/v1": ("Engine against this machine's roofs", roofline),
+    "accuracy_gate/v1": ("Accuracy gate: reduced precision against float32", accuracy),
     "pdserve.transfer_bench/1": ("KV transfer", transfer),
     "pdserve.router_bench/1": ("Router", router),
     "pdserve.gateway_bench/1": ("Gateway overhead", gateway),

@@ -1,9 +1,10 @@
 """The engine benchmark end to end in its smoke preset, on the real default model.
 
-One module-scoped run converts the default model into a temporary cache, runs both sides
-(pdserve and transformers) at batch 1 and 2 on two tiny requests each, and writes the
-JSON; the tests then check its schema and that its numbers add up against the workload
-the bench draws. The bench itself raises if pdserve leaves blocks or requests behind.
+One module-scoped run converts the default model into a temporary cache, runs every side
+(pdserve in bf16 and in float32, transformers static and continuous batching) at batch 1
+and 2 on two tiny requests each, and writes the JSON; the tests then check its schema
+and that its numbers add up against the workload the bench draws. The bench itself
+raises if pdserve leaves blocks or requests behind.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     out = tmp_path_factory.mktemp("bench") / "engine.json"
     threads = torch.get_num_threads()
     argv = ["--smoke", "--model-cache-dir", str(cache), "--out", str(out), "--threads", "1"]
-    argv += ["--kv-cache-bytes", str(64 << 20)]
+    argv += ["--kv-cache-bytes", str(64 << 20), "--dtype", "bfloat16"]
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
@@ -75,14 +76,15 @@ def test_top_level_schema(report: dict[str, Any]) -> None:
     assert report["machine"]["torch_threads"] == report["config"]["threads"] == 1
     assert report["provenance"]["host"]["cpu_count"] >= 1
     assert report["config"]["preset"] == "smoke"
+    assert report["config"]["dtype"] == report["machine"]["dtype"] == "bfloat16"
     assert [p["batch_size"] for p in report["phases"]] == [1, 2]
 
 
 def test_kv_pool_numbers(report: dict[str, Any]) -> None:
     spec = ModelSpec.from_dir(Path(report["model_dir"]))
     kv = report["kv"]
-    # fp32 K and V for every layer and KV head.
-    assert kv["bytes_per_token"] == spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+    # bf16 K and V for every layer and KV head.
+    assert kv["bytes_per_token"] == spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
     assert kv["pool_tokens"] == kv["total_blocks"] * kv["block_size"]
     assert kv["pool_bytes"] == kv["pool_tokens"] * kv["bytes_per_token"]
     assert kv["pool_bytes"] <= 64 << 20
@@ -99,7 +101,7 @@ def test_token_counts_add_up(report: dict[str, Any]) -> None:
         assert phase["num_requests"] == len(requests) == plan.num_requests
         assert phase["output_tokens"] == outputs
         assert phase["prompt_tokens"] == prompts
-        for side in ("pdserve", "transformers"):
+        for side in ("pdserve", "transformers", "transformers_cb", "pdserve_fp32"):
             s = phase[side]
             assert s["output_tokens"] == outputs
             assert s["prompt_tokens"] == prompts
@@ -129,7 +131,13 @@ def test_ratios_and_targets(report: dict[str, Any]) -> None:
         target = engine_report.TARGETS.get(phase["batch_size"])
         assert phase["target"] == target
         assert phase["met"] == (None if target is None else phase["ratio"] >= target)
-    assert report["targets_met"] == all(p["met"] is not False for p in report["phases"])
+        cb, fp32 = phase["transformers_cb"], phase["pdserve_fp32"]
+        assert math.isclose(phase["cb_ratio"], pd["tokens_per_s"] / cb["tokens_per_s"])
+        assert phase["cb_met"] == (phase["cb_ratio"] >= engine_report.CB_TARGET)
+        assert math.isclose(phase["dtype_ratio"], pd["tokens_per_s"] / fp32["tokens_per_s"])
+        assert phase["dtype_target"] == engine_report.DTYPE_TARGETS.get(phase["batch_size"])
+    verdicts = [p[k] for p in report["phases"] for k in ("met", "cb_met", "dtype_met")]
+    assert report["targets_met"] == all(v is not False for v in verdicts)
 
 
 def test_table_printed(bench_run: tuple[dict[str, Any], str]) -> None:
