@@ -43,6 +43,10 @@ test: model lint
 
 bench: model
 	$(BIN)/python -m loadtest.engine_bench --out bench-results/engine.json
+	# the engine against this machine's GEMM and bandwidth roofs, per precision (about 1 minute)
+	$(BIN)/python -m loadtest.roofline_bench --out bench-results/roofline.json
+	# bf16 and int8 against float32: perplexity and agreement (about 1 minute)
+	$(BIN)/python -m loadtest.accuracy --out bench-results/accuracy.json
 	$(BIN)/python -m loadtest.transfer_bench --out bench-results/transfer.json
 	$(BIN)/python -m loadtest.gateway_bench --out bench-results/gateway.json
 	$(BIN)/python -m loadtest.router_bench --out bench-results/router.json
