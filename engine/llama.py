@@ -99,7 +99,7 @@ class LlamaModel:
             projections.items(),
             desc=f"weights ({self.kernel.name})",
             unit="tensor",
-            disable=not progress,
+            disable=None if progress else True,  # None: tqdm shows it on a terminal only
         )
         linears = {name: self.kernel.prepare(w) for name, w in bar}
         self.weights, self.linears = weights, linears  # both or neither, if loading fails

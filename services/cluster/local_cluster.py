@@ -57,12 +57,14 @@ class ClusterConfig:
         default=256 << 20, metadata={"help": "KV pool bytes per worker"}
     )
     kv_backend: str = field(default="nixl", metadata={"help": "KV transfer backend: nixl or tcp"})
-    dtype: DType = field(
-        default=DType.AUTO,
+    # None leaves each worker its own default (its PDSERVE_DTYPE, else auto): a flag
+    # passed always would override the env of every worker this cluster starts.
+    dtype: DType | None = field(
+        default=None,
         metadata={"help": "workers' compute dtype: auto (bf16 where native), float32, ..."},
     )
-    quantization: WeightQuant = field(
-        default=WeightQuant.NONE, metadata={"help": "workers' weights: none or int8 (CPU)"}
+    quantization: WeightQuant | None = field(
+        default=None, metadata={"help": "workers' weights: none or int8 (CPU)"}
     )
     model: str | None = field(
         default=None, metadata={"help": "HF-layout model dir (default: SmolLM2-135M-Instruct)"}
@@ -146,7 +148,7 @@ _GATEWAY_PASSTHROUGH = (
     "prefill_timeout_s", "first_token_timeout_s", "token_timeout_s", "heartbeat_ttl_s",
     "load_ttl_s", "api_keys_file", "tokens_per_minute",
 )  # fmt: skip
-_WORKER_PASSTHROUGH = ("heartbeat_ttl_s", "kv_lease_ttl_s")
+_WORKER_PASSTHROUGH = ("heartbeat_ttl_s", "kv_lease_ttl_s", "dtype", "quantization")
 
 
 def die_with_parent() -> None:
@@ -258,8 +260,6 @@ class LocalCluster:
                 "--num-threads", str(self.cfg.worker_threads),
                 "--kv-cache-bytes", str(self.cfg.worker_kv_cache_bytes),
                 "--kv-backend", self.cfg.kv_backend,
-                "--dtype", DType(self.cfg.dtype).value,
-                "--quantization", WeightQuant(self.cfg.quantization).value,
                 *self._pin_args(role, index), *self._common(), *self._redis_args(),
                 *self._passthrough(_WORKER_PASSTHROUGH)]  # fmt: skip
 

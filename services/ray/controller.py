@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from engine.config import EngineConfig
+from engine.precision import DType, WeightQuant
 from kvtransfer.config import TransferConfig
 from services.cluster.local_cluster import ClusterConfig
 from services.common.model_config import ModelConfig
@@ -162,7 +163,8 @@ class ClusterController:
         engine = EngineConfig(model=c.model, model_cache_dir=c.model_cache_dir,
                               kv_cache_bytes=c.worker_kv_cache_bytes,
                               num_threads=c.worker_threads,
-                              dtype=c.dtype, quantization=c.quantization,
+                              dtype=c.dtype or DType.AUTO,
+                              quantization=c.quantization or WeightQuant.NONE,
                               device="cuda" if pool.gpus > 0 else "cpu")  # fmt: skip
         transfer = TransferConfig(kv_backend=c.kv_backend)
         return ServiceSpec(name, "worker", (worker, engine, transfer, self.telemetry))
