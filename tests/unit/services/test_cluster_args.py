@@ -1,0 +1,26 @@
+"""The flags `pdserve up` gives its workers for precision: none unless asked, so each
+worker keeps its own default (its PDSERVE_DTYPE env, which the test suite pins to
+float32); when asked, the same dtype and quantization for every worker."""
+
+from __future__ import annotations
+
+from engine.precision import DType, WeightQuant
+from services.cluster.local_cluster import ClusterConfig, LocalCluster
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+def test_unset_precision_passes_no_flag() -> None:
+    args = LocalCluster(ClusterConfig(gateway_port=0))._worker_args("decode", 0)
+    assert _flag(args, "--dtype") is None and _flag(args, "--quantization") is None
+
+
+def test_set_precision_reaches_every_worker() -> None:
+    cfg = ClusterConfig(gateway_port=0, dtype=DType.BFLOAT16, quantization=WeightQuant.INT8)
+    cluster = LocalCluster(cfg)
+    for role in ("prefill", "decode"):
+        args = cluster._worker_args(role, 0)
+        assert _flag(args, "--dtype") == "bfloat16"
+        assert _flag(args, "--quantization") == "int8"
