@@ -155,6 +155,8 @@ class Admission:
     def _fits(self, cost: Cost, priority: Priority, waited: float) -> bool:
         if not self.signalled:
             return True  # no signals: fail open
+        if self.capacity.never_fits(cost):
+            return True  # no pool could hold it: the worker refuses it at once (a 400)
         if not self.capacity.known:
             return self.capacity.pending < UNMEASURED_PENDING
         delay = self.capacity.start_delay_s(cost, priority)

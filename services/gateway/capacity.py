@@ -206,15 +206,20 @@ class Capacity:
     def decode_fits(self, cost: Cost) -> bool:
         """Whether the decode pool has room for the request beside the ones admitted
         here whose KV has not reached it yet. True when no decode worker reports."""
-        if not self.decode.signals:
+        if not self.decode.signals or self.never_fits(cost):
             return True
         size = self.decode.block_size
-        if cost.blocks(size) > self.decode.largest_pool:
-            # It can never fit: waiting would only run out its budget. Let it through so
-            # the worker refuses it at once, naming max_tokens and the pool (a 400).
-            return True
         pending = sum(p.cost.blocks(size) for p in self._unsettled())
         return self.decode.free_blocks - pending >= cost.blocks(size)
+
+    def never_fits(self, cost: Cost) -> bool:
+        """Whether no worker of either pool could ever hold the request (its prompt plus
+        max_tokens). Waiting would only run out its budget, so admission lets it through
+        and the worker refuses it at once, naming max_tokens and its pool (a 400)."""
+        return any(
+            bool(pool.signals) and cost.blocks(pool.block_size) > pool.largest_pool
+            for pool in (self.prefill, self.decode)
+        )
 
     def kv_block_seconds(self, cost: Cost) -> float:
         """The request's estimated KV-block-seconds: its blocks held for its decode."""

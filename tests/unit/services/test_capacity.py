@@ -111,3 +111,19 @@ def test_a_request_larger_than_any_decode_pool_is_let_through() -> None:
     cap.update([signal(Role.PREFILL, rate=1.0), signal(Role.DECODE, free=20)])
     assert not cap.decode_fits(Cost(16 * 500, 16 * 500))  # 1,000 blocks: the whole pool
     assert cap.decode_fits(Cost(16 * 500, 16 * 501))  # more than the pool holds
+
+
+def test_a_request_larger_than_any_prefill_pool_never_fits() -> None:
+    # A prompt the prefill workers can never hold is let through at once rather than held
+    # in the waiting room behind a busy prefill queue until the client's deadline.
+    cap = Capacity()
+    small = WorkerSignal(
+        worker_id="p-small", role=Role.PREFILL, waiting_tokens=NONE_WAITING, waiting=0,
+        running=0, free_blocks=10, total_blocks=100, block_size=16,
+        prefill_tokens_per_s=100.0, decode_step_s=0.02, age_s=0.0,
+    )  # fmt: skip
+    cap.update([small, signal(Role.DECODE)])
+    assert not cap.never_fits(Cost(16 * 50, 16 * 50))  # 100 blocks: the whole prefill pool
+    assert cap.never_fits(Cost(16 * 50, 16 * 51))
+    assert cap.never_fits(Cost(16 * 600, 16 * 600))  # past the decode pool too
+    assert not Capacity().never_fits(Cost(10**6, 0))  # no signals: nothing is known
