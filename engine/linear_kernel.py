@@ -1,5 +1,5 @@
 """How the model's linear layers multiply: plain torch, oneDNN with pre-packed weights, or
-int8 weights through fbgemm.
+int8 weights through `torch._int_mm`.
 
 Lifecycle: the engine picks a kernel once (`pick_linear_kernel(name, device, dtype,
 quant)`);
@@ -60,7 +60,7 @@ class LinearWeight:
     """
 
     plain: torch.Tensor | None
-    packed: Any = None  # a oneDNN tensor, or fbgemm's packed-params object
+    packed: Any = None  # a oneDNN tensor, or int8's (weight [in, out], channel scales)
 
 
 class LinearKernel(Protocol):

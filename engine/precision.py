@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 #: /proc/cpuinfo flags of a CPU with bf16 dot products in hardware (x86 AVX-512 BF16 or
 #: AMX; Arm's BF16 extension).
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
-_VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 class DType(enum.StrEnum):
@@ -62,10 +61,6 @@ def cpu_flags() -> frozenset[str]:
 
 def cpu_has_native_bf16() -> bool:
     return bool(cpu_flags() & _BF16_FLAGS)
-
-
-def cpu_has_vnni() -> bool:
-    return bool(cpu_flags() & _VNNI_FLAGS)
 
 
 def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:

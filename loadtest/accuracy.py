@@ -24,6 +24,7 @@ by the parity tests, not here.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import math
 import statistics
@@ -196,8 +197,7 @@ def measure(
     """Score float32 and each mode; `base` gives every other engine setting."""
 
     def config(mode: Mode) -> EngineConfig:
-        settings = {**base.__dict__, "dtype": mode.dtype, "quantization": mode.quantization}
-        return EngineConfig(**settings)
+        return dataclasses.replace(base, dtype=mode.dtype, quantization=mode.quantization)
 
     base32 = _score(config(BASELINE), prompts)
     ppl32, ref = base32.perplexity, base32.continuations

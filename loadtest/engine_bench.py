@@ -79,9 +79,7 @@ def _verdict(ratio: float | None, target: float | None) -> bool | None:
 def _fp32_side(
     settings: RunSettings, cfg: EngineBenchConfig, plan: PhasePlan, requests: Any, vocab: int
 ) -> SideResult | None:
-    if not cfg.fp32_baseline or cfg.dtype is DType.FLOAT32:
-        return None
-    if resolve_dtype(cfg.dtype, torch.device("cpu")) == torch.float32:
+    if not cfg.fp32_baseline or resolve_dtype(cfg.dtype, torch.device("cpu")) == torch.float32:
         return None
     progress(f"batch {plan.batch_size}: pdserve in float32")
     side, _, _ = run_pdserve(settings, cfg, plan, requests, vocab, DType.FLOAT32)
