@@ -3,7 +3,10 @@
 Lifecycle: `select_backend(name, device)` once at engine start picks and logs a backend.
 Each step the model runner builds one `AttentionMetadata` for the flat batch (decode
 sequences first, then prefill chunks); every layer writes its new K/V into the paged cache
-at `slot_mapping` and calls `backend.attend`. Backends never allocate cache blocks.
+at `slot_mapping` and calls `backend.attend` with its `LayerKv` views. Backends never
+allocate cache blocks. An 8-bit cache is read through `LayerKv.gather`, which
+dequantizes; the flash kernel takes only an unquantized cache (it has no per-block
+scales), so `select_backend` picks torch for an 8-bit one.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine.kv_cache import LayerKv
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +43,15 @@ class AttentionMetadata:
     query_lens_host: list[int]
     seq_lens_host: list[int]
     plan: object = None  # the backend's per-step plan (see AttentionBackend.plan)
+    kv_write: object = None  # the KV cache's per-step write plan (KvCache.plan_write)
 
 
 class AttentionBackend(abc.ABC):
     """Computes attention for one layer over the paged cache.
 
-    Preconditions: this step's K/V are already written into `k_cache`/`v_cache`
-    ([num_blocks, block_size, kv_heads, head_dim]). `q` is [T, heads, head_dim].
+    Preconditions: this step's K/V are already written into the layer's cache views
+    (`LayerKv`: [num_blocks, block_size, kv_heads, head_dim], page stride a whole
+    block). `q` is [T, heads, head_dim].
     Returns [T, heads, head_dim]. No side effects.
     """
 
@@ -55,13 +62,7 @@ class AttentionBackend(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def attend(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor: ...
+    def attend(self, q: torch.Tensor, cache: LayerKv, meta: AttentionMetadata) -> torch.Tensor: ...
 
 
 @dataclass
@@ -143,33 +144,26 @@ class TorchAttention(AttentionBackend):
         mask = (positions[None, :] < lens[:, None]).view(len(rows), 1, 1, -1)
         return _DecodeGroup(index, blocks, nblocks, mask)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, cache: LayerKv, meta: AttentionMetadata) -> torch.Tensor:
         plan = meta.plan
         assert isinstance(plan, _TorchPlan), "ModelRunner must call plan() once per step"
         out = torch.empty_like(q)
         for group in plan.decode_groups:
-            out[group.rows] = self._decode(q.index_select(0, group.rows), k_cache, v_cache, group)
+            out[group.rows] = self._decode(q.index_select(0, group.rows), cache, group)
         for seq in plan.prefills:
             out[seq.start : seq.start + seq.qlen] = self._prefill(
-                q[seq.start : seq.start + seq.qlen], k_cache, v_cache, seq
+                q[seq.start : seq.start + seq.qlen], cache, seq
             )
         return out
 
     @staticmethod
-    def _decode(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup
-    ) -> torch.Tensor:
+    def _decode(q: torch.Tensor, cache: LayerKv, group: _DecodeGroup) -> torch.Tensor:
         g, heads, hd = q.shape
-        bs, kvh = k_cache.shape[1], k_cache.shape[2]
+        bs, kvh = cache.k.shape[1], cache.k.shape[2]
         length = group.nblocks * bs
-        k = k_cache.index_select(0, group.blocks).view(g, length, kvh, hd).transpose(1, 2)
-        v = v_cache.index_select(0, group.blocks).view(g, length, kvh, hd).transpose(1, 2)
+        k, v = cache.gather(group.blocks, q.dtype)
+        k = k.view(g, length, kvh, hd).transpose(1, 2)
+        v = v.view(g, length, kvh, hd).transpose(1, 2)
         # GQA without copying K/V: the query heads of one KV group become query rows.
         qg = q.view(g, kvh, heads // kvh, hd)
         if q.dtype == torch.float32:
@@ -179,14 +173,13 @@ class TorchAttention(AttentionBackend):
         return out.reshape(g, heads, hd)
 
     @staticmethod
-    def _prefill(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: _PrefillSeq
-    ) -> torch.Tensor:
+    def _prefill(q: torch.Tensor, cache: LayerKv, seq: _PrefillSeq) -> torch.Tensor:
         _, _, hd = q.shape
-        bs, kvh = k_cache.shape[1], k_cache.shape[2]
+        bs, kvh = cache.k.shape[1], cache.k.shape[2]
         nblocks = seq.blocks.shape[0]
-        k = k_cache.index_select(0, seq.blocks).view(nblocks * bs, kvh, hd)[: seq.seq_len]
-        v = v_cache.index_select(0, seq.blocks).view(nblocks * bs, kvh, hd)[: seq.seq_len]
+        k, v = cache.gather(seq.blocks, q.dtype)
+        k = k.view(nblocks * bs, kvh, hd)[: seq.seq_len]
+        v = v.view(nblocks * bs, kvh, hd)[: seq.seq_len]
         # 4-D [1, heads, len, hd]: torch's CPU SDPA takes its fused (flash) kernel only for
         # batched 4-D inputs; 3-D falls back to the math path, which materialises every
         # score and made a 4k-token prompt 5-7x slower.
@@ -233,17 +226,15 @@ class FlashAttention(AttentionBackend):
 
         self._fn = flash_attn_varlen_func
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, cache: LayerKv, meta: AttentionMetadata) -> torch.Tensor:
+        if cache.k_scale is not None:
+            raise RuntimeError("the flash backend reads an unquantized KV cache only")
+        # The views' page stride is a whole block (every layer's K and V); the kernel
+        # reads it from k.stride(0) and needs only head_dim contiguous.
         out: torch.Tensor = self._fn(
             q=q,
-            k=k_cache,
-            v=v_cache,
+            k=cache.k,
+            v=cache.v,
             cu_seqlens_q=meta.query_start_loc,
             max_seqlen_q=meta.max_query_len,
             seqused_k=meta.seq_lens,
@@ -265,12 +256,20 @@ def flash_available(device: torch.device) -> bool:
     return True
 
 
-def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """`auto` takes flash on CUDA with fp16/bf16 when it imports, torch otherwise."""
+def select_backend(
+    name: str, device: torch.device, dtype: torch.dtype, *, quantized_kv: bool = False
+) -> AttentionBackend:
+    """`auto` takes flash on CUDA with fp16/bf16 and an unquantized cache when it
+    imports, torch otherwise."""
     if name not in ("auto", "torch", "flash"):
         raise ValueError(f"attention backend must be auto, torch or flash, got {name!r}")
+    if name == "flash" and quantized_kv:
+        raise ValueError("attention backend 'flash' needs kv_cache_dtype auto (no 8-bit KV)")
     want_flash = name == "flash" or (
-        name == "auto" and dtype in (torch.float16, torch.bfloat16) and flash_available(device)
+        name == "auto"
+        and dtype in (torch.float16, torch.bfloat16)
+        and not quantized_kv
+        and flash_available(device)
     )
     if want_flash:
         if not flash_available(device):

@@ -15,7 +15,7 @@ from typing import TypeVar
 import torch
 
 from engine.linear_kernel import KERNELS
-from engine.precision import DType, WeightQuant, check_quant, resolve_dtype
+from engine.precision import DType, KvCacheDType, WeightQuant, check_quant, resolve_dtype
 
 DEFAULT_MODEL_CACHE = Path("~/.cache/pdserve/models")
 _E = TypeVar("_E", bound=enum.Enum)
@@ -61,6 +61,13 @@ class EngineConfig:
         default=WeightQuant.NONE,
         metadata={"help": "none, or int8 weights with dynamic int8 activations (CPU)"},
     )
+    kv_cache_dtype: KvCacheDType = field(
+        default=KvCacheDType.AUTO,
+        metadata={
+            "help": "auto (the compute dtype), int8 or fp8_e4m3: 8-bit keys and values with "
+            "a scale per block and head (about 2x the blocks of bf16, 4x of float32)"
+        },
+    )
     attention_backend: str = field(default="auto", metadata={"help": "auto, torch or flash"})
     linear_kernel: str = field(
         default="auto",
@@ -85,6 +92,9 @@ class EngineConfig:
             self, "quantization", _member(WeightQuant, "quantization", self.quantization)
         )
         check_quant(self.quantization, self.torch_device)
+        object.__setattr__(
+            self, "kv_cache_dtype", _member(KvCacheDType, "kv_cache_dtype", self.kv_cache_dtype)
+        )
         if self.attention_backend not in ("auto", "torch", "flash"):
             raise ValueError(
                 f"attention_backend must be auto, torch or flash, got {self.attention_backend}"

@@ -41,7 +41,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.fork import Forker, fork_id
 from engine.grammar import GrammarCompiler, MaskJob
-from engine.kv_cache import KvLayout, allocate_kv_cache, blocks_for_budget
+from engine.kv_cache import KvCache, KvLayout, blocks_for_budget
 from engine.kv_handoff import HeldKv, HeldKvIndex, ImportSlot
 from engine.linear_kernel import pick_linear_kernel
 from engine.llama import LlamaModel
@@ -50,6 +50,7 @@ from engine.logprobs import TokenLogprobs, token_logprobs
 from engine.model_runner import ModelRunner
 from engine.model_spec import ModelSpec
 from engine.model_store import resolve_model_dir
+from engine.precision import kv_storage_dtype
 from engine.prefix_hash import hash_seed
 from engine.priority import Priority
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
@@ -84,15 +85,18 @@ class LLMEngine:
         log.info("linear layers: %s kernel (%s, %s, weights %s)", kernel.name, device, dtype, quant)
         self.model = LlamaModel(self.spec, dtype, device, kernel)
         self.model.load_weights(self.model_dir, progress=progress)
-        self.layout = KvLayout.from_spec(self.spec, dtype, config.block_size, device)
+        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)
+        self.layout = KvLayout.from_spec(self.spec, kv_dtype, config.block_size, device)
         num_blocks = config.num_kv_blocks or blocks_for_budget(self.layout, config.kv_cache_bytes)
-        self.kv_cache = allocate_kv_cache(self.layout, num_blocks, device)
+        self.kv_cache = KvCache(self.layout, num_blocks, device)
         self.pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(config.block_size, config.max_num_seqs, config.max_num_batched_tokens),
             self.pool,
         )
-        backend = select_backend(config.attention_backend, device, dtype)
+        backend = select_backend(
+            config.attention_backend, device, dtype, quantized_kv=self.layout.quantized
+        )
         self.runner = ModelRunner(self.model, self.kv_cache, backend, config.block_size)
         self.max_model_len = min(
             config.max_model_len or self.spec.max_position_embeddings,
@@ -127,6 +131,11 @@ class LLMEngine:
             self.layout.bytes_per_token,
             self.model_dir,
         )
+
+    @property
+    def kv_blocks(self) -> torch.Tensor:
+        """The pool as [num_blocks, bytes_per_block] bytes: what KV transfer moves."""
+        return self.kv_cache.blocks
 
     @property
     def requests(self) -> Mapping[str, Request]:

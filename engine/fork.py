@@ -20,10 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 from engine.block_pool import BlockPool
 from engine.grammar import Grammar
+from engine.kv_cache import KvCache
 from engine.request import Request
 from engine.sampler import new_generator
 from engine.sampling_params import GuidedSpec
@@ -39,7 +38,7 @@ class Forker:
         self,
         scheduler: Scheduler,
         pool: BlockPool,
-        kv_cache: torch.Tensor,
+        kv_cache: KvCache,
         block_size: int,
         grammar: Callable[[GuidedSpec], Grammar],
     ) -> None:
@@ -89,8 +88,7 @@ class Forker:
         child.block_ids = list(shared)
         if partial:
             (copy,) = self.pool.allocate(1)
-            # Layout [layers, K/V, blocks, ...]: one block's KV of every layer.
-            self.kv_cache[:, :, copy] = self.kv_cache[:, :, parent.block_ids[full]]
+            self.kv_cache.copy_block(parent.block_ids[full], copy)
             child.block_ids.append(copy)
         child.block_hashes = list(parent.block_hashes[:full])
         child.num_computed_tokens = prompt

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.errors import ModelNotFoundError
+from engine.kv_cache import KvCache, KvWrite
 from engine.linear_kernel import LinearKernel, LinearWeight, TorchLinear
 from engine.model_spec import ModelSpec, RopeScaling
 
@@ -171,18 +172,18 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KvCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        """Run the flat batch; writes K/V at `meta.slot_mapping`; returns [T, hidden]."""
+        """Run the flat batch; writes K/V by `meta.kv_write`; returns [T, hidden]."""
         w = self.weights
         x = F.embedding(input_ids, w["embed"])
         cos = self._cos[positions].unsqueeze(1)
         sin = self._sin[positions].unsqueeze(1)
         for i in range(self.spec.num_layers):
             h = _rms_norm(x, w[f"{i}.in_norm"], self.spec.rms_norm_eps)
-            x = x + self._attention(i, h, cos, sin, kv_cache[i], meta, backend)
+            x = x + self._attention(i, h, cos, sin, kv_cache, meta, backend)
             h = _rms_norm(x, w[f"{i}.post_norm"], self.spec.rms_norm_eps)
             x = x + self._mlp(i, h)
         return _rms_norm(x, w["norm"], self.spec.rms_norm_eps)
@@ -196,7 +197,7 @@ class LlamaModel:
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        layer_cache: torch.Tensor,
+        kv_cache: KvCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -209,11 +210,9 @@ class LlamaModel:
         qk = qk.reshape(t, s.num_heads + s.num_kv_heads, s.head_dim)
         qk = qk * cos + _rotate_half(qk) * sin
         q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
-        k_cache, v_cache = layer_cache[0], layer_cache[1]
-        flat = (-1, s.num_kv_heads, s.head_dim)
-        k_cache.view(flat).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(flat).index_copy_(0, meta.slot_mapping, v.view(t, *flat[1:]))
-        out = backend.attend(q, k_cache, v_cache, meta)
+        assert isinstance(meta.kv_write, KvWrite), "ModelRunner plans the step's KV writes"
+        kv_cache.write(i, k, v.view(t, s.num_kv_heads, s.head_dim), meta.kv_write)
+        out = backend.attend(q, kv_cache.layer(i), meta)
         o_bias = self.weights.get(f"{i}.o_b")
         return self.kernel.apply(out.reshape(t, q_size), self.linears[f"{i}.o"], o_bias)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.kv_cache import KvCache
 from engine.llama import LlamaModel
 from engine.logprobs import token_logprobs
 from engine.request import Request
@@ -39,7 +40,7 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaModel,
-        kv_cache: torch.Tensor,
+        kv_cache: KvCache,
         backend: AttentionBackend,
         block_size: int,
     ) -> None:
@@ -74,6 +75,7 @@ class ModelRunner:
                 sampling.append(req)
         meta = self._metadata(items, slots, qlens, seqlens, len(batch.decodes))
         meta.plan = self.backend.plan(meta, self.block_size, self.device)
+        meta.kv_write = self.kv_cache.plan_write(meta.slot_mapping)
         hidden = self.model.forward(
             torch.tensor(ids, device=self.device),
             torch.tensor(pos, device=self.device),

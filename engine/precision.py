@@ -46,6 +46,23 @@ class WeightQuant(enum.StrEnum):
     INT8 = "int8"  # per-channel int8 weights, per-token dynamic int8 activations (CPU)
 
 
+class KvCacheDType(enum.StrEnum):
+    """How the KV cache stores keys and values (`docs/engine.md` "KV cache")."""
+
+    AUTO = "auto"  # the compute dtype
+    INT8 = "int8"  # int8 with a float32 scale per block, layer, K/V and KV head
+    FP8_E4M3 = "fp8_e4m3"  # torch.float8_e4m3fn with the same scales
+
+
+def kv_storage_dtype(kv: KvCacheDType, compute: torch.dtype) -> torch.dtype:
+    """The torch dtype the KV pool stores for `kv` when the model computes in `compute`."""
+    if kv is KvCacheDType.INT8:
+        return torch.int8
+    if kv is KvCacheDType.FP8_E4M3:
+        return torch.float8_e4m3fn
+    return compute
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags as Linux reports them (empty where it does not)."""

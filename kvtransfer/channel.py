@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
-#: One (layer, K/V) slice of a long prompt's blocks can exceed gRPC's 4 MiB default.
+#: A block of a large model can exceed gRPC's 4 MiB default message size.
 MAX_MESSAGE_BYTES = 256 << 20
 MESSAGE_SIZE_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -3,9 +3,9 @@
 kvtransfer depends on these Protocols, never on `LLMEngine` (which satisfies both; so
 does a bare pool in the transfer benchmark). Lifecycle, prefill side: the engine pins a
 finished request's blocks (HELD_FOR_EXPORT); the exporter reads `held_kv`, leases the
-blocks, lets a peer read them from `kv_cache`, and calls `release_held` exactly once when
+blocks, lets a peer read them from `kv_blocks`, and calls `release_held` exactly once when
 the lease ends. Decode side: the importer calls `reserve_import`, fills the slot's
-`blocks_to_fill` in `kv_cache`, then calls exactly one of `commit_import` or
+`blocks_to_fill` in `kv_blocks`, then calls exactly one of `commit_import` or
 `cancel_import`.
 """
 
@@ -43,8 +43,9 @@ class ExportPort(HeldKvSource, Protocol):
     def layout(self) -> KvLayout: ...
 
     @property
-    def kv_cache(self) -> torch.Tensor:
-        """The pool [layers, 2, blocks, ...] that peers read held blocks from."""
+    def kv_blocks(self) -> torch.Tensor:
+        """The pool as [num_blocks, bytes_per_block] bytes (block-major: one block's KV
+        of every layer, with its scales, is one row) that peers read held blocks from."""
         ...
 
 
@@ -58,7 +59,7 @@ class ImportPort(Protocol):
     def layout(self) -> KvLayout: ...
 
     @property
-    def kv_cache(self) -> torch.Tensor: ...
+    def kv_blocks(self) -> torch.Tensor: ...
 
     def reserve_import(
         self,

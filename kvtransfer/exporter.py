@@ -39,12 +39,12 @@ log = logging.getLogger(__name__)
 HOUSEKEEPING_INTERVAL_S = 0.005
 
 
-def make_export_backend(name: str, kv_cache: torch.Tensor, agent_name: str) -> ExportBackend:
+def make_export_backend(name: str, kv_blocks: torch.Tensor, agent_name: str) -> ExportBackend:
     if name == "nixl":
         # Imported here: NIXL is an optional dependency, loaded only when chosen.
         from kvtransfer.nixl_backend import NixlExportBackend
 
-        return NixlExportBackend(kv_cache, agent_name)
+        return NixlExportBackend(kv_blocks, agent_name)
     return TcpExportBackend()
 
 
@@ -61,7 +61,7 @@ class KvExporter:
     def __init__(
         self,
         layout: KvLayout,
-        kv_cache: torch.Tensor,
+        kv_blocks: torch.Tensor,
         held: HeldKvSource,
         config: TransferConfig,
         *,
@@ -71,18 +71,18 @@ class KvExporter:
         self.held = held
         self.config = config
         self.layout = layout
-        self.kv_cache = kv_cache
+        self.kv_blocks = kv_blocks
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         # A new incarnation per process start: importers must re-handshake after a restart.
         self.incarnation = uuid.uuid4().hex[:12]
         self.agent_name = f"{self.engine_id}.{self.incarnation}"
         self.leases = LeaseTable(config.kv_lease_ttl_s, on_release=held.release_held)
-        self.backend = make_export_backend(config.kv_backend, kv_cache, self.agent_name)
+        self.backend = make_export_backend(config.kv_backend, kv_blocks, self.agent_name)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS
         )
         served = ServedPool(
-            self.engine_id, self.incarnation, layout, kv_cache, self.backend, self.leases
+            self.engine_id, self.incarnation, layout, kv_blocks, self.backend, self.leases
         )
         service = KvTransferService(served)
         kvtransfer_pb2_grpc.add_KvTransferServicer_to_server(service, self._server)
@@ -102,7 +102,7 @@ class KvExporter:
         security: ChannelSecurity = PLAINTEXT,
     ) -> KvExporter:
         return cls(
-            engine.layout, engine.kv_cache, engine, config,
+            engine.layout, engine.kv_blocks, engine, config,
             engine_id=engine_id, security=security,
         )  # fmt: skip
 

@@ -15,7 +15,8 @@ from kvtransfer.errors import InvalidHandleError, LayoutMismatchError, LeaseExpi
 from pdserve.v1 import common_pb2
 
 #: Version of the KvHandle/handshake protocol; peers refuse any other.
-PROTOCOL_VERSION = 1
+#: 2: ReadBlocks streams whole blocks of the block-major pool.
+PROTOCOL_VERSION = 2
 
 
 def validate_handle(

@@ -49,14 +49,14 @@ log = logging.getLogger(__name__)
 
 
 def make_import_backend(
-    name: str, kv_cache: torch.Tensor, agent_name: str, security: ChannelSecurity = PLAINTEXT
+    name: str, kv_blocks: torch.Tensor, agent_name: str, security: ChannelSecurity = PLAINTEXT
 ) -> ImportBackend:
     if name == "nixl":
         # Imported here: NIXL is an optional dependency, loaded only when chosen.
         from kvtransfer.nixl_backend import NixlImportBackend
 
-        return NixlImportBackend(kv_cache, agent_name)
-    return TcpImportBackend(kv_cache, security)
+        return NixlImportBackend(kv_blocks, agent_name)
+    return TcpImportBackend(kv_blocks, security)
 
 
 def handshake(
@@ -121,7 +121,7 @@ class KvImporter:
         self.agent_name = f"{self.engine_id}.{uuid.uuid4().hex[:12]}"
         self.security = security
         self.backend = make_import_backend(
-            config.kv_backend, engine.kv_cache, self.agent_name, security
+            config.kv_backend, engine.kv_blocks, self.agent_name, security
         )
         self._lock = threading.Lock()
         self._peer_by_address: dict[str, str] = {}  # address -> "address|incarnation"

@@ -4,14 +4,14 @@ Exporter: registers its whole KV pool once (one registration for the process's l
 hands out its agent metadata and pool address at handshake, and drains notifications,
 each of which names a lease the importer is done with.
 
-Importer: registers its pool once and prepares a descriptor list covering every
-(layer, K/V, block) unit of it once. Per exporter incarnation it loads the peer's
-metadata and prepares the peer's unit list once. A transfer is then one
-`make_prepped_xfer` READ with index arrays: NIXL merges runs of adjacent units into
-single descriptors, so contiguous blocks move as one ~block-run-sized copy per layer and
-K/V. The lease release rides on the READ as its notification (delivered only after the
-data has landed). A restarted exporter has a new agent name (engine id + incarnation):
-its old metadata and prepared list are dropped before the new ones load.
+Importer: registers its pool once and prepares a descriptor list with one entry per
+block (the pool is block-major: a block's KV of every layer, with its scales, is one
+contiguous row). Per exporter incarnation it loads the peer's metadata and prepares the
+peer's block list once. A transfer is then one `make_prepped_xfer` READ with index
+arrays, one descriptor per block; NIXL merges runs of adjacent blocks into one. The
+lease release rides on the READ as its notification (delivered only after the data has
+landed). A restarted exporter has a new agent name (engine id + incarnation): its old
+metadata and prepared list are dropped before the new ones load.
 
 Settings (found on 2-core CPU hosts with UCX over CMA): no UCX progress thread (the
 binding's thread busy-polls a whole core); UCX error handling mode "none", so a READ
@@ -73,26 +73,13 @@ def _mem_type(pool: torch.Tensor) -> str:
     return "VRAM" if pool.is_cuda else "DRAM"
 
 
-def unit_bytes(pool: torch.Tensor) -> int:
-    """Bytes of one (layer, K/V, block) unit: the contiguous piece of the pool tensor."""
-    return int(pool[0, 0, 0].numel() * pool.element_size())
-
-
-def unit_descriptors(base: int, layers: int, blocks: int, unit: int, device: int) -> np.ndarray:
-    """[N, 3] (address, length, device) of every unit; unit (l, kv, b) is row (2l+kv)*blocks+b."""
-    n = layers * 2 * blocks
-    descs = np.empty((n, 3), dtype=np.uint64)
-    descs[:, 0] = base + np.arange(n, dtype=np.uint64) * np.uint64(unit)
-    descs[:, 1] = unit
+def block_descriptors(base: int, blocks: int, block_bytes: int, device: int) -> np.ndarray:
+    """[N, 3] (address, length, device) of every block of a pool; block b is row b."""
+    descs = np.empty((blocks, 3), dtype=np.uint64)
+    descs[:, 0] = base + np.arange(blocks, dtype=np.uint64) * np.uint64(block_bytes)
+    descs[:, 1] = block_bytes
     descs[:, 2] = device
     return descs
-
-
-def unit_indices(block_ids: list[int], layers: int, blocks: int) -> np.ndarray:
-    """Row indices of `block_ids` in every (layer, K/V), layer-major like the pool."""
-    b = np.asarray(block_ids, dtype=np.int64)
-    lk = np.arange(layers * 2, dtype=np.int64)[:, None]
-    return (lk * blocks + b[None, :]).reshape(-1).astype(np.int32)
 
 
 def release_message(lease_id: str) -> bytes:
@@ -102,11 +89,11 @@ def release_message(lease_id: str) -> bytes:
 class NixlExportBackend(ExportBackend):
     name = "nixl"
 
-    def __init__(self, kv_cache: torch.Tensor, agent_name: str) -> None:
-        self._pool = kv_cache
+    def __init__(self, kv_blocks: torch.Tensor, agent_name: str) -> None:
+        self._pool = kv_blocks
         self._agent_name = agent_name
         self._agent = _new_agent(agent_name)
-        self._reg = self._agent.register_memory(kv_cache)
+        self._reg = self._agent.register_memory(kv_blocks)
 
     def handshake_fields(self, response: kvtransfer_pb2.HandshakeResponse) -> None:
         response.agent_name = self._agent_name
@@ -130,27 +117,24 @@ class NixlExportBackend(ExportBackend):
 
 
 class _Peer:
-    def __init__(self, name: str, prepped: Any, num_blocks: int) -> None:
+    def __init__(self, name: str, prepped: Any) -> None:
         self.name = name
         self.prepped = prepped
-        self.num_blocks = num_blocks
 
 
 class NixlImportBackend(ImportBackend):
     name = "nixl"
 
-    def __init__(self, kv_cache: torch.Tensor, agent_name: str) -> None:
-        self._pool = kv_cache
-        self._layers = kv_cache.shape[0]
-        self._blocks = kv_cache.shape[2]
-        self._unit = unit_bytes(kv_cache)
-        self._device = kv_cache.device.index or 0
+    def __init__(self, kv_blocks: torch.Tensor, agent_name: str) -> None:
+        self._pool = kv_blocks
+        self._block_bytes = kv_blocks.shape[1]
+        self._device = kv_blocks.device.index or 0
         self._agent = _new_agent(agent_name)
-        self._reg = self._agent.register_memory(kv_cache)
-        local = unit_descriptors(
-            kv_cache.data_ptr(), self._layers, self._blocks, self._unit, self._device
+        self._reg = self._agent.register_memory(kv_blocks)
+        local = block_descriptors(
+            kv_blocks.data_ptr(), kv_blocks.shape[0], self._block_bytes, self._device
         )
-        self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, _mem_type(kv_cache))
+        self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, _mem_type(kv_blocks))
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._notified: set[str] = set()
@@ -158,16 +142,13 @@ class NixlImportBackend(ImportBackend):
     def connect(self, peer_key: str, handshake: kvtransfer_pb2.HandshakeResponse) -> None:
         raw = self._agent.add_remote_agent(handshake.agent_metadata)
         name = raw.decode() if isinstance(raw, bytes) else str(raw)
-        remote = unit_descriptors(
-            handshake.pool_base_address,
-            self._layers,
-            handshake.num_blocks,
-            self._unit,
+        remote = block_descriptors(
+            handshake.pool_base_address, handshake.num_blocks, self._block_bytes,
             handshake.device_id,
-        )
+        )  # fmt: skip
         prepped = self._agent.prep_xfer_dlist(name, remote, _mem_type(self._pool))
         with self._lock:
-            self._peers[peer_key] = _Peer(name, prepped, handshake.num_blocks)
+            self._peers[peer_key] = _Peer(name, prepped)
 
     def _peer(self, peer_key: str) -> _Peer:
         with self._lock:
@@ -186,8 +167,8 @@ class NixlImportBackend(ImportBackend):
     ) -> ReadResult:
         peer = self._peer(peer_key)
         start = time.monotonic()
-        local_idx = unit_indices(dst_blocks, self._layers, self._blocks)
-        remote_idx = unit_indices(src_blocks, self._layers, peer.num_blocks)
+        local_idx = np.asarray(dst_blocks, dtype=np.int32)
+        remote_idx = np.asarray(src_blocks, dtype=np.int32)
         xfer = self._agent.make_prepped_xfer(
             "READ", self._local, local_idx, peer.prepped, remote_idx,
             notif_msg=release_message(handle.lease_id),
@@ -198,7 +179,7 @@ class NixlImportBackend(ImportBackend):
             xfer.release()
         with self._lock:
             self._notified.add(handle.lease_id)
-        nbytes = len(local_idx) * self._unit
+        nbytes = len(local_idx) * self._block_bytes
         return ReadResult(nbytes, len(local_idx), time.monotonic() - start)
 
     def _wait(self, xfer: Any, deadline: float, address: str) -> None:

@@ -22,6 +22,10 @@ from kvtransfer.layout import layout_to_proto
 from kvtransfer.leases import LeaseTable
 from pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
+#: Bytes of blocks per ReadBlocks message (at least one block): big enough that
+#: per-message overhead vanishes, small enough to stream while the importer copies.
+CHUNK_BYTES = 4 << 20
+
 
 @dataclass(frozen=True)
 class ServedPool:
@@ -30,7 +34,7 @@ class ServedPool:
     engine_id: str
     incarnation: str
     layout: KvLayout
-    kv_cache: torch.Tensor
+    kv_blocks: torch.Tensor
     backend: ExportBackend
     leases: LeaseTable
 
@@ -60,7 +64,7 @@ class KvTransferService(kvtransfer_pb2_grpc.KvTransferServicer):
             engine_id=exp.engine_id,
             incarnation=exp.incarnation,
             layout=layout_to_proto(exp.layout),
-            num_blocks=exp.kv_cache.shape[2],
+            num_blocks=exp.kv_blocks.shape[0],
         )
         exp.backend.handshake_fields(response)
         return response
@@ -77,12 +81,13 @@ class KvTransferService(kvtransfer_pb2_grpc.KvTransferServicer):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "block_ids: must be blocks of the lease"
             )
-        index = torch.tensor(list(request.block_ids), dtype=torch.long)
-        pool = self._exp.kv_cache
-        for layer in range(pool.shape[0]):
-            for kv in range(2):
-                data = pool[layer, kv].index_select(0, index).cpu().numpy().tobytes()
-                yield kvtransfer_pb2.BlockChunk(layer=layer, kv=kv, data=data)
+        pool = self._exp.kv_blocks
+        ids = list(request.block_ids)
+        per_chunk = max(1, CHUNK_BYTES // pool.shape[1])
+        for first in range(0, len(ids), per_chunk):
+            index = torch.tensor(ids[first : first + per_chunk], dtype=torch.long)
+            data = pool.index_select(0, index.to(pool.device)).cpu().numpy().tobytes()
+            yield kvtransfer_pb2.BlockChunk(first_block=first, num_blocks=len(index), data=data)
 
     def Release(
         self, request: kvtransfer_pb2.ReleaseRequest, context: grpc.ServicerContext

@@ -1,7 +1,7 @@
 """The fallback backend: block bytes streamed over the exporter's KvTransfer gRPC service.
 
 For platforms without NIXL (or UCX trouble). The exporter needs nothing beyond its
-KvTransfer service (`ReadBlocks` streams one message per layer and K/V; `Release`
+KvTransfer service (`ReadBlocks` streams whole blocks, a few per message; `Release`
 unpins). The importer keeps one channel per exporter incarnation.
 """
 
@@ -33,8 +33,8 @@ class TcpImportBackend(ImportBackend):
 
     name = "tcp"
 
-    def __init__(self, kv_cache: torch.Tensor, security: ChannelSecurity = PLAINTEXT) -> None:
-        self._pool = kv_cache
+    def __init__(self, kv_blocks: torch.Tensor, security: ChannelSecurity = PLAINTEXT) -> None:
+        self._pool = kv_blocks
         self._security = security
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, kvtransfer_pb2_grpc.KvTransferStub]] = {}
@@ -68,22 +68,31 @@ class TcpImportBackend(ImportBackend):
         if timeout <= 0:
             raise TransferError("no time left for the KV read")
         request = kvtransfer_pb2.ReadBlocksRequest(lease_id=handle.lease_id, block_ids=src_blocks)
-        dst = torch.tensor(dst_blocks, dtype=torch.long)
-        unit_shape = self._pool.shape[3:]
-        total = chunks = 0
+        dst = torch.tensor(dst_blocks, dtype=torch.long, device=self._pool.device)
+        total = chunks = received = 0
         try:
             for chunk in self._stub(peer_key).ReadBlocks(request, timeout=timeout):
-                data = torch.frombuffer(bytearray(chunk.data), dtype=self._pool.dtype)
-                block = data.view(len(dst_blocks), *unit_shape).to(self._pool.device)
-                self._pool[chunk.layer, chunk.kv].index_copy_(0, dst, block)
+                self._store(chunk, dst)
                 total += len(chunk.data)
                 chunks += 1
+                received += chunk.num_blocks
         except grpc.RpcError as exc:
             raise transfer_error_from_rpc(exc, f"KV read from {handle.transfer_address}") from exc
-        expected = 2 * self._pool.shape[0]
-        if chunks != expected:
-            raise LeaseExpiredError(f"KV read got {chunks} of {expected} layer slices")
+        if received != len(dst_blocks):
+            raise LeaseExpiredError(f"KV read got {received} of {len(dst_blocks)} blocks")
         return ReadResult(total, chunks, time.monotonic() - start)
+
+    def _store(self, chunk: kvtransfer_pb2.BlockChunk, dst: torch.Tensor) -> None:
+        """Copy one message's whole blocks into their local blocks."""
+        width = self._pool.shape[1]
+        end = chunk.first_block + chunk.num_blocks
+        if end > len(dst) or len(chunk.data) != chunk.num_blocks * width:
+            raise TransferError(
+                f"KV chunk of {chunk.num_blocks} blocks at {chunk.first_block} does not fit "
+                f"the read ({len(dst)} blocks of {width} bytes)"
+            )
+        data = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(-1, width)
+        self._pool.index_copy_(0, dst[chunk.first_block : end], data.to(self._pool.device))
 
     def release(self, peer_key: str, handle: common_pb2.KvHandle, deadline: float) -> None:
         timeout = max(deadline - time.monotonic(), 0.5)

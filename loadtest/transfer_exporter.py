@@ -30,7 +30,7 @@ from typing import IO, Any
 
 import torch
 
-from engine.kv_cache import KvLayout, allocate_kv_cache
+from engine.kv_cache import KvLayout, allocate_blocks
 from engine.kv_handoff import HeldKv
 from engine.model_spec import ModelSpec
 from kvtransfer.config import TransferConfig
@@ -77,7 +77,7 @@ def layout_for(model_dir: Path) -> KvLayout:
 
 def patterned_pool(layout: KvLayout, num_blocks: int) -> torch.Tensor:
     """A pool whose flat element i holds the int32 bit pattern i (checkable anywhere)."""
-    pool = allocate_kv_cache(layout, num_blocks, CPU)
+    pool = allocate_blocks(layout, num_blocks, CPU)
     flat = pool.view(torch.int32).view(-1)
     if flat.numel() > 2**31:
         raise ValueError(f"{num_blocks} blocks are too many for an int32 pattern")

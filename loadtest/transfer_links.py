@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import KvLayout, allocate_kv_cache
+from engine.kv_cache import KvLayout, allocate_blocks
 from kvtransfer.backend import ImportBackend, ReadResult
 from kvtransfer.importer import handshake
 from kvtransfer.layout import check_layout
@@ -73,7 +73,7 @@ class CopyBaseline:
 
     def __init__(self, source: torch.Tensor, layout: KvLayout, max_blocks: int) -> None:
         self._src = source.view(-1)
-        self._dst = allocate_kv_cache(layout, max_blocks, CPU).view(-1)
+        self._dst = allocate_blocks(layout, max_blocks, CPU).view(-1)
 
     def memcpy(self, nbytes: int) -> float:
         """libc memmove (glibc's memcpy code), the machine's plain copy."""

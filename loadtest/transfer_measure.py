@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.kv_cache import KvLayout, allocate_kv_cache
+from engine.kv_cache import KvLayout, allocate_blocks
 from kvtransfer.backend import ReadResult
 from loadtest.bench_main import Progress
 from loadtest.transfer_bench_config import HEADROOM_BLOCKS, TransferBenchConfig
@@ -92,7 +92,7 @@ def make_rig(
 ) -> TransferRig:
     reference = patterned_pool(layout, cfg.num_blocks)
     copies = CopyBaseline(reference, layout, cfg.num_blocks - HEADROOM_BLOCKS)
-    pool = allocate_kv_cache(layout, cfg.num_blocks, CPU)
+    pool = allocate_blocks(layout, cfg.num_blocks, CPU)
     return TransferRig(cfg, seed, layout, peer, pool, reference, copies)
 
 
@@ -100,10 +100,10 @@ def verified_import(
     rig: TransferRig, name: str, src: list[int], dst: list[int]
 ) -> tuple[ReadResult, bool]:
     """Zero the destination, import, and compare bitwise with the exporter's pattern."""
-    rig.pool[:, :, dst] = 0
+    rig.pool[dst] = 0
     result, _, _ = timed_import(rig.links[name], rig.peer.export(name, src), src, dst)
-    got = rig.pool[:, :, dst].view(torch.int32)
-    ok = torch.equal(got, rig.reference[:, :, src].view(torch.int32))
+    got = rig.pool[dst].view(torch.int32)
+    ok = torch.equal(got, rig.reference[src].view(torch.int32))
     if not ok:
         progress(f"{name} import of {len(src)} blocks does NOT match the source")
     return result, ok
@@ -120,12 +120,11 @@ def block_ids(pattern: str, n: int, num_blocks: int, seed: int) -> tuple[list[in
     return [int(b) for b in src], [int(b) for b in dst]
 
 
-def merged_descriptors(src: Sequence[int], dst: Sequence[int], num_layers: int) -> int:
-    """Descriptors after NIXL merges runs adjacent on both sides, in every layer and K/V."""
-    runs = 1 + sum(
+def merged_descriptors(src: Sequence[int], dst: Sequence[int]) -> int:
+    """Descriptors after NIXL merges runs of blocks adjacent on both sides."""
+    return 1 + sum(
         1 for i in range(1, len(src)) if not (src[i] == src[i - 1] + 1 and dst[i] == dst[i - 1] + 1)
     )
-    return runs * 2 * num_layers
 
 
 def measure_case(rig: TransferRig, tokens: int, pattern: str) -> CaseResult:
@@ -156,7 +155,7 @@ def measure_case(rig: TransferRig, tokens: int, pattern: str) -> CaseResult:
         nixl_vs_torch_copy=gbps["nixl"] / gbps["torch_copy"],
         nixl_vs_tcp=gbps["nixl"] / gbps["tcp"],
         nixl_unit_descriptors=nixl_read.descriptors,
-        nixl_merged_descriptors=merged_descriptors(src, dst, layout.num_layers),
+        nixl_merged_descriptors=merged_descriptors(src, dst),
         tcp_messages=tcp_read.descriptors,
         verified={"nixl": nixl_ok, "tcp": tcp_ok},
         seconds=times,

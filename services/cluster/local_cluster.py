@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import DEFAULT_MODEL_CACHE
-from engine.precision import DType, WeightQuant
+from engine.precision import DType, KvCacheDType, WeightQuant
 from services.common.config import config_args
 from services.common.telemetry_config import TelemetryConfig, telemetry_args
 from services.common.tls import TlsConfig
@@ -65,6 +65,9 @@ class ClusterConfig:
     )
     quantization: WeightQuant | None = field(
         default=None, metadata={"help": "workers' weights: none or int8 (CPU)"}
+    )
+    kv_cache_dtype: KvCacheDType | None = field(
+        default=None, metadata={"help": "workers' KV cache: auto, int8 or fp8_e4m3"}
     )
     model: str | None = field(
         default=None, metadata={"help": "HF-layout model dir (default: SmolLM2-135M-Instruct)"}
@@ -148,7 +151,9 @@ _GATEWAY_PASSTHROUGH = (
     "prefill_timeout_s", "first_token_timeout_s", "token_timeout_s", "heartbeat_ttl_s",
     "load_ttl_s", "api_keys_file", "tokens_per_minute",
 )  # fmt: skip
-_WORKER_PASSTHROUGH = ("heartbeat_ttl_s", "kv_lease_ttl_s", "dtype", "quantization")
+_WORKER_PASSTHROUGH = (
+    "heartbeat_ttl_s", "kv_lease_ttl_s", "dtype", "quantization", "kv_cache_dtype",
+)  # fmt: skip
 
 
 def die_with_parent() -> None:

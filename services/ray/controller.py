@@ -24,7 +24,7 @@ from typing import Any
 import ray
 
 from engine.config import EngineConfig
-from engine.precision import DType, WeightQuant
+from engine.precision import DType, KvCacheDType, WeightQuant
 from kvtransfer.config import TransferConfig
 from services.cluster.local_cluster import ClusterConfig
 from services.common.model_config import ModelConfig
@@ -165,6 +165,7 @@ class ClusterController:
                               num_threads=c.worker_threads,
                               dtype=c.dtype or DType.AUTO,
                               quantization=c.quantization or WeightQuant.NONE,
+                              kv_cache_dtype=c.kv_cache_dtype or KvCacheDType.AUTO,
                               device="cuda" if pool.gpus > 0 else "cpu")  # fmt: skip
         transfer = TransferConfig(kv_backend=c.kv_backend)
         return ServiceSpec(name, "worker", (worker, engine, transfer, self.telemetry))

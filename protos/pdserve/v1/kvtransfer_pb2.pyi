@@ -52,14 +52,14 @@ class ReadBlocksRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockChunk(_message.Message):
-    __slots__ = ("layer", "kv", "data")
-    LAYER_FIELD_NUMBER: _ClassVar[int]
-    KV_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("data", "first_block", "num_blocks")
     DATA_FIELD_NUMBER: _ClassVar[int]
-    layer: int
-    kv: int
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     data: bytes
-    def __init__(self, layer: _Optional[int] = ..., kv: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    first_block: int
+    num_blocks: int
+    def __init__(self, data: _Optional[bytes] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from engine import attention
 from engine.attention import AttentionMetadata, TorchAttention
+from engine.kv_cache import LayerKv
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
 
@@ -65,6 +66,6 @@ def test_prefill_chunk_matches_causal_attention_on_4d_inputs(
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording_sdpa)
     q = torch.randn(qlen, HEADS, HEAD_DIM)
-    out = backend.attend(q, k_cache, v_cache, meta)
+    out = backend.attend(q, LayerKv(k_cache, v_cache, None, None), meta)
     torch.testing.assert_close(out, _reference(q, k_all, v_all, context), atol=1e-5, rtol=1e-5)
     assert seen == [4], "prefill SDPA must get 4-D inputs (3-D takes the slow math path)"

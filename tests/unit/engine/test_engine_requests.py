@@ -153,15 +153,24 @@ def test_duplicate_request_id_is_refused(engine: LLMEngine) -> None:
     assert_no_leaks(engine)
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8_e4m3"])
 def test_kv_handoff_between_engines_matches_single_engine(
-    make_engine: EngineFactory, engine: LLMEngine
+    make_engine: EngineFactory, engine: LLMEngine, kv_dtype: str
 ) -> None:
-    """Prefill in one engine, copy the held blocks into another, decode there."""
-    prefill = make_engine(num_kv_blocks=200)
-    decode = make_engine(num_kv_blocks=200)
+    """Prefill in one engine, copy the held blocks into another, decode there.
+
+    The copy moves whole block rows, as NIXL and the TCP backend do: an 8-bit cache's
+    scales travel inside them, and the prompt's partial last block keeps growing on the
+    decode side with the scales it brought."""
+    prefill = make_engine(num_kv_blocks=200, kv_cache_dtype=kv_dtype)
+    decode = make_engine(num_kv_blocks=200, kv_cache_dtype=kv_dtype)
     prompt = engine.tokenizer.encode(long_prompt(4))
+    assert len(prompt) % 16 != 0
     params = SamplingParams(max_tokens=16)
-    (expected,) = engine.generate([prompt], params)
+    single = (
+        engine if kv_dtype == "auto" else make_engine(num_kv_blocks=200, kv_cache_dtype=kv_dtype)
+    )
+    (expected,) = single.generate([prompt], params)
 
     rid = prefill.add_request(prompt, SamplingParams(max_tokens=1), hold_kv=True)
     while prefill.has_unfinished():
@@ -172,8 +181,7 @@ def test_kv_handoff_between_engines_matches_single_engine(
 
     slot = decode.reserve_import(prompt, held.first_token_id, params, request_id="d1")
     assert slot.num_cached_blocks == 0
-    src = prefill.kv_cache[:, :, held.block_ids]
-    decode.kv_cache[:, :, slot.blocks_to_fill] = src
+    decode.kv_blocks[slot.blocks_to_fill] = prefill.kv_blocks[held.block_ids]
     prefill.release_held(rid)
     decode.commit_import("d1")
     out: list[int] = [held.first_token_id]

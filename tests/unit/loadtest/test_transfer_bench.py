@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from kvtransfer.service import CHUNK_BYTES
 from loadtest import transfer_report
 from loadtest.transfer_bench import main, parse_args
 from loadtest.transfer_bench_config import HEADROOM_BLOCKS, TransferBenchConfig
@@ -72,7 +73,8 @@ def test_schema_and_config(report: dict[str, Any]) -> None:
 def test_cases_add_up(report: dict[str, Any]) -> None:
     layout = report["layout"]
     blocks = TOKENS // BLOCK_SIZE
-    layers = layout["layout"]["num_layers"]
+    per_message = max(1, CHUNK_BYTES // layout["bytes_per_block"])
+    assert layout["layout_version"] == 2
     assert [(c["tokens"], c["pattern"]) for c in report["cases"]] == [
         (TOKENS, "contig"),
         (TOKENS, "scatter"),
@@ -88,11 +90,11 @@ def test_cases_add_up(report: dict[str, Any]) -> None:
         assert math.isclose(c["nixl_vs_memcpy"], c["nixl_gbps"] / c["memcpy_gbps"])
         assert math.isclose(c["nixl_vs_torch_copy"], c["nixl_gbps"] / c["torch_copy_gbps"])
         assert math.isclose(c["nixl_vs_tcp"], c["nixl_gbps"] / c["tcp_gbps"])
-        assert c["nixl_unit_descriptors"] == blocks * 2 * layers
-        assert c["tcp_messages"] == 2 * layers
+        assert c["nixl_unit_descriptors"] == blocks  # block-major: one per block
+        assert c["tcp_messages"] == -(-blocks // per_message)
         assert c["verified"] == {"nixl": True, "tcp": True}
     contig = report["cases"][0]
-    assert contig["nixl_merged_descriptors"] == 2 * layers  # one run per layer and K/V
+    assert contig["nixl_merged_descriptors"] == 1  # one run of adjacent blocks
 
 
 def test_one_block_overhead(report: dict[str, Any]) -> None:
@@ -152,8 +154,8 @@ def test_exporter_killed_when_it_does_not_answer(
 
 
 def test_merged_descriptors_and_block_ids() -> None:
-    assert merged_descriptors([5, 6, 7], [1, 2, 3], num_layers=30) == 60
-    assert merged_descriptors([3, 7, 8], [10, 11, 12], num_layers=30) == 120
+    assert merged_descriptors([5, 6, 7], [1, 2, 3]) == 1
+    assert merged_descriptors([3, 7, 8], [10, 11, 12]) == 2
     src, dst = block_ids("contig", 4, 20, seed=0)
     assert src == [8, 9, 10, 11] and dst == [4, 5, 6, 7]
     src, dst = block_ids("scatter", 6, 20, seed=0)

@@ -1,10 +1,10 @@
 """The flags `pdserve up` gives its workers for precision: none unless asked, so each
 worker keeps its own default (its PDSERVE_DTYPE env, which the test suite pins to
-float32); when asked, the same dtype and quantization for every worker."""
+float32); when asked, the same dtype, quantization and KV cache dtype for every worker."""
 
 from __future__ import annotations
 
-from engine.precision import DType, WeightQuant
+from engine.precision import DType, KvCacheDType, WeightQuant
 from services.cluster.local_cluster import ClusterConfig, LocalCluster
 
 
@@ -15,12 +15,15 @@ def _flag(args: list[str], name: str) -> str | None:
 def test_unset_precision_passes_no_flag() -> None:
     args = LocalCluster(ClusterConfig(gateway_port=0))._worker_args("decode", 0)
     assert _flag(args, "--dtype") is None and _flag(args, "--quantization") is None
+    assert _flag(args, "--kv-cache-dtype") is None
 
 
 def test_set_precision_reaches_every_worker() -> None:
-    cfg = ClusterConfig(gateway_port=0, dtype=DType.BFLOAT16, quantization=WeightQuant.INT8)
+    cfg = ClusterConfig(gateway_port=0, dtype=DType.BFLOAT16, quantization=WeightQuant.INT8,
+                        kv_cache_dtype=KvCacheDType.FP8_E4M3)  # fmt: skip
     cluster = LocalCluster(cfg)
     for role in ("prefill", "decode"):
         args = cluster._worker_args(role, 0)
         assert _flag(args, "--dtype") == "bfloat16"
         assert _flag(args, "--quantization") == "int8"
+        assert _flag(args, "--kv-cache-dtype") == "fp8_e4m3"
