@@ -5,7 +5,9 @@ Lifecycle of a block id:
   in use --free (ref hits 0)--> free: uncached blocks go to the uncached free list, hashed
   blocks to the LRU cached free list, where they stay reusable by `touch` on a prefix hit.
   allocate takes uncached blocks first and evicts cached ones least recently used first,
-  dropping their hash, so cached KV is the last thing given up.
+  dropping their hash, so cached KV is the last thing given up. With an offload tier,
+  `on_evict(block_id, hash)` runs before an evicted block is handed out again, so the
+  tier can copy its bytes away (engine/kv_offload.py).
 
 The pool never touches KV memory; it only hands out ids. It is not thread-safe: the engine
 owns it and calls it from its step thread.
@@ -14,7 +16,7 @@ owns it and calls it from its step thread.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from engine.errors import OutOfBlocksError
@@ -44,6 +46,8 @@ class BlockPool:
         # Plain dicts keep insertion order; OrderedDict gives O(1) pop from the front.
         self._free_uncached: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
+        #: Called with (block_id, hash) when a cached block is evicted for reuse.
+        self.on_evict: Callable[[int, int], None] | None = None
 
     # -- queries -----------------------------------------------------------------
     @property
@@ -91,6 +95,9 @@ class BlockPool:
                 block_id, _ = self._free_uncached.popitem(last=False)
             else:
                 block_id, _ = self._free_cached.popitem(last=False)
+                block_hash = self._hash_of[block_id]
+                if self.on_evict is not None and block_hash is not None:
+                    self.on_evict(block_id, block_hash)
                 self._evict(block_id)
             self._ref[block_id] = 1
             out.append(block_id)

@@ -39,6 +39,13 @@ class EngineConfig:
     kv_cache_bytes: int = field(
         default=1 << 30, metadata={"help": "memory budget of the KV pool in bytes"}
     )
+    kv_offload_bytes: int = field(
+        default=0,
+        metadata={
+            "help": "host-memory budget of the prefix cache's second tier, where evicted "
+            "blocks spill and prefix hits are copied back from (0: none)"
+        },
+    )
     num_kv_blocks: int | None = field(
         default=None, metadata={"help": "exact KV pool size in blocks (overrides the budget)"}
     )
@@ -82,6 +89,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive multiple of 8, got {self.block_size}")
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:

@@ -43,6 +43,7 @@ from engine.fork import Forker, fork_id
 from engine.grammar import GrammarCompiler, MaskJob
 from engine.kv_cache import KvCache, KvLayout, blocks_for_budget
 from engine.kv_handoff import HeldKv, HeldKvIndex, ImportSlot
+from engine.kv_offload import OffloadTier
 from engine.linear_kernel import pick_linear_kernel
 from engine.llama import LlamaModel
 from engine.logits_processing import RowContext
@@ -94,6 +95,11 @@ class LLMEngine:
             SchedulerConfig(config.block_size, config.max_num_seqs, config.max_num_batched_tokens),
             self.pool,
         )
+        self.offload: OffloadTier | None = None
+        if config.kv_offload_bytes:
+            self.offload = OffloadTier(self.kv_cache, config.kv_offload_bytes)
+            self.pool.on_evict = self.offload.spill
+            self.scheduler.tier = self.offload
         backend = select_backend(
             config.attention_backend, device, dtype, quantized_kv=self.layout.quantized
         )
@@ -542,7 +548,20 @@ class LLMEngine:
             kv_bytes_per_token=self.layout.bytes_per_token,
             kv_pool_bytes=p.total * self.layout.bytes_per_block,
             block_size=self.config.block_size,
+            **self._offload_stats(),
         )
+
+    def _offload_stats(self) -> dict[str, int]:
+        if self.offload is None:
+            return {}
+        o = self.offload.stats()
+        return {
+            "offload_blocks": o.blocks,
+            "offload_capacity_blocks": o.capacity_blocks,
+            "offload_hit_tokens": self.scheduler.offload_hit_tokens,
+            "offload_spilled_total": o.spilled,
+            "offload_restored_total": o.restored,
+        }
 
     # -- convenience for tests, benchmarks and the CLI ----------------------------
     def generate(

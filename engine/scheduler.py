@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
 from engine.errors import OutOfBlocksError, UnknownRequestError
+from engine.kv_offload import OffloadTier
 from engine.prefix_hash import prefix_block_hashes
 from engine.priority import Priority
 from engine.request import FinishReason, Request, RequestStatus
@@ -72,6 +73,9 @@ class Scheduler:
         self.preemptions_by_class = [0] * len(Priority)
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
+        #: The prefix cache's second tier (None: evicted blocks are gone).
+        self.tier: OffloadTier | None = None
+        self.offload_hit_tokens = 0
 
     # -- queue -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -205,12 +209,44 @@ class Scheduler:
             max_hit = min(max_hit, len(req.prompt_logprobs) // self.config.block_size)
         hits = self.pool.longest_cached_prefix(req.block_hashes[:max_hit])
         self.pool.touch(hits)
+        hits += self._restore_prefix(req, len(hits), max_hit)
         req.block_ids = list(hits)
         req.num_computed_tokens = len(hits) * self.config.block_size
         if req.num_preemptions == 0:
             # Counted once per request: a recompute after preemption is not a user hit.
             req.num_cached_tokens = req.num_computed_tokens
         return hits
+
+    def _restore_prefix(self, req: Request, first: int, last: int) -> list[int]:
+        """Continue a prefix hit past the pool's blocks from the offload tier: for each
+        hash of blocks [first, last), take the pool's block if it has one, else copy the
+        tier's bytes into a new pool block and publish it. Stops at the first hash
+        neither tier holds.
+
+        Leaves free blocks for one chunk of the rest of the prompt: a request that then
+        could not start would give its restored blocks back and restore them again on
+        every step it waits."""
+        tier, bs = self.tier, self.config.block_size
+        if tier is None:
+            return []
+        rest = req.num_tokens - last * bs
+        reserve = -(-min(max(rest, 1), self.config.max_num_batched_tokens) // bs)
+        out: list[int] = []
+        for block_hash in req.block_hashes[first:last]:
+            cached = self.pool.lookup(block_hash)
+            if cached is not None:
+                self.pool.touch([cached])
+            elif block_hash not in tier or self.pool.num_free <= reserve:
+                break
+            else:
+                slot = tier.take(block_hash)  # reserved: the allocation's spill can't reuse it
+                (cached,) = self.pool.allocate(1)
+                tier.restore(slot, cached)
+                self.pool.cache_full_block(cached, block_hash)
+                if req.num_preemptions == 0:
+                    self.offload_hit_tokens += bs
+            out.append(cached)
+        return out
 
     def _count_prefix(self, req: Request) -> None:
         """Add a request's prompt and cache-hit tokens to the prefix stats, once."""

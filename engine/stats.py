@@ -71,6 +71,13 @@ class EngineStats:
     decode_steps_total: int = 0
     decode_busy_s_total: float = 0.0
     busy_s_total: float = 0.0
+    # The offload tier (all 0 without one): entries now, its size, prefix tokens it
+    # served (within prefix_hit_tokens), blocks spilled into it and restored from it.
+    offload_blocks: int = 0
+    offload_capacity_blocks: int = 0
+    offload_hit_tokens: int = 0
+    offload_spilled_total: int = 0
+    offload_restored_total: int = 0
 
     @property
     def prefix_hit_ratio(self) -> float:

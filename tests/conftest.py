@@ -57,9 +57,11 @@ def make_engine(model_dir: Path) -> Iterator[EngineFactory]:
 
 
 def assert_no_leaks(engine: LLMEngine) -> None:
-    """Every block back in the pool, no request left anywhere."""
+    """Every block back in the pool, no request left anywhere, no offload slot lost."""
     s = engine.stats()
     assert s.used_blocks == 0, s
+    if engine.offload is not None:
+        assert engine.offload.stats().reserved == 0, engine.offload.stats()
     assert s.running == s.waiting == s.held_requests == s.importing_requests == 0, s
     assert not engine.requests
     assert not engine.has_unfinished()

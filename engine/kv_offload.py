@@ -1,0 +1,111 @@
+"""The prefix cache's second tier: evicted blocks spill to host memory and come back.
+
+Lifecycle: the engine makes one `OffloadTier(kv_cache, budget_bytes)` when
+`--kv-offload-bytes` is set, and hands it to the block pool as its spill hook and to the
+scheduler as its second tier. When the pool evicts a free cached block to reuse it,
+`spill` copies the block's bytes (every layer's K and V, and an 8-bit cache's scales)
+into a free slot of the arena under the block's chained hash, evicting the tier's
+least recently used entry when full. When the scheduler's prefix lookup runs past the
+pool's hits, `take` removes the next hash's slot from the index (so nothing spilled
+meanwhile can reuse it), the scheduler allocates a pool block, and `restore` copies the
+bytes back and frees the slot. An entry lives until it is restored, evicted by newer
+spills, or the tier is reset.
+
+Where the arena lives: host memory in both cases; pinned on CUDA so the copies run at
+PCIe speed, a plain (huge-page advised) tensor on CPU, where the "second tier" buys
+room beyond the pool's own budget rather than a faster medium. A copy is one block row
+(the pool is block-major), so a spill or a restore is one memcpy.
+
+Not thread-safe: the engine calls it from its step thread, as it does the pool.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KvCache, allocate_blocks
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """Counts since engine start; `blocks` / `capacity_blocks` are current."""
+
+    blocks: int
+    capacity_blocks: int
+    bytes_per_block: int
+    spilled: int  # blocks copied in from the pool
+    restored: int  # blocks copied back (prefix hits served by the tier)
+    dropped: int  # entries evicted by newer spills
+    reserved: int  # slots taken and not yet restored (0 between steps)
+
+
+class OffloadTier:
+    """An LRU arena of evicted prefix blocks, keyed by their chained hash."""
+
+    def __init__(self, kv_cache: KvCache, budget_bytes: int) -> None:
+        layout = kv_cache.layout
+        slots = budget_bytes // layout.bytes_per_block
+        if slots < 1:
+            raise ValueError(
+                f"kv_offload_bytes={budget_bytes} is below one block ({layout.bytes_per_block} "
+                "bytes)"
+            )
+        self._pool = kv_cache.blocks
+        self._arena = allocate_blocks(layout, slots, torch.device("cpu"))
+        if self._pool.is_cuda:
+            self._arena = self._arena.pin_memory()
+        self._slot_of: OrderedDict[int, int] = OrderedDict()  # hash -> slot, LRU first
+        self._free = list(range(slots - 1, -1, -1))
+        self.capacity_blocks = slots
+        self._spilled = self._restored = self._dropped = 0
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._slot_of
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def spill(self, block_id: int, block_hash: int) -> None:
+        """Copy a pool block that is about to be reused into the tier (before it is)."""
+        if block_hash in self._slot_of:
+            self._slot_of.move_to_end(block_hash)
+            return
+        if not self._free:
+            _, slot = self._slot_of.popitem(last=False)
+            self._free.append(slot)
+            self._dropped += 1
+        slot = self._free.pop()
+        self._arena[slot].copy_(self._pool[block_id])
+        self._slot_of[block_hash] = slot
+        self._spilled += 1
+
+    def take(self, block_hash: int) -> int:
+        """Remove a hash's entry and return its slot, reserved until `restore`."""
+        return self._slot_of.pop(block_hash)
+
+    def restore(self, slot: int, block_id: int) -> None:
+        """Copy a taken slot's bytes into a pool block and free the slot."""
+        self._pool[block_id].copy_(self._arena[slot])
+        self._free.append(slot)
+        self._restored += 1
+
+    def reset(self) -> int:
+        """Forget every entry; returns how many were dropped."""
+        n = len(self._slot_of)
+        self._free.extend(self._slot_of.values())
+        self._slot_of.clear()
+        return n
+
+    def stats(self) -> OffloadStats:
+        return OffloadStats(
+            blocks=len(self._slot_of),
+            capacity_blocks=self.capacity_blocks,
+            bytes_per_block=int(self._arena.shape[1]),
+            spilled=self._spilled,
+            restored=self._restored,
+            dropped=self._dropped,
+            reserved=self.capacity_blocks - len(self._free) - len(self._slot_of),
+        )
