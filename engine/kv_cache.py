@@ -148,13 +148,24 @@ class LayerKv:
     def gather(self, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `blocks` ([n] long) as new [n, block_size, kv_heads, head_dim]
         tensors in `dtype`, dequantized when the cache is 8-bit."""
-        k, v = _select(self.k, blocks), _select(self.v, blocks)
-        if self.k_scale is None or self.v_scale is None:
+        k, v, k_scale, v_scale = self.gather_unscaled(blocks, dtype)
+        if k_scale is None or v_scale is None:
             return k, v
-        return (
-            _dequantize(k, self.k_scale.index_select(0, blocks), dtype),
-            _dequantize(v, self.v_scale.index_select(0, blocks), dtype),
-        )
+        return _scale(k, k_scale), _scale(v, v_scale)
+
+    def gather_unscaled(
+        self, blocks: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """K and V of `blocks` cast to `dtype` but not yet multiplied by their scales,
+        and the [n, kv_heads] float32 scales (None, None when unquantized).
+
+        Why: decode attention applies a block's scale to its scores and probabilities
+        (head_dim times fewer elements than its keys and values), which saves a whole
+        pass over the gathered cache per layer."""
+        k, v = _select(self.k, blocks).to(dtype), _select(self.v, blocks).to(dtype)
+        if self.k_scale is None or self.v_scale is None:
+            return k, v, None, None
+        return k, v, self.k_scale.index_select(0, blocks), self.v_scale.index_select(0, blocks)
 
 
 @dataclass(frozen=True)
@@ -194,6 +205,7 @@ class KvCache:
             start = lay.data_rows * lay.row_bytes
             raw = self.blocks[:, start : start + lay.scale_bytes]
             self.scales = raw.view(torch.float32).view(num_blocks, lay.num_layers, 2, -1)
+        self._data = data
         self._layers = [self._layer_views(data, i) for i in range(lay.num_layers)]
 
     def _layer_views(self, data: torch.Tensor, i: int) -> LayerKv:
@@ -219,49 +231,46 @@ class KvCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: KvWrite) -> None:
         """Store this step's K and V ([T, kv_heads, head_dim]) of `layer`."""
         bs = self.layout.block_size
-        views = self._layers[layer]
-        for kv, x, data, scale in ((0, k, views.k, views.k_scale), (1, v, views.v, views.v_scale)):
-            rows = plan.rows + (2 * layer + kv) * bs
-            if scale is None:
-                self._rows.index_copy_(0, rows, x.to(self._rows.dtype))
-            else:
-                self._write_8bit(x, rows, data, scale, plan)
+        if self.scales is None:
+            self._rows.index_copy_(0, plan.rows + 2 * layer * bs, k.to(self._rows.dtype))
+            self._rows.index_copy_(0, plan.rows + (2 * layer + 1) * bs, v.to(self._rows.dtype))
+            return
+        self._write_8bit(layer, torch.stack((k, v)).float(), plan)
 
-    def _write_8bit(
-        self,
-        x: torch.Tensor,
-        rows: torch.Tensor,
-        data: torch.Tensor,
-        scale: torch.Tensor,
-        plan: KvWrite,
-    ) -> None:
+    def _write_8bit(self, layer: int, x: torch.Tensor, plan: KvWrite) -> None:
+        """Quantize [2 (K, V), T, kv_heads, head_dim] into the step's blocks of `layer`:
+        grow each touched (block, K/V, head) scale to cover its new tokens, re-express
+        the block's earlier tokens where it grew, then write the new ones."""
+        assert self.scales is not None
         assert plan.blocks is not None and plan.inverse is not None and plan.fresh is not None
-        stored = self.layout.torch_dtype
-        qmax = _QMAX[stored]
-        heads = scale.shape[1]
-        amax = x.detach().abs().amax(-1).float()  # [T, kv_heads]
-        needed = torch.zeros(len(plan.blocks), heads, device=x.device)
-        index = plan.inverse[:, None].expand(-1, heads)
-        needed.scatter_reduce_(0, index, amax, "amax").div_(qmax)
-        old = scale.index_select(0, plan.blocks).masked_fill_(plan.fresh[:, None], 0.0)
+        stored, bs = self.layout.torch_dtype, self.layout.block_size
+        scale = self.scales[:, layer]  # [N, 2, kv_heads]
+        amax = x.abs().amax(-1).transpose(0, 1)  # [T, 2, kv_heads]
+        index = plan.inverse[:, None, None].expand_as(amax)
+        needed = torch.zeros(len(plan.blocks), *amax.shape[1:], device=x.device)
+        needed.scatter_reduce_(0, index, amax, "amax").div_(_QMAX[stored])
+        old = scale.index_select(0, plan.blocks).masked_fill_(plan.fresh[:, None, None], 0.0)
         new = torch.maximum(old, needed).clamp_min_(_MIN_SCALE)
-        self._rescale(data, plan.blocks, old, new)
+        self._rescale(self._data[:, layer], plan.blocks, old, new)
         scale.index_copy_(0, plan.blocks, new)
-        q = _quantize(x.float() / new.index_select(0, plan.inverse)[:, :, None], stored)
-        self._rows.index_copy_(0, rows, q.view(self._rows.dtype))
+        per_token = new.index_select(0, plan.inverse).transpose(0, 1)[..., None]
+        q = _quantize(x.div_(per_token), stored)
+        rows = torch.cat((plan.rows + 2 * layer * bs, plan.rows + (2 * layer + 1) * bs))
+        self._rows.index_copy_(0, rows, q.flatten(0, 1).view(self._rows.dtype))
 
     def _rescale(
         self, data: torch.Tensor, blocks: torch.Tensor, old: torch.Tensor, new: torch.Tensor
     ) -> None:
-        """Re-express the tokens already in `blocks` in their grown scales.
+        """Re-express the tokens already in `blocks` ([N, 2, block_size, heads, dim]
+        data of one layer) in their grown [U, 2, heads] scales.
 
         Only blocks whose scale grew are touched; a fresh block (old 0) is zeroed, which
         also clears the previous owner's bytes.
         """
-        grew = (old < new).any(dim=1).nonzero().squeeze(1)
+        grew = (old < new).flatten(1).any(dim=1).nonzero().squeeze(1)
         if grew.numel() == 0:
             return
-        ratio = (old.index_select(0, grew) / new.index_select(0, grew))[:, None, :, None]
+        ratio = (old.index_select(0, grew) / new.index_select(0, grew))[:, :, None, :, None]
         which = blocks.index_select(0, grew)
         values = _select(data, which).float().mul_(ratio)
         bits = _BITS[self.layout.torch_dtype]
@@ -288,9 +297,9 @@ def _quantize(x: torch.Tensor, stored: torch.dtype) -> torch.Tensor:
     return x.clamp_(-qmax, qmax).to(stored)
 
 
-def _dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[n, block_size, heads, head_dim] 8-bit values times their [n, heads] scales."""
-    return q.to(dtype).mul_(scale.to(dtype)[:, None, :, None])
+def _scale(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[n, block_size, heads, head_dim] cast 8-bit values times their [n, heads] scales."""
+    return values.mul_(scale.to(values.dtype)[:, None, :, None])
 
 
 def allocate_blocks(layout: KvLayout, num_blocks: int, device: torch.device) -> torch.Tensor:

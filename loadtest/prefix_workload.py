@@ -145,35 +145,46 @@ def _tokens(rng: random.Random, cfg: WorkloadConfig, n: int) -> tuple[int, ...]:
 
 
 class PrefixCache:
-    """An LRU set of block hashes with a fixed capacity (one worker's prefix cache)."""
+    """An LRU set of block hashes with a fixed capacity (one worker's prefix cache), and
+    optionally an offload tier of `tier` more: blocks the pool evicts move there, a hit
+    in either counts, and an admitted block moves back to the pool (as the engine's
+    `OffloadTier` copies it back)."""
 
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
+    def __init__(self, capacity: int, tier: int = 0) -> None:
+        if capacity < 1 or tier < 0:
+            raise ValueError(f"need capacity >= 1 and tier >= 0, got {capacity}, {tier}")
         self.capacity = capacity
+        self.tier_capacity = tier
         self._lru: OrderedDict[int, None] = OrderedDict()
+        self._tier: OrderedDict[int, None] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._lru) + len(self._tier)
 
     def match(self, hashes: Sequence[int]) -> int:
-        """How many leading blocks of `hashes` are cached. No side effects."""
+        """How many leading blocks of `hashes` are cached in either tier. No side effects."""
         n = 0
         for h in hashes:
-            if h not in self._lru:
+            if h not in self._lru and h not in self._tier:
                 break
             n += 1
         return n
 
     def admit(self, hashes: Sequence[int]) -> None:
-        """Make `hashes` the most recent entries, head last; evict the least recent."""
+        """Make `hashes` the most recent entries, head last; evict the least recent (into
+        the tier, whose own least recent are dropped)."""
         for h in reversed(hashes):
             if h in self._lru:
                 self._lru.move_to_end(h)
             else:
+                self._tier.pop(h, None)
                 self._lru[h] = None
         while len(self._lru) > self.capacity:
-            self._lru.popitem(last=False)
+            evicted, _ = self._lru.popitem(last=False)
+            if self.tier_capacity:
+                self._tier[evicted] = None
+        while len(self._tier) > self.tier_capacity:
+            self._tier.popitem(last=False)
 
 
 @dataclass(frozen=True)
@@ -182,6 +193,7 @@ class SimConfig:
     capacity_blocks: int = 192  # per worker
     window: int = 64  # requests in flight (each holds one load lease)
     warmup: int = 1000  # leading requests left out of the statistics
+    tier_blocks: int = 0  # per worker: an offload tier behind the cache (0: none)
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.capacity_blocks < 1 or self.window < 1:
@@ -194,7 +206,9 @@ class ClusterSim:
     """The workers' prefix caches and in-flight loads, as a placement sequence leaves them."""
 
     def __init__(self, cfg: SimConfig) -> None:
-        self.caches = [PrefixCache(cfg.capacity_blocks) for _ in range(cfg.workers)]
+        self.caches = [
+            PrefixCache(cfg.capacity_blocks, cfg.tier_blocks) for _ in range(cfg.workers)
+        ]
         self.loads = [0] * cfg.workers
 
     def place(self, worker: int, request: ChatRequest) -> int:
@@ -335,12 +349,19 @@ class HitRateResult:
     oracle: PolicyResult  # greedy cache-aware, ignoring load: the target's reference
     oracle_bounded: PolicyResult  # the same under the router's load bound: context
     policies: list[PolicyResult]
+    tier_blocks_per_worker: int = 0
+    tiered: PolicyResult | None = None  # the first policy again, with an offload tier
 
 
 def summarize(
-    workload: Workload, cfg: SimConfig, eps: float, policies: Sequence[PolicyResult]
+    workload: Workload,
+    cfg: SimConfig,
+    eps: float,
+    policies: Sequence[PolicyResult],
+    tiered: tuple[int, PolicyResult] | None = None,
 ) -> HitRateResult:
-    """Run both oracles and the upper bound on the same sequence; rate `policies` by them."""
+    """Run both oracles and the upper bound on the same sequence; rate `policies` (and a
+    `(tier_blocks, result)` run with an offload tier) by them."""
     oracle = replace(run_policy(workload, cfg, OraclePlacer()), vs_oracle=1.0)
     bounded = run_policy(workload, cfg, OraclePlacer(eps))
 
@@ -361,6 +382,8 @@ def summarize(
         oracle=oracle,
         oracle_bounded=rated(bounded),
         policies=[rated(p) for p in policies],
+        tier_blocks_per_worker=tiered[0] if tiered else 0,
+        tiered=rated(tiered[1]) if tiered else None,
     )
 
 
@@ -383,7 +406,10 @@ def hit_rate_rows(h: HitRateResult, wl: WorkloadConfig) -> list[str]:
         f"{'policy':<14} {'hit ratio':>9} {'/oracle':>8} {'/upper':>7} {'load max/avg peak':>17} "
         f"{'mean':>6} {'requests max/avg':>16} {'overflow':>8} {'wall s':>6}",
     ]
-    for p in [h.oracle, h.oracle_bounded, *h.policies]:
+    tiered = [h.tiered] if h.tiered else []
+    if h.tiered:
+        rows[0] += f"; {h.tiered.policy}: with an offload tier of {h.tier_blocks_per_worker}"
+    for p in [h.oracle, h.oracle_bounded, *h.policies, *tiered]:
         rows.append(
             f"{p.policy:<14} {p.hit_ratio:>9.3f} {p.vs_oracle:>7.3f}x "
             f"{p.hit_ratio / max(h.upper_bound_hit_ratio, 1e-12):>6.3f}x "

@@ -151,7 +151,8 @@ def router(data: Json) -> list[str]:
         for r in data.get("latency", [])
     ]  # fmt: skip
     hits = data.get("hit_rate", {})
-    everyone = [hits.get("oracle"), hits.get("oracle_bounded"), *hits.get("policies", [])]
+    everyone = [hits.get("oracle"), hits.get("oracle_bounded"), *hits.get("policies", []),
+                hits.get("tiered")]  # fmt: skip
     policies = [
         [p["policy"], _fmt(p["hit_ratio"], ".3f"), _fmt(p["vs_oracle"], ".3f", "x"),
          _fmt(p.get("load_max_over_avg_peak"), ".2f")]

@@ -29,6 +29,9 @@ from loadtest.prefix_workload import (
 from loadtest.router_pool import make_router, register_workers
 from services.router.router import Router
 
+#: The offload tier per worker, as a multiple of its cache (issue 21: "a tier 4x the pool").
+TIER_FACTOR = 4
+
 
 class RouterPlacer:
     """`Placer` over the real router; worker ids map to the simulation's indices."""
@@ -86,4 +89,9 @@ def measure_hit_rates(
         result = run_router_policy(client, policy, wl, sim, eps=eps, prefix_blocks=prefix_blocks)
         progress(f"{policy}: hit ratio {result.hit_ratio:.3f} in {result.wall_s:.1f}s")
         results.append(result)
-    return summarize(wl, sim, eps, results)
+    tier = TIER_FACTOR * sim.capacity_blocks
+    tiered = run_router_policy(client, policies[0], wl, replace(sim, tier_blocks=tier), eps=eps,
+                               prefix_blocks=prefix_blocks)  # fmt: skip
+    tiered = replace(tiered, policy=f"{policies[0]}+tier")
+    progress(f"{tiered.policy}: hit ratio {tiered.hit_ratio:.3f} with a {tier}-block tier")
+    return summarize(wl, sim, eps, results, (tier, tiered))

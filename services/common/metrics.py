@@ -164,6 +164,29 @@ class WorkerMetrics:
         )
 
 
+def _offload_metrics(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The prefix cache's offload tier (all 0 without `--kv-offload-bytes`)."""
+    tier = GaugeMetricFamily(
+        "pdserve_kv_offload_blocks", "Offload tier blocks by state", labels=["state"]
+    )
+    tier.add_metric(["total"], s.offload_capacity_blocks)
+    tier.add_metric(["cached"], s.offload_blocks)
+    yield tier
+    yield CounterMetricFamily(
+        "pdserve_kv_offload_hit_tokens",
+        "Prompt tokens served by copying blocks back from the offload tier "
+        "(included in pdserve_prefix_cached_tokens)",
+        value=s.offload_hit_tokens,
+    )
+    moved = CounterMetricFamily(
+        "pdserve_kv_offload_blocks_moved", "Blocks copied into / out of the tier",
+        labels=["direction"],
+    )  # fmt: skip
+    moved.add_metric(["spilled"], s.offload_spilled_total)
+    moved.add_metric(["restored"], s.offload_restored_total)
+    yield moved
+
+
 class EngineCollector(Collector):
     """Gauges and counters read from `EngineStats` at scrape time."""
 
@@ -213,6 +236,7 @@ class EngineCollector(Collector):
         yield CounterMetricFamily(
             "pdserve_preemptions", "Requests preempted by recompute", value=s.num_preemptions
         )
+        yield from _offload_metrics(s)
 
 
 class MetricsServer:

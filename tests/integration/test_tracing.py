@@ -260,6 +260,8 @@ def test_histograms_count_every_request(cluster: LocalCluster) -> None:
     assert worker["pdserve_kv_blocks{state=total}"] > 0
     assert 0.0 <= worker["pdserve_kv_block_utilization"] <= 1.0
     assert "pdserve_num_requests_waiting" in worker
+    assert worker["pdserve_kv_offload_blocks{state=total}"] == 0  # no tier asked for
+    assert worker["pdserve_kv_offload_hit_tokens_total"] == 0
     decode = _scrape(_port(cluster, "decode-0"))
     assert decode["pdserve_kv_transfer_bytes_total"] > 0
     assert decode["pdserve_kv_transfer_seconds_count"] > 0

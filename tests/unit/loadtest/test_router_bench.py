@@ -128,6 +128,11 @@ def test_hit_rates_are_sane(report: dict[str, Any]) -> None:
     assert by_name["consistent"]["hit_ratio"] > by_name["random"]["hit_ratio"]
     assert by_name["consistent"]["overflow"] == by_name["random"]["overflow"] == 0.0
     assert by_name["bounded"]["overflow"] > 0  # Zipf's head is above the bound
+    tiered = h["tiered"]
+    assert tiered["policy"] == f"{POLICIES[0]}+tier" and tiered["leases_left"] == 0
+    assert h["tier_blocks_per_worker"] == 4 * h["capacity_blocks_per_worker"]
+    # A tier only adds cache: at least the untiered run's hits, at most the upper bound.
+    assert by_name[POLICIES[0]]["hit_ratio"] <= tiered["hit_ratio"] <= upper
 
 
 def test_load_bound_held(report: dict[str, Any]) -> None:
@@ -180,6 +185,17 @@ def test_prefix_cache_is_lru_and_evicts_tails_first() -> None:
     cache.admit([5, 6])  # evicts 2, then 8: each prefix loses its tail before its head
     assert len(cache) == 4
     assert cache.match([1, 2]) == 1 and cache.match([7, 8]) == 1 and cache.match([5, 6]) == 2
+
+
+def test_prefix_cache_tier_keeps_what_the_pool_evicts() -> None:
+    cache = PrefixCache(2, tier=2)
+    cache.admit([1, 2])
+    cache.admit([3, 4])  # 2 then 1 leave the pool for the tier
+    assert cache.match([1, 2]) == 2 and len(cache) == 4
+    cache.admit([1])  # back from the tier into the pool; 4 moves down
+    cache.admit([5, 6])  # the tier is full: its least recent go
+    assert cache.match([5, 6]) == 2 and len(cache) == 4
+    assert cache.match([2]) == 0
 
 
 def test_workload_is_seeded_zipf_and_keys_match_the_router() -> None:

@@ -1,0 +1,292 @@
+"""KV memory benchmark: what an 8-bit cache holds and costs, and what the offload tier saves.
+
+Lifecycle of one run (`python -m loadtest.kv_bench --out F`, in `make bench`), one torch
+thread by default, the engine's compute dtype `auto`:
+
+1. capacity: the blocks one `--capacity-bytes` budget holds for each cache dtype
+   (float32, bfloat16, int8, fp8_e4m3), from the same layout arithmetic the engine sizes
+   its pool with, and the 8-bit caches' ratios to bfloat16 and float32;
+2. throughput: the engine benchmark's batch-32 workload (32 requests, prompts 16-1,024
+   and outputs 16-256 tokens, log-uniform, seeded) through a fresh engine per cache
+   dtype, in `--reps` interleaved rounds (unquantized, int8, fp8, then again), each
+   side's best round kept; the ratio is output tokens/s against the unquantized cache;
+3. offload: a 4,000-token prompt's time to first token when its prefix was evicted
+   from a pool that holds one such prompt, once recomputed (no tier) and once copied
+   back from a tier 4x the pool, each after the same eviction (a second, unrelated
+   4,000-token prompt), best of `--reps`.
+
+The targets are issue 21's. Ratios are taken within the run, so a noisy host moves both
+sides of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.kv_cache import KvLayout, blocks_for_budget
+from engine.model_spec import ModelSpec
+from engine.model_store import resolve_model_dir
+from engine.precision import KvCacheDType, kv_storage_dtype
+from engine.sampling_params import SamplingParams
+from loadtest.engine_workload import FIRST_REGULAR_ID, PhasePlan, make_workload
+from loadtest.provenance import collect_provenance
+from loadtest.result_file import write_result
+from loadtest.target import TargetResult, target_rows
+
+SCHEMA = "pdserve.kv_bench/1"
+CPU = torch.device("cpu")
+BLOCK_SIZE = 16
+THROUGHPUT_PLAN = PhasePlan(32, 32)
+CACHE_DTYPES = (KvCacheDType.AUTO, KvCacheDType.INT8, KvCacheDType.FP8_E4M3)
+OFFLOAD_PROMPT_TOKENS = 4000
+#: A pool of one long prompt and a little room; the tier is 4x that.
+OFFLOAD_POOL_BLOCKS = OFFLOAD_PROMPT_TOKENS // BLOCK_SIZE + 40
+OFFLOAD_TIER_FACTOR = 4
+TARGET_VS_BF16, TARGET_VS_FP32 = 1.9, 3.5
+TARGET_THROUGHPUT = 0.9
+TARGET_TTFT = 0.3
+
+
+@dataclass(frozen=True)
+class CapacityRow:
+    cache: str
+    stored_dtype: str
+    bytes_per_block: int
+    blocks: int
+    vs_bfloat16: float
+    vs_float32: float
+
+
+@dataclass(frozen=True)
+class ThroughputRow:
+    cache: str
+    rounds_tokens_per_s: list[float]
+    tokens_per_s: float  # best round
+    vs_unquantized: float
+
+
+@dataclass(frozen=True)
+class OffloadResult:
+    prompt_tokens: int
+    pool_blocks: int
+    tier_blocks: int
+    recompute_ttft_s: list[float]
+    tier_ttft_s: list[float]
+    restored_blocks: int
+    ttft_ratio: float  # best tier / best recompute
+
+
+@dataclass
+class KvBenchReport:
+    schema: str
+    threads: int
+    compute_dtype: str
+    capacity_bytes: int
+    capacity: list[CapacityRow] = field(default_factory=list)
+    throughput: list[ThroughputRow] = field(default_factory=list)
+    offload: OffloadResult | None = None
+    targets: list[TargetResult] = field(default_factory=list)
+    targets_met: bool = False
+
+
+def measure_capacity(spec: ModelSpec, budget: int) -> list[CapacityRow]:
+    """Blocks per budget for every cache dtype, from the engine's own sizing."""
+    kinds = [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+             ("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn)]  # fmt: skip
+    layouts = {name: KvLayout.from_spec(spec, d, BLOCK_SIZE, CPU) for name, d in kinds}
+    blocks = {name: blocks_for_budget(lay, budget) for name, lay in layouts.items()}
+    return [
+        CapacityRow(name, layouts[name].dtype, layouts[name].bytes_per_block, blocks[name],
+                    blocks[name] / blocks["bfloat16"], blocks[name] / blocks["float32"])
+        for name, _ in kinds
+    ]  # fmt: skip
+
+
+def _engine(model: str, threads: int, **over: object) -> LLMEngine:
+    settings: dict[str, object] = {"model": model, "num_threads": threads,
+                                   "max_num_batched_tokens": 512}  # fmt: skip
+    settings.update(over)
+    return LLMEngine(EngineConfig(**settings))  # type: ignore[arg-type]
+
+
+def _drive(engine: LLMEngine, prompts: Sequence[Sequence[int]], outputs: Sequence[int]) -> int:
+    """Submit all at once, step to the end; returns output tokens (checked exact)."""
+    ids = [
+        engine.add_request(list(p), SamplingParams(max_tokens=n, ignore_eos=True))
+        for p, n in zip(prompts, outputs, strict=True)
+    ]
+    got = dict.fromkeys(ids, 0)
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += len(out.new_token_ids)
+    if list(got.values()) != list(outputs):
+        raise RuntimeError("a request got other than its requested tokens")
+    return sum(outputs)
+
+
+def measure_throughput(model: str, threads: int, reps: int, seed: int) -> list[ThroughputRow]:
+    vocab = ModelSpec.from_dir(Path(model)).vocab_size
+    work = make_workload(THROUGHPUT_PLAN, vocab, seed)
+    prompts, outputs = [r.prompt for r in work], [r.max_tokens for r in work]
+    rounds: dict[KvCacheDType, list[float]] = {k: [] for k in CACHE_DTYPES}
+    for rnd in range(reps):
+        for kind in CACHE_DTYPES:
+            engine = _engine(
+                model, threads, kv_cache_bytes=2 << 30,
+                max_num_seqs=THROUGHPUT_PLAN.batch_size, kv_cache_dtype=kind,
+            )  # fmt: skip
+            _drive(engine, [prompts[0][:24]], [4])  # warm-up
+            start = time.perf_counter()
+            tokens = _drive(engine, prompts, outputs)
+            rounds[kind].append(tokens / (time.perf_counter() - start))
+            print(f"  round {rnd + 1} {kind.value:9s} {rounds[kind][-1]:7.1f} tok/s", flush=True)
+            del engine
+            gc.collect()
+    base = max(rounds[KvCacheDType.AUTO])
+    return [ThroughputRow(k.value, [round(x, 2) for x in v], max(v), max(v) / base)
+            for k, v in rounds.items()]  # fmt: skip
+
+
+def _long_prompt(rng: np.random.Generator, vocab: int) -> list[int]:
+    return [int(t) for t in rng.integers(FIRST_REGULAR_ID, vocab, OFFLOAD_PROMPT_TOKENS)]
+
+
+def _ttft(engine: LLMEngine, prompt: list[int]) -> float:
+    start = time.perf_counter()
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=1))
+    first = 0.0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid and out.new_token_ids and not first:
+                first = time.perf_counter() - start
+    return first
+
+
+def measure_offload(model: str, threads: int, reps: int, seed: int) -> OffloadResult:
+    vocab = ModelSpec.from_dir(Path(model)).vocab_size
+    rng = np.random.default_rng([seed, OFFLOAD_PROMPT_TOKENS])
+    hot, evictor = _long_prompt(rng, vocab), _long_prompt(rng, vocab)
+    probe = _engine(model, threads, num_kv_blocks=OFFLOAD_POOL_BLOCKS)
+    tier_bytes = OFFLOAD_TIER_FACTOR * OFFLOAD_POOL_BLOCKS * probe.layout.bytes_per_block
+    del probe
+    times: dict[bool, list[float]] = {False: [], True: []}
+    restored = 0
+    for _ in range(reps):
+        for with_tier in (False, True):
+            engine = _engine(model, threads, num_kv_blocks=OFFLOAD_POOL_BLOCKS,
+                             kv_offload_bytes=tier_bytes if with_tier else 0)  # fmt: skip
+            _ttft(engine, hot)
+            _ttft(engine, evictor)  # evicts `hot`'s cached blocks (into the tier, if any)
+            times[with_tier].append(_ttft(engine, hot))
+            if with_tier:
+                restored = engine.stats().offload_restored_total
+            del engine
+            gc.collect()
+    return OffloadResult(
+        prompt_tokens=OFFLOAD_PROMPT_TOKENS,
+        pool_blocks=OFFLOAD_POOL_BLOCKS,
+        tier_blocks=OFFLOAD_TIER_FACTOR * OFFLOAD_POOL_BLOCKS,
+        recompute_ttft_s=[round(t, 4) for t in times[False]],
+        tier_ttft_s=[round(t, 4) for t in times[True]],
+        restored_blocks=restored,
+        ttft_ratio=min(times[True]) / min(times[False]),
+    )
+
+
+def evaluate(report: KvBenchReport) -> list[TargetResult]:
+    targets = []
+    for c in report.capacity:
+        if c.cache in ("int8", "fp8_e4m3"):
+            targets += [
+                TargetResult.check(f"{c.cache} blocks / bf16", c.vs_bfloat16, ">=", TARGET_VS_BF16),
+                TargetResult.check(f"{c.cache} blocks / fp32", c.vs_float32, ">=", TARGET_VS_FP32),
+            ]
+    base = next((t for t in report.throughput if t.cache == "auto"), None)
+    for t in report.throughput:
+        if t.cache != "auto" and base is not None:
+            targets.append(TargetResult.check(
+                f"{t.cache} tok/s @32 / unquantized", t.vs_unquantized, ">=",
+                TARGET_THROUGHPUT, f"unquantized {base.tokens_per_s:.1f} tok/s"))  # fmt: skip
+    if report.offload is not None:
+        o = report.offload
+        targets.append(TargetResult.check(
+            "TTFT from tier / recomputed", o.ttft_ratio, "<=", TARGET_TTFT,
+            f"recomputed {min(o.recompute_ttft_s):.3f} s"))  # fmt: skip
+    return targets
+
+
+def run(
+    threads: int, reps: int, seed: int, capacity_bytes: int, parts: Sequence[str]
+) -> KvBenchReport:
+    torch.set_num_threads(threads)
+    cfg = EngineConfig()
+    model = str(resolve_model_dir(cfg.model, cfg.model_cache_dir.expanduser()))
+    spec = ModelSpec.from_dir(Path(model))
+    compute = kv_storage_dtype(KvCacheDType.AUTO, cfg.torch_dtype)
+    report = KvBenchReport(SCHEMA, threads, str(compute).removeprefix("torch."), capacity_bytes)
+    if "capacity" in parts:
+        report.capacity = measure_capacity(spec, capacity_bytes)
+    if "throughput" in parts:
+        report.throughput = measure_throughput(model, threads, reps, seed)
+    if "offload" in parts:
+        report.offload = measure_offload(model, threads, reps, seed)
+    report.targets = evaluate(report)
+    report.targets_met = bool(report.targets) and all(t.met for t in report.targets)
+    return report
+
+
+def format_table(report: KvBenchReport) -> str:
+    rows = [f"KV benchmark, compute {report.compute_dtype}, {report.threads} thread(s)"]
+    if report.capacity:
+        rows.append(f"capacity of {report.capacity_bytes / 2**20:.0f} MiB:")
+        rows += [
+            f"  {c.cache:9s} {c.bytes_per_block:>8} B/block {c.blocks:>6} blocks "
+            f"{c.vs_bfloat16:5.2f}x bf16 {c.vs_float32:5.2f}x fp32"
+            for c in report.capacity
+        ]
+    if report.throughput:
+        rows.append(f"throughput at batch {THROUGHPUT_PLAN.batch_size} (best of rounds):")
+        rows += [f"  {t.cache:9s} {t.tokens_per_s:7.1f} tok/s {t.vs_unquantized:5.2f}x  "
+                 f"rounds {t.rounds_tokens_per_s}" for t in report.throughput]  # fmt: skip
+    if report.offload is not None:
+        o = report.offload
+        rows.append(
+            f"offload: {o.prompt_tokens}-token prompt evicted from a {o.pool_blocks}-block pool; "
+            f"TTFT recomputed {o.recompute_ttft_s} s, from a {o.tier_blocks}-block tier "
+            f"{o.tier_ttft_s} s ({o.restored_blocks} blocks restored): {o.ttft_ratio:.3f}x"
+        )
+    rows.append("targets:")
+    rows += target_rows(report.targets)
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench-results/kv.json"))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--capacity-bytes", type=int, default=256 << 20)
+    parser.add_argument("--parts", default="capacity,throughput,offload",
+                        help="comma-separated subset of capacity,throughput,offload")  # fmt: skip
+    args = parser.parse_args(argv)
+    provenance = collect_provenance(sys.argv)
+    report = run(args.threads, args.reps, args.seed, args.capacity_bytes, args.parts.split(","))
+    write_result(args.out, report, provenance)
+    print(format_table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
