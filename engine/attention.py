@@ -167,7 +167,7 @@ class TorchAttention(AttentionBackend):
         # GQA without copying K/V: the query heads of one KV group become query rows.
         qg = q.view(g, kvh, heads // kvh, hd)
         if k_scale is not None and v_scale is not None:
-            scales = (_per_position(k_scale, g, bs), _per_position(v_scale, g, bs))
+            scales = (_per_key(k_scale, g, bs), _per_key(v_scale, g, bs))
             out = _decode_matmul(qg, k, v, group.mask, scales)
         elif q.dtype == torch.float32:
             out = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask)
@@ -222,10 +222,11 @@ def _decode_matmul(
     return torch.matmul(probs.to(v.dtype), v)
 
 
-def _per_position(scale: torch.Tensor, g: int, block_size: int) -> torch.Tensor:
-    """[g * nblocks, kv_heads] block scales as [g, kv_heads, 1, nblocks * block_size]."""
-    per_block = scale.view(g, -1, scale.shape[-1]).transpose(1, 2)
-    return per_block.repeat_interleave(block_size, dim=2).unsqueeze(2)
+def _per_key(scale: torch.Tensor, g: int, block_size: int) -> torch.Tensor:
+    """[g * nblocks, kv_heads] block scales as [g, kv_heads, 1, nblocks * block_size]
+    (each block's scale repeated for its keys)."""
+    per_block = scale.view(g, -1, scale.shape[-1]).transpose(1, 2)[:, :, None, :, None]
+    return per_block.expand(-1, -1, -1, -1, block_size).reshape(g, scale.shape[-1], 1, -1)
 
 
 def _chunk_mask(qlen: int, seq_len: int, device: torch.device) -> torch.Tensor | None:

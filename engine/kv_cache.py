@@ -179,7 +179,7 @@ class KvWrite:
 
     rows: torch.Tensor  # [T] long
     blocks: torch.Tensor | None = None  # [U] long
-    inverse: torch.Tensor | None = None  # [T] long
+    inverse: torch.Tensor | None = None  # [T] long; None: token t writes blocks[t]
     fresh: torch.Tensor | None = None  # [U] bool
 
 
@@ -225,6 +225,9 @@ class KvCache:
         if not self.layout.quantized:
             return KvWrite(rows)
         blocks, inverse = torch.unique(block, return_inverse=True)
+        if len(blocks) == len(block):
+            # Every token in its own block (a decode-only step): no scatter needed.
+            return KvWrite(rows, block, None, offset == 0)
         first = torch.full_like(blocks, bs).scatter_reduce_(0, inverse, offset, "amin")
         return KvWrite(rows, blocks, inverse, first == 0)
 
@@ -242,18 +245,20 @@ class KvCache:
         grow each touched (block, K/V, head) scale to cover its new tokens, re-express
         the block's earlier tokens where it grew, then write the new ones."""
         assert self.scales is not None
-        assert plan.blocks is not None and plan.inverse is not None and plan.fresh is not None
+        assert plan.blocks is not None and plan.fresh is not None
         stored, bs = self.layout.torch_dtype, self.layout.block_size
         scale = self.scales[:, layer]  # [N, 2, kv_heads]
-        amax = x.abs().amax(-1).transpose(0, 1)  # [T, 2, kv_heads]
-        index = plan.inverse[:, None, None].expand_as(amax)
-        needed = torch.zeros(len(plan.blocks), *amax.shape[1:], device=x.device)
-        needed.scatter_reduce_(0, index, amax, "amax").div_(_QMAX[stored])
+        needed = x.abs().amax(-1).transpose(0, 1)  # [T, 2, kv_heads]
+        if plan.inverse is not None:  # tokens share blocks: each block's largest
+            index = plan.inverse[:, None, None].expand_as(needed)
+            per_block = torch.zeros(len(plan.blocks), *needed.shape[1:], device=x.device)
+            needed = per_block.scatter_reduce_(0, index, needed, "amax")
         old = scale.index_select(0, plan.blocks).masked_fill_(plan.fresh[:, None, None], 0.0)
-        new = torch.maximum(old, needed).clamp_min_(_MIN_SCALE)
+        new = torch.maximum(old, needed.div_(_QMAX[stored])).clamp_min_(_MIN_SCALE)
         self._rescale(self._data[:, layer], plan.blocks, old, new)
         scale.index_copy_(0, plan.blocks, new)
-        per_token = new.index_select(0, plan.inverse).transpose(0, 1)[..., None]
+        per_token = new if plan.inverse is None else new.index_select(0, plan.inverse)
+        per_token = per_token.transpose(0, 1)[..., None]
         q = _quantize(x.div_(per_token), stored)
         rows = torch.cat((plan.rows + 2 * layer * bs, plan.rows + (2 * layer + 1) * bs))
         self._rows.index_copy_(0, rows, q.flatten(0, 1).view(self._rows.dtype))
