@@ -48,6 +48,8 @@ bench: model
 	# bf16 and int8 against float32: perplexity and agreement (about 1 minute)
 	$(BIN)/python -m loadtest.accuracy --out bench-results/accuracy.json
 	$(BIN)/python -m loadtest.transfer_bench --out bench-results/transfer.json
+	# 8-bit KV capacity and batch-32 throughput, offload-tier TTFT (about 10 minutes)
+	$(BIN)/python -m loadtest.kv_bench --out bench-results/kv.json
 	$(BIN)/python -m loadtest.gateway_bench --out bench-results/gateway.json
 	$(BIN)/python -m loadtest.router_bench --out bench-results/router.json
 	$(BIN)/python -m loadtest.tracing_bench --out bench-results/tracing.json

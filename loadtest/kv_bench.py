@@ -11,7 +11,8 @@ thread by default, the engine's compute dtype `auto`:
    dtype, in `--reps` interleaved rounds (unquantized, int8, fp8, then again), each
    side's best round kept; the ratio is output tokens/s against the unquantized cache;
 3. offload: a 4,000-token prompt's time to first token when its prefix was evicted
-   from a pool that holds one such prompt, once recomputed (no tier) and once copied
+   from a pool that holds one such prompt and a tenth more, once recomputed (no tier)
+   and once copied
    back from a tier 4x the pool, each after the same eviction (a second, unrelated
    4,000-token prompt), best of `--reps`.
 
@@ -50,8 +51,6 @@ BLOCK_SIZE = 16
 THROUGHPUT_PLAN = PhasePlan(32, 32)
 CACHE_DTYPES = (KvCacheDType.AUTO, KvCacheDType.INT8, KvCacheDType.FP8_E4M3)
 OFFLOAD_PROMPT_TOKENS = 4000
-#: A pool of one long prompt and a little room; the tier is 4x that.
-OFFLOAD_POOL_BLOCKS = OFFLOAD_PROMPT_TOKENS // BLOCK_SIZE + 40
 OFFLOAD_TIER_FACTOR = 4
 TARGET_VS_BF16, TARGET_VS_FP32 = 1.9, 3.5
 TARGET_THROUGHPUT = 0.9
@@ -158,8 +157,11 @@ def measure_throughput(model: str, threads: int, reps: int, seed: int) -> list[T
             for k, v in rounds.items()]  # fmt: skip
 
 
-def _long_prompt(rng: np.random.Generator, vocab: int) -> list[int]:
-    return [int(t) for t in rng.integers(FIRST_REGULAR_ID, vocab, OFFLOAD_PROMPT_TOKENS)]
+def offload_pool_blocks(tokens: int) -> int:
+    """A pool that holds one prompt of `tokens` and a tenth more: the second evicts most
+    of the first."""
+    blocks = -(-tokens // BLOCK_SIZE)
+    return blocks + blocks // 10 + 2
 
 
 def _ttft(engine: LLMEngine, prompt: list[int]) -> float:
@@ -173,18 +175,23 @@ def _ttft(engine: LLMEngine, prompt: list[int]) -> float:
     return first
 
 
-def measure_offload(model: str, threads: int, reps: int, seed: int) -> OffloadResult:
+def measure_offload(
+    model: str, threads: int, reps: int, seed: int, tokens: int = OFFLOAD_PROMPT_TOKENS
+) -> OffloadResult:
     vocab = ModelSpec.from_dir(Path(model)).vocab_size
-    rng = np.random.default_rng([seed, OFFLOAD_PROMPT_TOKENS])
-    hot, evictor = _long_prompt(rng, vocab), _long_prompt(rng, vocab)
-    probe = _engine(model, threads, num_kv_blocks=OFFLOAD_POOL_BLOCKS)
-    tier_bytes = OFFLOAD_TIER_FACTOR * OFFLOAD_POOL_BLOCKS * probe.layout.bytes_per_block
+    rng = np.random.default_rng([seed, tokens])
+    hot, evictor = (
+        [int(t) for t in rng.integers(FIRST_REGULAR_ID, vocab, tokens)] for _ in range(2)
+    )
+    pool = offload_pool_blocks(tokens)
+    probe = _engine(model, threads, num_kv_blocks=pool)
+    tier_bytes = OFFLOAD_TIER_FACTOR * pool * probe.layout.bytes_per_block
     del probe
     times: dict[bool, list[float]] = {False: [], True: []}
     restored = 0
     for _ in range(reps):
         for with_tier in (False, True):
-            engine = _engine(model, threads, num_kv_blocks=OFFLOAD_POOL_BLOCKS,
+            engine = _engine(model, threads, num_kv_blocks=pool,
                              kv_offload_bytes=tier_bytes if with_tier else 0)  # fmt: skip
             _ttft(engine, hot)
             _ttft(engine, evictor)  # evicts `hot`'s cached blocks (into the tier, if any)
@@ -194,9 +201,9 @@ def measure_offload(model: str, threads: int, reps: int, seed: int) -> OffloadRe
             del engine
             gc.collect()
     return OffloadResult(
-        prompt_tokens=OFFLOAD_PROMPT_TOKENS,
-        pool_blocks=OFFLOAD_POOL_BLOCKS,
-        tier_blocks=OFFLOAD_TIER_FACTOR * OFFLOAD_POOL_BLOCKS,
+        prompt_tokens=tokens,
+        pool_blocks=pool,
+        tier_blocks=OFFLOAD_TIER_FACTOR * pool,
         recompute_ttft_s=[round(t, 4) for t in times[False]],
         tier_ttft_s=[round(t, 4) for t in times[True]],
         restored_blocks=restored,

@@ -389,6 +389,41 @@ def accuracy(data: Json) -> list[str]:
     ]
 
 
+def kv_memory(data: Json) -> list[str]:
+    capacity = [
+        [c["cache"], c["stored_dtype"], str(c["bytes_per_block"]), str(c["blocks"]),
+         _fmt(c["vs_bfloat16"], ".2f", "x"), _fmt(c["vs_float32"], ".2f", "x")]
+        for c in data.get("capacity", [])
+    ]  # fmt: skip
+    throughput = [
+        [t["cache"], _fmt(t["tokens_per_s"], ".1f"), _fmt(t["vs_unquantized"], ".2f", "x"),
+         ", ".join(_fmt(x, ".1f") for x in t["rounds_tokens_per_s"])]
+        for t in data.get("throughput", [])
+    ]  # fmt: skip
+    o = data.get("offload") or {}
+    offload = (
+        [f"Offload: a {o['prompt_tokens']}-token prompt evicted from a {o['pool_blocks']}-block "
+         f"pool; TTFT recomputed {o['recompute_ttft_s']} s, restored from a "
+         f"{o['tier_blocks']}-block tier {o['tier_ttft_s']} s ({o['restored_blocks']} blocks "
+         f"restored): {_fmt(o['ttft_ratio'], '.3f')}x."]
+        if o else []
+    )  # fmt: skip
+    return [
+        f"KV cache dtypes and the offload tier; compute {data.get('compute_dtype')}, "
+        f"{data.get('threads')} thread(s). Capacity of "
+        f"{_fmt(data.get('capacity_bytes', 0) / 2**20, '.0f')} MiB:",
+        "",
+        *_table(["cache", "stored", "bytes/block", "blocks", "/bf16", "/fp32"], capacity),
+        "",
+        "Output tokens/s at batch 32 (best of interleaved rounds):",
+        "",
+        *_table(["cache", "tok/s", "/unquantized", "rounds"], throughput),
+        "",
+        *offload,
+        *_targets(data),
+    ]
+
+
 #: schema -> (title, renderer), in the page's order.
 SECTIONS: dict[str, tuple[str, Renderer]] = {
     "pdserve.headline/1": ("Headline: disaggregated vs colocated", headline),
@@ -397,6 +432,7 @@ SECTIONS: dict[str, tuple[str, Renderer]] = {
     "roofline_bench/v1": ("Engine against this machine's roofs", roofline),
     "accuracy_gate/v1": ("Accuracy gate: reduced precision against float32", accuracy),
     "pdserve.transfer_bench/1": ("KV transfer", transfer),
+    "pdserve.kv_bench/1": ("KV memory: 8-bit caches and the offload tier", kv_memory),
     "pdserve.router_bench/1": ("Router", router),
     "pdserve.gateway_bench/1": ("Gateway overhead", gateway),
     "pdserve.tracing_bench/1": ("Tracing cost", tracing),
