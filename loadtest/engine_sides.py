@@ -48,6 +48,8 @@ PAD_ID = 2
 AGREEMENT_PREFIX = 8
 #: How long to wait on transformers' continuous-batching manager for a result.
 HF_CB_WAIT_S = 5.0
+#: Tokens per page of transformers' paged cache (its default).
+HF_CB_PAGE = 256
 
 
 @dataclass(frozen=True)
@@ -209,14 +211,28 @@ def run_transformers(
     return side_result(wall, requests, computed, passes), outputs
 
 
+def hf_cache_blocks(model: Any, kv_cache_bytes: int, page_size: int = HF_CB_PAGE) -> int:
+    """Pages of transformers' paged cache that fit pdserve's KV budget in the same run:
+    both sides get the same cache memory (left to itself, the manager sizes its cache
+    from the host's free memory, and allocating that took 10-25 s per manager here)."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * model.dtype.itemsize
+    return max(1, kv_cache_bytes // (page_size * per_token))
+
+
 def hf_continuous(
-    model: Any, batch: int, step_tokens: int, requests: Sequence[EngineRequest]
+    model: Any,
+    batch: int,
+    step_tokens: int,
+    requests: Sequence[EngineRequest],
+    kv_cache_bytes: int,
 ) -> tuple[list[list[int]], float]:
     """Every request through one continuous-batching manager, at most `batch` requests
-    and `step_tokens` tokens (pdserve's budget in the same run) per step. Returns the
-    outputs and the seconds from the first request in to the last result out: the
-    manager's start (cache allocation) and stop are not timed, as a server started once
-    (`transformers serve --continuous-batching`) pays them once."""
+    and `step_tokens` tokens (pdserve's budget in the same run) per step, with pdserve's
+    KV memory. Returns the outputs and the seconds from the first request in to the last
+    result out: the manager's start (cache allocation) and stop are not timed, as a
+    server started once (`transformers serve --continuous-batching`) pays them once."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -224,7 +240,10 @@ def hf_continuous(
     # eos_token_id None: the manager disables EOS, so each request runs its own length.
     gen = GenerationConfig(do_sample=False, max_new_tokens=longest, eos_token_id=None,
                            pad_token_id=PAD_ID)  # fmt: skip
-    cb = ContinuousBatchingConfig(max_requests_per_batch=batch, max_batch_tokens=step_tokens)
+    cb = ContinuousBatchingConfig(
+        page_size=HF_CB_PAGE, num_blocks=hf_cache_blocks(model, kv_cache_bytes),
+        max_requests_per_batch=batch, max_batch_tokens=step_tokens,
+    )  # fmt: skip
     done: dict[str, list[int]] = {}
     with model.continuous_batching_context_manager(
         generation_config=gen, continuous_batching_config=cb, block=True, timeout=HF_CB_WAIT_S
@@ -252,8 +271,10 @@ def run_transformers_cb(
     """Time transformers' continuous batching on the phase."""
     if cfg.warmup:
         warm = warmup_workload(2, vocab_size, settings.seed)
-        hf_continuous(model, plan.batch_size, cfg.max_num_batched_tokens, warm)
-    outputs, wall = hf_continuous(model, plan.batch_size, cfg.max_num_batched_tokens, requests)
+        hf_continuous(model, plan.batch_size, cfg.max_num_batched_tokens, warm,
+                      cfg.kv_cache_bytes)  # fmt: skip
+    outputs, wall = hf_continuous(model, plan.batch_size, cfg.max_num_batched_tokens, requests,
+                                  cfg.kv_cache_bytes)  # fmt: skip
     for r, out in zip(requests, outputs, strict=True):
         if len(out) != r.max_tokens:
             raise RuntimeError(f"transformers CB made {len(out)} tokens, {r.max_tokens} asked")

@@ -27,7 +27,8 @@ def report(model_dir: Path) -> AccuracyReport:
     # bf16 and int8 as `dtype auto` runs them on a bf16 CPU; "int8, float32" is in the
     # committed results (python -m loadtest.accuracy) and not repeated here.
     modes = [m for m in MODES if m.name in SUITE_MODES]
-    return accuracy.measure(base, modes)
+    # Free-running agreement is reported, not gated: the committed results have it.
+    return accuracy.measure(base, modes, free_running=False)
 
 
 def test_every_mode_passes_its_gate(report: AccuracyReport) -> None:

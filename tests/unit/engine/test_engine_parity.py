@@ -92,3 +92,19 @@ def test_warm_prefix_cache_gives_same_tokens_and_hits(
     assert s.prefix_hit_tokens - hits_before > 0
     assert s.prefix_hit_ratio > 0
     assert_no_leaks(eng)
+
+
+def test_prefix_restored_from_the_offload_tier_matches_transformers(
+    make_engine: EngineFactory, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """A pool too small for the prompt set: the second pass finds most prefixes only in
+    the offload tier, copies them back, and still matches HF token for token."""
+    eng = make_engine(num_kv_blocks=128, kv_offload_bytes=512 << 20)
+    eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    evictor = [17 + (i * 7919) % 40000 for i in range(1400)]  # shares no block
+    eng.generate([evictor], SamplingParams(max_tokens=1))
+    warm = eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert warm == [_strip_eos(r) for r in reference]
+    s = eng.stats()
+    assert s.offload_restored_total > 20 and s.offload_hit_tokens > 0, s
+    assert_no_leaks(eng)

@@ -85,3 +85,11 @@ def test_layout_check_names_every_difference() -> None:
         check_layout(local, layout_to_proto(_layout(block_size=32, dtype="bfloat16")))
     assert "block_size" in str(info.value) and "dtype" in str(info.value)
     assert info.value.code.name == "INVALID_ARGUMENT"
+    # An 8-bit cache and an unquantized one never exchange blocks.
+    with pytest.raises(LayoutMismatchError, match="dtype: local 'float32' vs peer 'int8'"):
+        check_layout(local, layout_to_proto(_layout(dtype="int8")))
+    # A peer of another pool layout version (same fields, other fingerprint) is refused.
+    old = layout_to_proto(_layout())
+    old.fingerprint = "0123456789abcdef"
+    with pytest.raises(LayoutMismatchError, match="layout version differs"):
+        check_layout(local, old)
