@@ -50,10 +50,16 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--lease-ttl", type=float, default=30.0)
     parser.add_argument("--num-kv-blocks", type=int, default=400)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
     model = prepare_default_model(DEFAULT_MODEL_CACHE.expanduser(), progress=False)
     engine = LLMEngine(
-        EngineConfig(model=str(model), num_kv_blocks=args.num_kv_blocks, dtype="float32")
+        EngineConfig(
+            model=str(model),
+            num_kv_blocks=args.num_kv_blocks,
+            dtype="float32",
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
     )
     config = TransferConfig(
         kv_backend=args.backend, kv_lease_ttl_s=args.lease_ttl, kv_transfer_port=args.port

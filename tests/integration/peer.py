@@ -21,10 +21,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class PeerProcess:
-    def __init__(self, backend: str, *, port: int = 0, lease_ttl: float = 30.0) -> None:
+    def __init__(
+        self, backend: str, *, port: int = 0, lease_ttl: float = 30.0, kv_cache_dtype: str = "auto"
+    ) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration.kv_peer", "--backend", backend,
-             "--port", str(port), "--lease-ttl", str(lease_ttl)],
+             "--port", str(port), "--lease-ttl", str(lease_ttl),
+             "--kv-cache-dtype", kv_cache_dtype],
             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         ready = self._read(timeout=180)

@@ -99,6 +99,41 @@ def test_transfer_then_decode_matches_single_engine(
     decode.pool.reset_prefix_cache()
 
 
+@pytest.fixture(scope="module")
+def int8_decode(make_engine: EngineFactory) -> tuple[LLMEngine, list[int], list[int]]:
+    """An int8-cache decode engine, a prompt whose last block is partial, and what one
+    int8 engine generates for it."""
+    reference = make_engine(num_kv_blocks=200, kv_cache_dtype="int8")
+    prompt = reference.tokenizer.encode(long_prompt(4))
+    assert len(prompt) % reference.config.block_size != 0  # the partial block keeps growing
+    (expected,) = reference.generate([prompt], PARAMS)
+    return make_engine(num_kv_blocks=200, kv_cache_dtype="int8"), prompt, expected
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_an_8bit_cache_moves_with_its_scales(
+    int8_decode: tuple[LLMEngine, list[int], list[int]], backend_name: str
+) -> None:
+    """int8 KV from another process, over each backend: the blocks' in-block scales come
+    along, and decoding on them gives what one int8 engine gives."""
+    decode, prompt, expected = int8_decode
+    peer = PeerProcess(backend_name, kv_cache_dtype="int8")
+    imp = KvImporter(decode, TransferConfig(kv_backend=backend_name, kv_transfer_timeout_s=5))
+    try:
+        handle = peer.prefill(prompt)
+        assert handle.first_token_id == expected[0]
+        result = imp.import_kv(handle, prompt, PARAMS, request_id=f"q8-{backend_name}")
+        assert decode.layout.dtype == "int8" and result.num_read_blocks == len(handle.block_ids)
+        assert result.bytes == result.num_read_blocks * decode.layout.bytes_per_block
+        assert _decode_all(decode, f"q8-{backend_name}", handle.first_token_id) == expected
+        assert peer.wait_stats(lambda s: s["held_blocks"] == 0)["held_blocks"] == 0
+    finally:
+        imp.close()
+        peer.close()
+    assert_no_leaks(decode)
+    decode.pool.reset_prefix_cache()  # the next backend reads every block again
+
+
 def test_prefix_aware_import_reads_only_missing_blocks(
     peer: PeerProcess, importer: KvImporter, decode: LLMEngine
 ) -> None:
