@@ -106,15 +106,17 @@ def _status(args: argparse.Namespace) -> int:
             status = await client.cluster_status()
         print(f"streams: {status.active_streams}/{status.max_streams}")
         print(f"{'worker':<14}{'role':<10}{'address':<22}{'blocks used/total':>18}{'held':>6}"
-              f"{'run':>5}{'wait':>5}{'leases':>7}{'hit%':>6}")  # fmt: skip
+              f"{'run':>5}{'wait':>5}{'leases':>7}{'hit%':>6}{'tier':>12}")  # fmt: skip
         for w in status.workers:
             hit = (
                 100 * w.prefix_hit_tokens / w.prefix_query_tokens if w.prefix_query_tokens else 0.0
             )
             used = f"{w.used_blocks}/{w.total_blocks}"
+            cap = w.offload_capacity_blocks
+            tier = f"{w.offload_blocks}/{cap}" if cap else "-"  # offload tier cached/total
             print(
                 f"{w.worker_id:<14}{w.role:<10}{w.address:<22}{used:>18}{w.held_blocks:>6}"
-                f"{w.running:>5}{w.waiting:>5}{w.active_leases:>7}{hit:>6.1f}"
+                f"{w.running:>5}{w.waiting:>5}{w.active_leases:>7}{hit:>6.1f}{tier:>12}"
             )
         return 0
 

@@ -143,6 +143,7 @@ def worker_stats(svc: WorkerService) -> worker_pb2.WorkerStats:
         expired_leases=leases.expired if leases else 0,
         prefix_hit_tokens=s.prefix_hit_tokens, prefix_query_tokens=s.prefix_query_tokens,
         kv_layout_fingerprint=svc.loop.engine.layout.fingerprint(), address=svc.address,
+        offload_blocks=s.offload_blocks, offload_capacity_blocks=s.offload_capacity_blocks,
     )  # fmt: skip
 
 

@@ -69,6 +69,8 @@ def test_generate_and_status_against_a_running_cluster() -> None:
         )  # fmt: skip
         assert status.returncode == 0, status.stderr[-2000:]
         assert "prefill-0" in status.stdout and "decode-0" in status.stdout
+        assert status.stdout.splitlines()[1].endswith("tier")  # no tier asked for: "-"
+        assert all(line.endswith("-") for line in status.stdout.splitlines()[2:4])
     finally:
         cluster.stop()
 

@@ -100,7 +100,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "total_blocks", "free_blocks", "used_blocks", "cached_blocks", "held_blocks", "running", "waiting", "active_leases", "expired_leases", "prefix_hit_tokens", "prefix_query_tokens", "kv_layout_fingerprint", "address")
+    __slots__ = ("worker_id", "role", "total_blocks", "free_blocks", "used_blocks", "cached_blocks", "held_blocks", "running", "waiting", "active_leases", "expired_leases", "prefix_hit_tokens", "prefix_query_tokens", "kv_layout_fingerprint", "address", "offload_blocks", "offload_capacity_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,8 @@ class WorkerStats(_message.Message):
     PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     total_blocks: int
@@ -131,4 +133,6 @@ class WorkerStats(_message.Message):
     prefix_query_tokens: int
     kv_layout_fingerprint: str
     address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., held_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., active_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., kv_layout_fingerprint: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    offload_blocks: int
+    offload_capacity_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., held_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., active_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., kv_layout_fingerprint: _Optional[str] = ..., address: _Optional[str] = ..., offload_blocks: _Optional[int] = ..., offload_capacity_blocks: _Optional[int] = ...) -> None: ...
