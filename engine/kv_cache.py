@@ -188,7 +188,6 @@ class KvCache:
 
     def __init__(self, layout: KvLayout, num_blocks: int, device: torch.device) -> None:
         self.layout = layout
-        self.num_blocks = num_blocks
         self.blocks = allocate_blocks(layout, num_blocks, device)
         lay = layout
         stored = lay.torch_dtype

@@ -40,14 +40,15 @@ from engine.model_spec import ModelSpec
 from engine.model_store import resolve_model_dir
 from engine.precision import KvCacheDType, kv_storage_dtype
 from engine.sampling_params import SamplingParams
-from loadtest.engine_workload import FIRST_REGULAR_ID, PhasePlan, make_workload
+from loadtest.engine_sides import drive_engine
+from loadtest.engine_workload import FIRST_REGULAR_ID, PhasePlan, make_workload, warmup_workload
 from loadtest.provenance import collect_provenance
 from loadtest.result_file import write_result
 from loadtest.target import TargetResult, target_rows
 
 SCHEMA = "pdserve.kv_bench/1"
 CPU = torch.device("cpu")
-BLOCK_SIZE = 16
+BLOCK_SIZE = EngineConfig().block_size  # the engines' default
 THROUGHPUT_PLAN = PhasePlan(32, 32)
 CACHE_DTYPES = (KvCacheDType.AUTO, KvCacheDType.INT8, KvCacheDType.FP8_E4M3)
 OFFLOAD_PROMPT_TOKENS = 4000
@@ -119,25 +120,10 @@ def _engine(model: str, threads: int, **over: object) -> LLMEngine:
     return LLMEngine(EngineConfig(**settings))  # type: ignore[arg-type]
 
 
-def _drive(engine: LLMEngine, prompts: Sequence[Sequence[int]], outputs: Sequence[int]) -> int:
-    """Submit all at once, step to the end; returns output tokens (checked exact)."""
-    ids = [
-        engine.add_request(list(p), SamplingParams(max_tokens=n, ignore_eos=True))
-        for p, n in zip(prompts, outputs, strict=True)
-    ]
-    got = dict.fromkeys(ids, 0)
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id] += len(out.new_token_ids)
-    if list(got.values()) != list(outputs):
-        raise RuntimeError("a request got other than its requested tokens")
-    return sum(outputs)
-
-
 def measure_throughput(model: str, threads: int, reps: int, seed: int) -> list[ThroughputRow]:
     vocab = ModelSpec.from_dir(Path(model)).vocab_size
     work = make_workload(THROUGHPUT_PLAN, vocab, seed)
-    prompts, outputs = [r.prompt for r in work], [r.max_tokens for r in work]
+    tokens = sum(r.max_tokens for r in work)
     rounds: dict[KvCacheDType, list[float]] = {k: [] for k in CACHE_DTYPES}
     for rnd in range(reps):
         for kind in CACHE_DTYPES:
@@ -145,10 +131,12 @@ def measure_throughput(model: str, threads: int, reps: int, seed: int) -> list[T
                 model, threads, kv_cache_bytes=2 << 30,
                 max_num_seqs=THROUGHPUT_PLAN.batch_size, kv_cache_dtype=kind,
             )  # fmt: skip
-            _drive(engine, [prompts[0][:24]], [4])  # warm-up
+            drive_engine(engine, warmup_workload(1, vocab, seed))
             start = time.perf_counter()
-            tokens = _drive(engine, prompts, outputs)
+            outputs, _ = drive_engine(engine, work)
             rounds[kind].append(tokens / (time.perf_counter() - start))
+            if [len(o) for o in outputs] != [r.max_tokens for r in work]:
+                raise RuntimeError("a request got other than its requested tokens")
             print(f"  round {rnd + 1} {kind.value:9s} {rounds[kind][-1]:7.1f} tok/s", flush=True)
             del engine
             gc.collect()
@@ -165,28 +153,27 @@ def offload_pool_blocks(tokens: int) -> int:
 
 
 def _ttft(engine: LLMEngine, prompt: list[int]) -> float:
+    """Seconds until the prompt's first token: with max_tokens 1, until it is done."""
     start = time.perf_counter()
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=1))
-    first = 0.0
+    engine.add_request(prompt, SamplingParams(max_tokens=1))
     while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id == rid and out.new_token_ids and not first:
-                first = time.perf_counter() - start
-    return first
+        engine.step()
+    return time.perf_counter() - start
 
 
 def measure_offload(
     model: str, threads: int, reps: int, seed: int, tokens: int = OFFLOAD_PROMPT_TOKENS
 ) -> OffloadResult:
-    vocab = ModelSpec.from_dir(Path(model)).vocab_size
+    spec = ModelSpec.from_dir(Path(model))
+    vocab = spec.vocab_size
     rng = np.random.default_rng([seed, tokens])
     hot, evictor = (
         [int(t) for t in rng.integers(FIRST_REGULAR_ID, vocab, tokens)] for _ in range(2)
     )
     pool = offload_pool_blocks(tokens)
-    probe = _engine(model, threads, num_kv_blocks=pool)
-    tier_bytes = OFFLOAD_TIER_FACTOR * pool * probe.layout.bytes_per_block
-    del probe
+    # The engines' own layout (cache dtype auto: the compute dtype), without loading one.
+    layout = KvLayout.from_spec(spec, EngineConfig().torch_dtype, BLOCK_SIZE, CPU)
+    tier_bytes = OFFLOAD_TIER_FACTOR * pool * layout.bytes_per_block
     times: dict[bool, list[float]] = {False: [], True: []}
     restored = 0
     for _ in range(reps):
