@@ -191,17 +191,46 @@ class LLMEngine:
         hold_kv: bool = False,
         priority: Priority = Priority.STANDARD,
         deadline: float | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> str:
         """Validate and queue a request; returns its id. Thread-safe, never blocks on a step.
         `priority` orders admission and preemption; past `deadline` (time.monotonic()
-        seconds) a preempted request ends with FinishReason.DEADLINE, not recomputed."""
+        seconds) a preempted request ends with FinishReason.DEADLINE, not recomputed.
+        `resume_token_ids` are output tokens another engine already produced (a stream
+        migrated after its worker died): the request continues after them as if this
+        engine had made them (`_resume`)."""
         self.validate(prompt_token_ids, sampling)
         req = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, hold_kv)
         req.priority, req.deadline = _priority(priority), deadline
+        if resume_token_ids:
+            self._resume(req, resume_token_ids)
         self._claim_id(req.request_id)
         with self._inbox_lock:
             self._inbox_add.append(req)
         return req.request_id
+
+    def _resume(self, req: Request, output: Sequence[int]) -> None:
+        """Make `req` continue after `output`: it is queued as a preempted request is,
+        with its output so far, so its first step computes the KV of prompt + output and
+        samples the next token. Penalties, min_tokens, stop checks and max_tokens count
+        that output, the grammar is advanced through it, and a seeded request's next draw
+        is keyed on its position (`Request.draw_generator`): greedy and seeded streams go
+        on exactly as one engine would have run them."""
+        params = req.sampling
+        vocab = self.spec.vocab_size
+        if any(not (0 <= t < vocab) for t in output):
+            raise InvalidRequestError("resume_token_ids", f"each id must be in [0, {vocab})")
+        if len(output) >= params.max_tokens:
+            raise InvalidRequestError(
+                "resume_token_ids", f"must hold fewer than max_tokens ({params.max_tokens}) ids"
+            )
+        if params.n != 1 or params.prompt_logprobs is not None:
+            raise InvalidRequestError(
+                "resume_token_ids", "only a request with n = 1 and no prompt_logprobs resumes"
+            )
+        req.output_token_ids = list(output)
+        if req.grammar is not None:
+            req.grammar.advance(output)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request in any state; its blocks are freed at the start of the next step
@@ -398,7 +427,7 @@ class LLMEngine:
             allowed = None if allowed is None else allowed[index]
         contexts = [RowContext(r.sampling, r.prompt_token_ids, r.output_token_ids) for r in reqs]
         tokens = sample(
-            logits, [r.sampling for r in reqs], [r.generator for r in reqs],
+            logits, [r.sampling for r in reqs], [r.draw_generator() for r in reqs],
             contexts=contexts, eos_ids=self._eos_ids, allowed=allowed,
         )  # fmt: skip
         asked = [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]

@@ -38,6 +38,7 @@ from engine.errors import DeadlineExceededError
 from engine.grammar import Grammar
 from engine.logprobs import TokenLogprobs
 from engine.priority import Priority
+from engine.sampler import position_seed
 from engine.sampling_params import SamplingParams
 
 
@@ -146,6 +147,15 @@ class Request:
 
     def past_deadline(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
+
+    def draw_generator(self) -> torch.Generator | None:
+        """The generator for the next sampled token: a seeded request's is re-keyed on
+        (seed, output position) first (`position_seed`), so its draws do not depend on
+        which engine made the earlier ones; an unseeded one's just runs on."""
+        if self.generator is not None and self.sampling.seed is not None:
+            position = len(self.output_token_ids)
+            self.generator.manual_seed(position_seed(self.sampling.seed, position))
+        return self.generator
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)

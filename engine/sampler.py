@@ -16,6 +16,20 @@ import torch
 from engine.logits_processing import RowContext, process
 from engine.sampling_params import SamplingParams
 
+_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / phi: spreads consecutive positions apart
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's draw at output `position` (0 is its first token).
+
+    Keying each draw on (seed, position) instead of running one generator on makes the
+    sequence independent of where the draws happen: a prefill worker draws token 1, the
+    decode worker the rest, and a stream moved to another worker mid-way (migration)
+    continues its own sequence, all as one engine would have drawn them."""
+    mixed = (seed * _GOLDEN + position + 1) % 2**64
+    mixed ^= mixed >> 31
+    return (mixed * _GOLDEN) % 2**63
+
 
 def new_generator(seed: int | None) -> torch.Generator:
     """A request's private RNG; unseeded requests get a fresh random seed."""

@@ -98,6 +98,21 @@ class GatewayMetrics:
         self.output_tokens = Counter(
             "pdserve_output_tokens", "Tokens streamed to clients", registry=registry
         )
+        self.migrations = Counter(
+            "pdserve_stream_migrations",
+            "Streams moved to another decode worker after theirs died or stalled, by "
+            "outcome (moved, or refused: the request's limit reached, n > 1, no tokens "
+            "out yet)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.disaggregation = Counter(
+            "pdserve_disaggregation_decisions",
+            "Where each request's prompt was prefilled (disaggregated: a prefill worker; "
+            "local: its decode worker), and why",
+            ["mode", "reason"],
+            registry=registry,
+        )
 
     def record_finished(
         self,

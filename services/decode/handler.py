@@ -3,11 +3,12 @@ then stream tokens from the continuous batch until the request finishes.
 
 Lifecycle of one stream: open an output queue first; import the KvHandle in a worker
 thread (the import commits the request into the engine's batch) or add the whole
-request to the engine (mixed); yield one chunk per engine step's tokens; when the client
-closes the stream the handler is cancelled and `EngineLoop.close` aborts the request,
-which frees its blocks at the next step. `DecodeTrace` records the request's phases
-(kv.transfer, decode.queue, decode.first_token, decode.stream) as spans and as timings on
-the first and last chunks.
+request to the engine (mixed role, a decode worker prefilling locally, or a migrated
+stream that resumes after `resume_token_ids`); yield one chunk per engine step's tokens;
+when the client closes the stream the handler is cancelled and `EngineLoop.close`
+aborts the request, which frees its blocks at the next step. `DecodeTrace` records the
+request's phases (kv.transfer, decode.queue, decode.first_token, decode.stream) as spans
+and as timings on the first and last chunks.
 
 An import that finds the KV pool full waits for room (`ImportRoom`: woken when a stream
 here finishes, bounded by the request's deadline and the KV lease), trying again each
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from engine.errors import InvalidRequestError
 from engine.priority import Priority
 from engine.request import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -114,7 +116,12 @@ class DecodeHandler:
         ended the request, (bytes, why)."""
         rid = request.request_id
         priority = priority_proto.for_engine(request.priority)
+        resume = list(request.resume_token_ids)
         if request.HasField("kv_handle"):
+            if resume:
+                raise InvalidRequestError(
+                    "resume_token_ids", "must be empty with a kv_handle (a moved stream has none)"
+                )
             if self.importer is None:
                 raise ValueError("this worker has no KV importer (role prefill)")
             with trace.transfer(request.kv_handle) as span:
@@ -126,7 +133,7 @@ class DecodeHandler:
             return result.bytes, result.finish_reason
         self.engine.add_request(
             prompt, params, request_id=rid, cache_salt=request.cache_salt,
-            priority=priority, deadline=deadline,
+            priority=priority, deadline=deadline, resume_token_ids=resume,
         )  # fmt: skip
         self.loop.wake()
         return 0, None

@@ -52,6 +52,14 @@ class GatewayConfig:
     prefill_retries: int = field(
         default=1, metadata={"help": "prefill retries on another worker before the first token"}
     )
+    max_migrations: int = field(
+        default=1,
+        metadata={
+            "help": "times one stream may move to another decode worker after tokens went "
+            "out and its worker died or missed token_timeout_s (0 = never: the stream ends "
+            "with the worker's status)"
+        },
+    )
 
     api_keys_file: str = field(
         default="",
@@ -136,6 +144,8 @@ class GatewayConfig:
                      "ttft_budget_sheddable_s", "fair_share_half_life_s"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.waiting_room_size < 0:
             raise ValueError(f"waiting_room_size must be >= 0, got {self.waiting_room_size}")
         if self.placement not in ("static", "redis"):

@@ -8,7 +8,8 @@ Lifecycle (`RequestState`), driven by `GatewayService.stream` and `RequestStream
     ROUTING     `route`: the placement picks workers and leases their load; a prefill
                 that failed on an unreachable worker routes again, excluding it;
                 `reroute_decode` (from DECODING) places the decode side again when a
-                decode worker refused the request before its first chunk
+                decode worker refused the request before its first chunk, or died or
+                stalled after it (`decode_lost` first: the stream migrates)
     PREFILLING  `prefill_sent` before the Prefill call (from then on the prefill worker
                 may hold the request's KV under a lease for the decode worker to pull);
                 `prefill_done` drops it when the request already ended there
@@ -307,6 +308,13 @@ class RequestRecord:
         if prefill_address is not None:
             self._prefill.discard(prefill_address)
             self._changed()
+
+    def decode_lost(self) -> None:
+        """The decode worker died or stalled mid-stream: cancel the call (a stalled worker
+        that comes back aborts the request) before the stream moves elsewhere."""
+        if self._decode is not None:
+            self._decode.cancel()
+        self.decode_ended()
 
     def decode_ended(self) -> None:
         """The decode stream ended by itself (last chunk, or an error): nothing to cancel."""

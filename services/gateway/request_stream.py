@@ -14,7 +14,14 @@ charge). It moves the record through its states:
    again after a backoff when all were full, within that first-token deadline and the
    KV lease (`DecodeRetry`); the prefill worker's lease is still good, so the new
    decode worker pulls from the same handle;
-4. the last message carries usage and the finish reason (and the trace id and phase
+4. migration: when the decode worker dies or stalls (no token within its deadline)
+   after tokens went out, the decode side is placed again, excluding it, and the new
+   worker gets the prompt and every token streamed so far (`resume_token_ids`): it
+   computes their KV and goes on after them, so the client sees neither an error nor a
+   repeated or missing token (greedy and seeded streams continue exactly; see
+   `engine.LLMEngine._resume`). At most `max_migrations` times per request, for n = 1;
+   then, or with no decode worker left, the stream ends with the lost worker's status;
+5. the last message carries usage and the finish reason (and the trace id and phase
    timeline: `StreamTelemetry` traces and measures every step above).
 Both worker calls carry the request's class, and no wait outlasts the request's total
 deadline (`Prepared.deadline`): each hop's timeout is cut to the time left, which the
@@ -30,8 +37,10 @@ cancelled, an un-pulled prefill lease aborted, load leases released, quota refun
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import replace
 
 import grpc
 
@@ -48,11 +57,19 @@ from services.gateway.stream_telemetry import GatewayTelemetry
 from services.gateway.worker_stubs import WorkerStubs
 from services.router.placement import RouteDecision
 
+log = logging.getLogger(__name__)
+
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class StreamError(StatusError):
     """Ends the client's stream with this gRPC status (a worker's, or a deadline)."""
+
+
+class WorkerLost(StreamError):
+    """The decode worker died (UNAVAILABLE, or its stream ended early) or sent no token
+    within its deadline. After tokens went out, another decode worker may take the
+    stream over (`RequestStream._migrate`); otherwise the stream ends with this status."""
 
 
 class DecodeRefused(StreamError):
@@ -90,6 +107,8 @@ class RequestStream:
         self.open_forks = self.req.params.n  # the stream ends when each fork has
         self.prompt_sent = False  # prompt_logprobs go on the first message only
         self.cached_tokens = 0
+        self.output: list[int] = []  # fork 0's tokens streamed so far (what a move resumes)
+        self.lost: list[str] = []  # decode workers the stream moved away from
         self.tel = (telemetry or GatewayTelemetry.disabled()).stream(
             self.req.request_id, self.req.tenant, len(self.req.prompt), self.req.priority
         )
@@ -184,14 +203,60 @@ class RequestStream:
         retry = DecodeRetry.start(
             self.config.first_token_timeout_s, handle, time.monotonic(), time.time()
         )
+        resume: list[int] = []
         while True:
             try:
-                async for msg in self._decode(decision, handle, retry.first_token_deadline):
+                async for msg in self._decode(decision, handle, retry.first_token_deadline, resume):
                     yield msg
                 return
             except DecodeRefused as refused:
                 retry.refused(decision.decode.worker_id, refused.refusal)
                 decision = await self._reroute_decode(decision, retry, refused)
+            except WorkerLost as lost:
+                decision = await self._migrate(decision, lost)
+                handle, resume = None, list(self.output)
+                retry = DecodeRetry.start(
+                    self.config.first_token_timeout_s, None, time.monotonic(), time.time()
+                )
+
+    def _why_not_migrate(self) -> str:
+        """Why a lost stream may not move (a `migration` outcome), or "" if it may."""
+        if len(self.lost) >= self.config.max_migrations:
+            return "limit"
+        if self.req.params.n > 1:
+            return "forks"  # each fork would resume on its own: not done
+        if not self.output:
+            return "no_tokens"  # nothing went out: the stream's own errors apply
+        return ""
+
+    async def _migrate(self, lost_on: RouteDecision, lost: WorkerLost) -> RouteDecision:
+        """Place the decode side again after `lost_on`'s decode worker was lost mid-stream;
+        raises `lost` when the stream may not move or no decode worker is left."""
+        start = time.monotonic()
+        worker = lost_on.decode.worker_id
+        attrs: dict[str, str | int] = {
+            "pdserve.migration.from": worker, "pdserve.migration.reason": lost.code.name,
+            "pdserve.migration.resumed_tokens": len(self.output),
+        }  # fmt: skip
+        refusal = self._why_not_migrate()
+        if refusal:
+            self.tel.migrated(start, attrs, refusal)
+            raise lost
+        self.lost.append(worker)
+        self.record.decode_lost()
+        try:
+            call = self.record.reroute_decode(lost_on, self.lost)
+            decision = await self.tel.route(call, len(self.lost))
+        except NoWorkerError:
+            self.tel.migrated(start, attrs, "no_worker")
+            raise lost from None
+        attrs["pdserve.migration.to"] = decision.decode.worker_id
+        self.tel.migrated(start, attrs, "moved")
+        log.warning(
+            "request %s: decode worker %s lost after %d tokens (%s); the stream moves to %s",
+            self.req.request_id, worker, len(self.output), lost, decision.decode.worker_id,
+        )  # fmt: skip
+        return decision
 
     async def _reroute_decode(
         self, failed: RouteDecision, retry: DecodeRetry, refused: DecodeRefused
@@ -206,7 +271,7 @@ class RequestStream:
                 message = retry.window_message(str(refused))
                 raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, message) from refused
             try:
-                call = self.record.reroute_decode(failed, retry.exclude())
+                call = self.record.reroute_decode(failed, retry.exclude() + self.lost)
                 return await self.tel.route(call, retry.attempts)
             except NoWorkerError:
                 if not retry.can_wait():
@@ -216,14 +281,21 @@ class RequestStream:
             retry.retry_full()
 
     async def _decode(
-        self, decision: RouteDecision, handle: common_pb2.KvHandle | None, first_by: float
+        self,
+        decision: RouteDecision,
+        handle: common_pb2.KvHandle | None,
+        first_by: float,
+        resume: Sequence[int] = (),
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """One Decode call; DecodeRefused when it fails before its first chunk with a
-        status another attempt may cure. Its first chunk is due by `first_by`."""
+        status another attempt may cure, WorkerLost when the worker dies or stalls. Its
+        first chunk is due by `first_by`. `resume`: the tokens a migrated stream already
+        sent (the prompt's log-probabilities went out with them)."""
+        params = replace(self.req.params, prompt_logprobs=None) if resume else self.req.params
         request = worker_pb2.DecodeRequest(
             request_id=self.req.worker_request_id, prompt_token_ids=self.req.prompt,
-            sampling=sampling.to_proto(self.req.params), cache_salt=self.req.tenant,
-            priority=self.priority,
+            sampling=sampling.to_proto(params), cache_salt=self.req.tenant,
+            priority=self.priority, resume_token_ids=resume,
         )  # fmt: skip
         if handle is not None:
             request.kv_handle.CopyFrom(handle)
@@ -235,9 +307,9 @@ class RequestStream:
         chunk = await self._first_chunk(call, first_by, decision)
         # Any chunk comes after the import: the decode worker has the KV now.
         self.record.decode_started(pulled_from)
-        first = handle is None
+        first = handle is None and not resume  # a mixed request's prefill is here
         while True:
-            if handle is None and chunk.cached_tokens:
+            if first and chunk.cached_tokens:
                 self.cached_tokens = chunk.cached_tokens
             if chunk.phases:
                 self.tel.add_phases(chunk.phases)
@@ -285,7 +357,7 @@ class RequestStream:
         except TimeoutError as exc:
             if self._past_deadline():
                 raise deadline_error(self.config.request_deadline_s) from exc
-            raise StreamError(
+            raise WorkerLost(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"decode worker {worker} sent no token "
                 + (f"within {limit}" if limit else f"for {timeout:.1f}s"),
@@ -294,10 +366,11 @@ class RequestStream:
             self.record.decode_ended()
             if self._past_deadline():  # the call's own deadline: the request's
                 raise deadline_error(self.config.request_deadline_s) from exc
-            raise StreamError(exc.code(), f"decode worker {worker}: {exc.details()}") from exc
+            error = WorkerLost if exc.code() == grpc.StatusCode.UNAVAILABLE else StreamError
+            raise error(exc.code(), f"decode worker {worker}: {exc.details()}") from exc
         if chunk is grpc.aio.EOF:
             self.record.decode_ended()
-            raise StreamError(
+            raise WorkerLost(
                 grpc.StatusCode.UNAVAILABLE, f"decode worker {worker} ended the stream early"
             )
         assert isinstance(chunk, worker_pb2.DecodeChunk)
@@ -316,6 +389,8 @@ class RequestStream:
     ) -> gateway_pb2.GenerateResponse:
         self.record.generated(len(tokens))
         self.tel.on_tokens(len(tokens))
+        if index == 0:
+            self.output += tokens
         detok, trim = self._text(index)
         text = trim.push(detok.push(tokens))
         msg = gateway_pb2.GenerateResponse(

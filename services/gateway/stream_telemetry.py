@@ -154,6 +154,30 @@ class StreamTelemetry:
             Tracing.fail(span, "UNAVAILABLE", str(attrs.get("error", "")))
         span.end()
 
+    def migrated(self, start: float, attrs: dict[str, str | int], outcome: str) -> None:
+        """A stream's move to another decode worker (or the refusal to move it): a
+        `migration` phase and span from `start` (monotonic) to now, counted by outcome."""
+        attrs = {**attrs, "pdserve.migration.outcome": outcome}
+        phase = Phase("migration", start, time.monotonic(), attrs)
+        self._routes.append(phase)
+        if self.root is not None:
+            span = self._tracing.start(
+                "migration", Tracing.context_of(self.root), attrs,
+                start_ns=phase.timing("").start_unix_nano,
+            )  # fmt: skip
+            span.end()
+        if self._metrics is not None:
+            self._metrics.migrations.labels(outcome).inc()
+
+    def disaggregation(self, mode: str, reason: str) -> None:
+        """Where the prompt is prefilled and why: root span attributes and a count."""
+        if self.root is not None:
+            self.root.set_attributes(
+                {"pdserve.disaggregation": mode, "pdserve.disaggregation_reason": reason}
+            )
+        if self._metrics is not None:
+            self._metrics.disaggregation.labels(mode, reason).inc()
+
     def add_phases(self, phases: Iterable[common_pb2.PhaseTiming]) -> None:
         self._phases.extend(phases)
 

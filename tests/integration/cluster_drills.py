@@ -55,26 +55,65 @@ class Stream:
 
     call: grpc.aio.UnaryStreamCall
     msgs: list[gateway_pb2.GenerateResponse] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # monotonic arrival of each message
 
     @classmethod
     async def open(
-        cls, client: GatewayClient, prompt: str, max_tokens: int, first: int = 2
+        cls,
+        client: GatewayClient,
+        prompt: str,
+        max_tokens: int,
+        first: int = 2,
+        seed: int | None = None,
     ) -> Stream:
-        request = build_request(prompt=prompt, max_tokens=max_tokens, ignore_eos=True)
+        """A stream once its first `first` messages came; greedy unless `seed` is given
+        (then sampled at temperature 0.8 with that seed)."""
+        temperature = None if seed is None else 0.8
+        request = build_request(
+            prompt=prompt, max_tokens=max_tokens, ignore_eos=True, temperature=temperature,
+            seed=seed,
+        )  # fmt: skip
         stream = cls(client.generate(request))
         while len(stream.msgs) < first:
-            stream.msgs.append(await stream.call.read())
+            stream._take(await stream.call.read())
         return stream
+
+    def _take(self, msg: gateway_pb2.GenerateResponse) -> None:
+        self.msgs.append(msg)
+        self.times.append(time.monotonic())
 
     @property
     def decode_worker(self) -> str:
         return next(m.decode_worker for m in self.msgs if m.decode_worker)
 
+    @property
+    def decode_workers(self) -> list[str]:
+        """Every decode worker that sent this stream tokens, in order (a move adds one)."""
+        seen: list[str] = []
+        for m in self.msgs:
+            if m.decode_worker and m.decode_worker not in seen:
+                seen.append(m.decode_worker)
+        return seen
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for m in self.msgs for t in m.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(m.text for m in self.msgs)
+
+    def longest_gap_after(self, since: float) -> float:
+        """The longest wait between two messages that ended after `since` (monotonic)."""
+        pairs = zip(self.times, self.times[1:], strict=False)
+        gaps = [b - max(a, since) for a, b in pairs if b > since]
+        return max(gaps, default=0.0)
+
     async def finish(self) -> tuple[grpc.StatusCode, float]:
         """Read to the end: (OK or the error status, monotonic time it ended)."""
         try:
             while (msg := await self.call.read()) is not grpc.aio.EOF:
-                self.msgs.append(msg)
+                self._take(msg)
         except grpc.aio.AioRpcError as exc:
             return exc.code(), time.monotonic()
         assert self.msgs[-1].finished

@@ -109,12 +109,19 @@ class FakeDecodeCall:
         self.request = request
         self.address = address
         self.refusal = cluster.decode_refusals.pop(0) if cluster.decode_refusals else None
+        self.dies_at = cluster.decode_deaths.pop(0) if cluster.decode_deaths else None
+        # A moved stream resumes after token 1 and the decode tokens it already sent.
+        self.offset = max(0, len(request.resume_token_ids) - 1)
         self.reads = 0
         self.cancelled = False
         self.ended = False
 
     async def read(self) -> worker_pb2.DecodeChunk | Any:
         n, self.reads = self.reads, self.reads + 1
+        if n == self.dies_at:
+            self.ended = True
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+        n += self.offset
         gates = self.cluster.gates
         await (
             gates["import"] if n == 0 else gates["next_token"] if n == 1 else gates["late"]
@@ -204,6 +211,7 @@ class FakeCluster:
     unreachable_first: bool = False  # the first Prefill call fails: UNAVAILABLE
     import_fails: bool = False
     decode_refusals: list[grpc.StatusCode] = field(default_factory=list)  # next calls', in order
+    decode_deaths: list[int | None] = field(default_factory=list)  # next calls': dies at read
     torn_down: bool = False  # the decode call's second read is cancelled from outside
     finish_reason: int = common_pb2.FINISH_REASON_LENGTH  # the decode's last chunk
 

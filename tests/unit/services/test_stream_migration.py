@@ -1,0 +1,102 @@
+"""The gateway when a decode worker dies mid-stream, on real Redis in front of fake
+workers: the stream moves to another decode worker, which is sent every token already
+streamed (`resume_token_ids`) and goes on after them; the client sees each token once
+and no error. At most `max_migrations` moves, then the worker's status. Every test ends
+with the leak check (`assert_nothing_held`). On real processes: test_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from services.gateway.request_stream import StreamError
+from tests.unit.services.gateway_fakes import (
+    DECODE_TOKENS,
+    FIRST_TOKEN,
+    Client,
+    assert_nothing_held,
+    build_gateway,
+    only_record,
+)
+from tests.unit.services.test_decode_reroute import until
+
+ALL_TOKENS = [FIRST_TOKEN, *DECODE_TOKENS]
+
+
+def test_a_stream_whose_decode_worker_dies_moves_and_goes_on(
+    client: redis.Redis, namespace: str, model_dir: Path
+) -> None:
+    async def scenario() -> None:
+        gw = build_gateway(client, namespace, model_dir, decode_workers=2)
+        gw.cluster.decode_deaths = [2]  # the first call dies after two decode tokens
+        reader = Client(gw)
+        task = asyncio.create_task(reader.run())
+        await until(lambda: len(gw.service.book.live()) == 1)
+        record = only_record(gw)
+        await task
+        lost, moved = gw.cluster.decodes
+        assert lost.address != moved.address
+        assert list(moved.request.resume_token_ids) == ALL_TOKENS[:3]
+        assert not moved.request.HasField("kv_handle")
+        assert [t for m in reader.received for t in m.token_ids] == ALL_TOKENS
+        assert reader.received[-1].finished
+        assert reader.received[-1].usage.completion_tokens == len(ALL_TOKENS)
+        workers = [m.decode_worker for m in reader.received if m.decode_worker]
+        assert workers == [lost.address.split(":")[0]] * 2 + [moved.address.split(":")[0]]
+        await assert_nothing_held(gw, record)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("deaths", "max_migrations"), [([2], 0), ([1, 1], 1)], ids=["off", "limit"]
+)
+def test_a_stream_past_its_move_limit_ends_with_the_workers_status(
+    client: redis.Redis,
+    namespace: str,
+    model_dir: Path,
+    deaths: list[int | None],
+    max_migrations: int,
+) -> None:
+    async def scenario() -> None:
+        gw = build_gateway(
+            client, namespace, model_dir, decode_workers=2, max_migrations=max_migrations
+        )
+        gw.cluster.decode_deaths = list(deaths)
+        reader = Client(gw)
+        task = asyncio.create_task(reader.run())
+        await until(lambda: len(gw.service.book.live()) == 1)
+        record = only_record(gw)
+        with pytest.raises(StreamError) as failed:
+            await task
+        assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+        assert len(gw.cluster.decodes) == max_migrations + 1
+        sent = [t for m in reader.received for t in m.token_ids]
+        assert sent == ALL_TOKENS[: len(sent)]  # nothing repeated before the end
+        await assert_nothing_held(gw, record)
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_with_no_decode_worker_left_ends_unavailable(
+    client: redis.Redis, namespace: str, model_dir: Path
+) -> None:
+    async def scenario() -> None:
+        gw = build_gateway(client, namespace, model_dir, decode_workers=1)
+        gw.cluster.decode_deaths = [2]
+        reader = Client(gw)
+        task = asyncio.create_task(reader.run())
+        await until(lambda: len(gw.service.book.live()) == 1)
+        record = only_record(gw)
+        with pytest.raises(StreamError) as failed:
+            await task
+        assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "decode worker d0" in str(failed.value)
+        assert len(gw.cluster.decodes) == 1
+        await assert_nothing_held(gw, record)
+
+    asyncio.run(scenario())
