@@ -21,6 +21,11 @@ MODEL_CACHE = DEFAULT_MODEL_CACHE.expanduser()
 # start; `make_engine` pins it too. bf16 and int8 are held to float32 by the accuracy
 # gate (test_accuracy_gate.py), and by tests that set them explicitly.
 os.environ.setdefault("PDSERVE_DTYPE", "float32")
+# The suite's disaggregated clusters exercise the prefill hop with short prompts, which
+# conditional disaggregation would prefill on the decode worker instead; so every gateway
+# the tests start takes the hop unless a test turns the decision on itself
+# (test_conditional_disaggregation.py, and the unit tests of `prefill_site`).
+os.environ.setdefault("PDSERVE_LOCAL_PREFILL_MAX_TOKENS", "0")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

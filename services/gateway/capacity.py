@@ -150,9 +150,15 @@ def _view(signals: Sequence[WorkerSignal], now: float) -> PoolView:
 
 
 class Capacity:
-    def __init__(self) -> None:
+    """`local_prefill`: decode workers prefill some prompts themselves (conditional
+    disaggregation), so their queued prompt tokens and prefill speed count in the
+    prefill estimate too: the work ahead of a request is all prefill work queued."""
+
+    def __init__(self, local_prefill: bool = False) -> None:
+        self.local_prefill = local_prefill
         self.prefill = PoolView()
         self.decode = PoolView()
+        self.by_worker: dict[str, WorkerSignal] = {}
         self._passes: list[Pass] = []
         self._arrivals = Arrivals()
         self.calibration = Calibration()
@@ -164,13 +170,25 @@ class Capacity:
         prefill = [s for s in signals if s.role is Role.PREFILL]
         decode = [s for s in signals if s.role is Role.DECODE]
         mixed = [s for s in signals if s.role is Role.MIXED]
+        if prefill and self.local_prefill:
+            prefill = prefill + decode
         self.prefill = _view(prefill or mixed, now)
         self.decode = _view(decode or mixed, now)
+        self.by_worker = {s.worker_id: s for s in signals}
         for p in self._passes:
             if p.first_token is not None and p.estimate_s > 0:
                 self.calibration.observe(p)
                 p.estimate_s = 0.0  # observed once
         self._passes = list(self._unsettled())
+
+    def queue_s(self, worker_id: str) -> float:
+        """Seconds of prefill waiting on one worker at its last signal (its queued prompt
+        tokens over its measured speed); 0 without a signal or a measured speed."""
+        signal = self.by_worker.get(worker_id)
+        if signal is None or signal.prefill_tokens_per_s <= 0:
+            return 0.0
+        waiting = sum(signal.waiting_tokens[p] for p in Priority)
+        return waiting / signal.prefill_tokens_per_s
 
     @property
     def known(self) -> bool:

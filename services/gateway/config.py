@@ -52,6 +52,22 @@ class GatewayConfig:
     prefill_retries: int = field(
         default=1, metadata={"help": "prefill retries on another worker before the first token"}
     )
+    local_prefill_max_tokens: int = field(
+        default=512,
+        metadata={
+            "help": "conditional disaggregation: a request whose prompt tokens not in its "
+            "decode worker's prefix cache are at most this is prefilled there, skipping the "
+            "prefill hop (0 = every request takes the hop)"
+        },
+    )
+    local_prefill_busy_s: float = field(
+        default=1.0,
+        metadata={
+            "help": "when the chosen prefill worker's queue would take longer than this and "
+            "the decode worker's less, prompts of up to 4x local_prefill_max_tokens uncached "
+            "tokens are prefilled locally too (0 = off)"
+        },
+    )
     max_migrations: int = field(
         default=1,
         metadata={
@@ -144,6 +160,8 @@ class GatewayConfig:
                      "ttft_budget_sheddable_s", "fair_share_half_life_s"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.local_prefill_max_tokens < 0 or self.local_prefill_busy_s < 0:
+            raise ValueError("local_prefill_max_tokens and local_prefill_busy_s must be >= 0")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.waiting_room_size < 0:

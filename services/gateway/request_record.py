@@ -7,6 +7,8 @@ Lifecycle (`RequestState`), driven by `GatewayService.stream` and `RequestStream
                 `take_slot` takes a stream slot (or refuses: StreamCapReached)
     ROUTING     `route`: the placement picks workers and leases their load; a prefill
                 that failed on an unreachable worker routes again, excluding it;
+                `skip_prefill` drops the prefill side when the decode worker is to
+                prefill the prompt itself (its load lease goes back at once);
                 `reroute_decode` (from DECODING) places the decode side again when a
                 decode worker refused the request before its first chunk, or died or
                 stalled after it (`decode_lost` first: the stream migrates)
@@ -279,20 +281,31 @@ class RequestRecord:
         placing.add_done_callback(self._placed)
         self._changed()
         decision = await asyncio.shield(placing)
+        # Keep the prefill worker's load lease, give back the refused decode one's.
+        self._split(failed, keep=failed.prefill_load(), give_back=failed.decode_load())
+        return decision
+
+    def skip_prefill(self, decision: RouteDecision) -> RouteDecision:
+        """The decode worker prefills the request itself (conditional disaggregation):
+        the prefill worker's load lease goes back now; returns the decode-only decision."""
+        local = decision.without_prefill()
+        self._split(decision, keep=local, give_back=decision.prefill_load())
+        return local
+
+    def _split(self, held: RouteDecision, *, keep: RouteDecision, give_back: RouteDecision) -> None:
+        """Replace the placement `held` by `keep`'s leases and release `give_back`'s."""
         loop = asyncio.get_running_loop()
-        for held in [p for p in self._placements if p.done() and not p.cancelled()]:
-            if held.exception() is None and held.result() is failed:
-                # Keep the prefill worker's load lease, give back the refused decode one's.
-                self._placements.remove(held)
-                if failed.prefill_lease_ids:
+        for placing in [p for p in self._placements if p.done() and not p.cancelled()]:
+            if placing.exception() is None and placing.result() is held:
+                self._placements.remove(placing)
+                if keep.load_lease_ids:
                     kept: asyncio.Future[RouteDecision] = loop.create_future()
-                    kept.set_result(failed.prefill_load())
+                    kept.set_result(keep)
                     self._placements.append(kept)
                 gone: asyncio.Future[RouteDecision] = loop.create_future()
-                gone.set_result(failed.decode_load())
+                gone.set_result(give_back)
                 self.keepers.stubs.cleanups.start(self._release_load(gone))
         self._changed()
-        return decision
 
     def decode_opened(self, call: Cancellable) -> None:
         self._enter(RequestState.DECODING)

@@ -3,7 +3,9 @@
 Lifecycle: `RequestStream(record, ...).run()` is an async generator of GenerateResponse
 for a request already admitted (its `RequestRecord` holds a stream slot and its quota
 charge). It moves the record through its states:
-1. route: placement picks a prefill and a decode worker (or one mixed worker);
+1. route: placement picks a prefill and a decode worker (or one mixed worker); with
+   both, conditional disaggregation (`prefill_site`) may drop the prefill side, and the
+   decode worker then prefills the prompt itself (as a mixed worker does, no handle);
 2. prefill: the prefill worker returns token 1 and a KvHandle, under its own deadline;
    if the worker is unreachable or misses the deadline, the request is routed again
    excluding it and retried once; token 1 is streamed (TTFT ends here);
@@ -51,6 +53,7 @@ from services.common.log_format import log_context
 from services.common.status import NoWorkerError, StatusError
 from services.gateway.config import GatewayConfig
 from services.gateway.decode_retry import REFUSALS, DecodeRefusal, DecodeRetry
+from services.gateway.prefill_site import PrefillSite, SitePolicy
 from services.gateway.request_record import RequestRecord
 from services.gateway.stop_text import StopTrimmer
 from services.gateway.stream_telemetry import GatewayTelemetry
@@ -96,8 +99,10 @@ class RequestStream:
         stubs: WorkerStubs,
         detok: IncrementalDetokenizer,
         telemetry: GatewayTelemetry | None = None,
+        sites: SitePolicy | None = None,
     ) -> None:
         self.record = record
+        self.sites = sites or SitePolicy(0, 0.0)
         self.req = record.req
         self.config = config
         self.stubs = stubs
@@ -164,6 +169,8 @@ class RequestStream:
             decision = await self.tel.route(self.record.route(failed), attempt)
             if decision.prefill is None:
                 return decision, None
+            if self._prefill_locally(decision):
+                return self.record.skip_prefill(decision), None
             try:
                 return decision, await self._prefill(decision)
             except grpc.aio.AioRpcError as exc:
@@ -175,6 +182,17 @@ class RequestStream:
                     ) from exc
                 failed.append(decision.prefill.worker_id)
         raise AssertionError("unreachable")
+
+    def _prefill_locally(self, decision: RouteDecision) -> bool:
+        """Conditional disaggregation (`prefill_site`): whether the decode worker should
+        prefill this prompt itself; the choice is traced and counted."""
+        assert decision.prefill is not None
+        choice = self.sites.choose(
+            len(self.req.prompt), decision.decode_cached_tokens,
+            decision.prefill.worker_id, decision.decode.worker_id,
+        )  # fmt: skip
+        self.tel.disaggregation(choice.site.value, choice.reason.value)
+        return choice.site is PrefillSite.LOCAL
 
     async def _prefill(self, decision: RouteDecision) -> worker_pb2.PrefillResponse:
         assert decision.prefill is not None

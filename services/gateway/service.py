@@ -45,6 +45,7 @@ from services.gateway.access import Access
 from services.gateway.admission import Admission, Usage
 from services.gateway.auth import ANONYMOUS, AuthError, Principal
 from services.gateway.config import GatewayConfig
+from services.gateway.prefill_site import SitePolicy
 from services.gateway.record_book import RecordBook, Resource
 from services.gateway.request_record import Keepers, Prepared, RequestRecord
 from services.gateway.request_stream import RequestStream
@@ -84,6 +85,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.book: RecordBook[RequestRecord] = RecordBook()
         self.keepers = Keepers(placement, self.access, self.stubs, self.book)
         self.admission = admission or Admission(config)
+        capacity = self.admission.capacity
+        self.sites = SitePolicy(
+            config.local_prefill_max_tokens, config.local_prefill_busy_s, capacity.queue_s
+        )
         self._grammar_compiler: GrammarCompiler | None = None
 
     @property
@@ -213,7 +218,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             await self._admit(record, principal)
             skip = prepared.params.skip_special_tokens
             detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip)
-            relay = RequestStream(record, self.config, self.stubs, detok, self.telemetry)
+            relay = RequestStream(
+                record, self.config, self.stubs, detok, self.telemetry, self.sites
+            )
             buffer.start(relay.run())
             while (msg := await buffer.next()) is not None:
                 yield msg

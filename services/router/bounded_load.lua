@@ -30,8 +30,9 @@
 -- order); if none holds it, the first below the bound, as in "bounded". The pick's model
 -- then records the key as most recently used and evicts least recently used keys beyond
 -- capacity x share, as an LRU prefix cache would.
--- Returns {worker, load before, bound, n, total, rank among counted candidates}, or
--- {"", 0, 0, 0, 0, -1} when no candidate counts.
+-- Returns {worker, load before, bound, n, total, rank among counted candidates, warm},
+-- or {"", 0, 0, 0, 0, -1, 0} when no candidate counts. warm is 1 when the pick's cache
+-- model held the key before this placement (cache_aware only; else 0).
 
 -- Redis < 7 replicates scripts by effects only if asked; TIME below needs that.
 if redis.replicate_commands then redis.replicate_commands() end
@@ -61,7 +62,7 @@ for j = 1, m do
 end
 local n = #live
 if n == 0 then
-  return {'', 0, 0, 0, 0, -1}
+  return {'', 0, 0, 0, 0, -1, 0}
 end
 
 local counts = redis.call('HMGET', KEYS[2], unpack(live))
@@ -114,7 +115,11 @@ local function remember(i)
 end
 
 local pick = nil
-if cached then pick = warm_pick() end
+local warm = 0
+if cached then
+  pick = warm_pick()
+  if pick ~= nil then warm = 1 end
+end
 if mode == 'bounded' or mode == 'cache_aware' then
   if pick == nil then
     for i = 1, n do
@@ -144,4 +149,4 @@ if cached then remember(pick) end
 local worker = live[pick]
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[4]), ARGV[3] .. worker)
 redis.call('HINCRBY', KEYS[2], worker, 1)
-return {worker, loads[pick], bound, n, total, pick - 1}
+return {worker, loads[pick], bound, n, total, pick - 1, warm}

@@ -50,6 +50,7 @@ class Placed:
     total: int  # their summed load before this placement
     rank: int  # index of the worker among counted candidates; > 0 means overflow
     local: bool = False  # placed by this process's fail-open counts, not through Redis
+    warm: bool = False  # its cache model held the request's prefix key (cache_aware)
 
 
 @dataclass(frozen=True)
@@ -215,5 +216,5 @@ def _placed(res: list[object], lease_prefix: str) -> Placed | None:
     worker = str(res[0])
     if not worker:
         return None
-    load, bound, n, total, rank = (int(str(x)) for x in res[1:6])
-    return Placed(worker, lease_prefix + worker, load, bound, n, total, rank)
+    load, bound, n, total, rank, warm = (int(str(x)) for x in res[1:7])
+    return Placed(worker, lease_prefix + worker, load, bound, n, total, rank, warm=bool(warm))

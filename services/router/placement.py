@@ -43,6 +43,9 @@ class RouteDecision:
     decode: WorkerRef
     prefill_lease_ids: tuple[str, ...] = ()
     decode_lease_ids: tuple[str, ...] = ()
+    # Prompt tokens the router's model of the decode worker's prefix cache says it holds
+    # (a lower bound: the model knows the first `prefix_blocks` blocks only); 0 unknown.
+    decode_cached_tokens: int = 0
 
     @property
     def load_lease_ids(self) -> tuple[str, ...]:
@@ -56,6 +59,10 @@ class RouteDecision:
     def decode_load(self) -> RouteDecision:
         """The same placement, holding only the decode worker's load lease."""
         return replace(self, prefill_lease_ids=())
+
+    def without_prefill(self) -> RouteDecision:
+        """The decode worker alone, prefilling the request itself (no prefill hop)."""
+        return replace(self, prefill=None, prefill_lease_ids=())
 
 
 def _ref(entry: str, role: str) -> WorkerRef:

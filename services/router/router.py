@@ -183,7 +183,10 @@ class Router:
         refs = [view.ref(r, p.worker_id) for r, p in zip(roles, chosen, strict=True)]
         leases = [p.lease_id for p in chosen]
         prefill = refs[0] if len(refs) == 2 else None
-        decision = RouteDecision(prefill, refs[-1], tuple(leases[:-1]), tuple(leases[-1:]))
+        cached = self._cached_tokens(len(prompt_token_ids)) if chosen[-1].warm else 0
+        decision = RouteDecision(
+            prefill, refs[-1], tuple(leases[:-1]), tuple(leases[-1:]), decode_cached_tokens=cached
+        )
         return Routed(decision, tuple(chosen), any(p.local for p in chosen))
 
     def release(self, lease_ids: Sequence[str]) -> None:
@@ -200,6 +203,11 @@ class Router:
         self._send_releases(remote)
 
     # -- internals --------------------------------------------------------------------
+
+    def _cached_tokens(self, prompt_tokens: int) -> int:
+        """What a warm cache model vouches for: the prompt's first `prefix_blocks` full
+        blocks (the key covers no more), never the last token (always computed)."""
+        return min(self.config.prefix_blocks * self.config.block_size, prompt_tokens - 1)
 
     def _send_releases(self, fresh: Sequence[str]) -> None:
         owed = self.backlog.take()

@@ -45,6 +45,29 @@ def test_disaggregated_decision_and_release(client: redis.Redis, namespace: str)
     assert {w.worker_id for w in r.workers()} == {"p0", "p1", "d0", "d1", "d2"}
 
 
+def test_a_warm_decode_worker_vouches_for_the_prefix_it_caches(
+    client: redis.Redis, namespace: str
+) -> None:
+    """The decision says how much of the prompt the router's model of the decode worker's
+    prefix cache holds (conditional disaggregation reads it): nothing for a new prefix,
+    the first `prefix_blocks` blocks once the model has it, never the last token."""
+    register_pool(client, namespace, "prefill", 1)
+    register_pool(client, namespace, "decode", 2)
+    r = make_router(client, namespace, prefix_blocks=2, block_size=16)
+    cold = r.route("r1", list(range(100)), "tenant")
+    warm = r.route("r2", [*range(40), 7, 7, 7], "tenant")  # the same first 2 blocks
+    short = r.route("r3", list(range(20)), "other")  # one block: the key is the prompt
+    again = r.route("r4", list(range(20)), "other")
+    assert cold.decode_cached_tokens == 0 and short.decode_cached_tokens == 0
+    assert warm.decode == cold.decode and warm.decode_cached_tokens == 32
+    assert again.decode_cached_tokens == 19
+    other_tenant = r.route("r5", list(range(100)), "someone-else")
+    assert other_tenant.decode_cached_tokens == 0  # tenants never share keys
+    for d in (cold, warm, short, again, other_tenant):
+        r.release(d.load_lease_ids)
+    assert r.ledger.snapshot("decode").counts == {}
+
+
 def test_draining_worker_gets_no_new_requests(client: redis.Redis, namespace: str) -> None:
     register_pool(client, namespace, "mixed", 3)
     r = make_router(client, namespace, membership_refresh_s=60)

@@ -288,6 +288,7 @@ def build_gateway(
     quota.admit = charge_gate.wrap(quota.admit)  # type: ignore[method-assign]
     cluster = FakeCluster()
     spec = ModelSpec.from_dir(model_dir)
+    config.setdefault("local_prefill_max_tokens", 0)  # the prefill hop, unless asked
     service = GatewayService(
         GatewayConfig(placement="redis", **config),
         RedisPlacement(router),

@@ -41,6 +41,7 @@ async def _serve(
     model_dir: Path, worker: str, prefill_timeout_s: float, **config: Any
 ) -> AsyncIterator[tuple[GatewayService, str]]:
     access = config.pop("access", None)
+    config.setdefault("local_prefill_max_tokens", 0)  # the prefill hop it times out on
     cfg = GatewayConfig(
         prefill_workers=worker, decode_workers=worker, max_streams=1,
         prefill_timeout_s=prefill_timeout_s, prefill_retries=0, http_port=0, **config,
