@@ -1,15 +1,19 @@
 """The headline benchmark: disaggregated (1 prefill + 1 decode worker) against colocated
-(2 mixed workers), one CPU core per worker, same router, model and workload.
+(2 mixed workers), one CPU core per worker, same router, model and workload; the
+disaggregated gateway decides per request whether a prompt takes the prefill hop
+(conditional disaggregation, `--local-prefill-max-tokens`).
 
 Lifecycle: `run_headline(cfg, traffic, settings)` collects the run's provenance (commit,
 time, host: it goes into headline.json), loads the tokenizer, starts both
 deployments as `LocalCluster`s (embedded Redis, router placement, workers pinned to a
-core each with one torch thread), sends each a few unmeasured requests, then sweeps the
-arrival rate of the long-prompt interference mix with the two taking turns at every
-rate (Poisson; identical request sequences and arrival gaps for both; who goes first
-alternates; a deployment skips the rates above one whose attainment fell under
-`stop_below_attainment`), runs one short-prompt-only (chat) point on each, and stops
-both clusters. Only one deployment carries load at a time. `headline_report` then
+core each with one torch thread), sends each a few unmeasured requests, then finds each
+one's capacity on the long-prompt interference mix by search (`capacity_search`: raise
+the rate until attainment falls under the target, then bisect; so neither capacity is a
+lower bound on whatever host it runs), the two taking turns at every round (Poisson;
+identical request sequences for both; who goes first alternates). `--rates` instead
+sweeps fixed rates, a deployment skipping those above one whose attainment fell under
+`stop_below_attainment`. Then one short-prompt-only (chat) point on each, and both
+clusters stop. Only one deployment carries load at a time. `headline_report` then
 derives each deployment's capacity (the highest rate holding the attainment target),
 the ratio, the markdown and the plots. Results are rewritten after every rate, so an
 interrupted run keeps what it measured.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import sys
 import time
@@ -31,8 +36,9 @@ from pathlib import Path
 
 from loadtest.bench import load_synth, now_iso, warm_up
 from loadtest.bench_main import add_settings_args, settings_from_args
+from loadtest.capacity_search import CapacitySearch
 from loadtest.headline_config import HeadlineConfig
-from loadtest.headline_report import HeadlineResults, SystemResult, write_outputs
+from loadtest.headline_report import HeadlineResults, SystemResult, as_probe, write_outputs
 from loadtest.metrics import summarize
 from loadtest.prompt_text import TextSynth
 from loadtest.provenance import Provenance, collect_provenance
@@ -50,6 +56,8 @@ SHORT_STREAM = 10_000  # request stream of the short-only point (apart from the 
 
 def cluster_config(name: str, cfg: HeadlineConfig, model: RunSettings) -> ClusterConfig:
     prefill, workers = (1, 1) if name == "disaggregated" else (0, 2)
+    # Given as a flag, it also overrides a PDSERVE_LOCAL_PREFILL_MAX_TOKENS in the env.
+    site = f"--local-prefill-max-tokens {cfg.local_prefill_max_tokens}" if prefill else ""
     return ClusterConfig(
         num_prefill=prefill,
         num_decode=workers,
@@ -62,6 +70,7 @@ def cluster_config(name: str, cfg: HeadlineConfig, model: RunSettings) -> Cluste
         placement="redis",
         max_streams=1024,
         pin_workers=cfg.pin_workers,
+        gateway_args=site,
     )
 
 
@@ -126,6 +135,54 @@ async def _interleaved(
 ) -> None:
     for d in deployments:
         await warm_up(d.address, cfg, mix, synth)
+    if cfg.rate_list:
+        await _sweep(deployments, cfg, mix, synth, results, provenance)
+    else:
+        await _search(deployments, cfg, mix, synth, results, provenance)
+    chat = replace(mix, workload="chat")
+    requests = make_requests(chat, synth, cfg.short_num_requests, stream=SHORT_STREAM)
+    for d in _turns(deployments, len(results.systems[0].points)):
+        pace = _pace(d.result.name, cfg.short_rate, SHORT_STREAM, cfg.short_duration_s, cfg)
+        d.result.short_only = await d.measure(f"chat {cfg.short_rate:g}", requests, pace, cfg)
+
+
+async def _search(
+    deployments: list[_Deployment],
+    cfg: HeadlineConfig,
+    mix: TrafficConfig,
+    synth: TextSynth,
+    results: HeadlineResults,
+    provenance: Provenance,
+) -> None:
+    """Each deployment's capacity by search (`capacity_search`: up from `start_rate`
+    until attainment falls under the target, then bisect), one probe each per round,
+    taking turns; a round's requests are the same for both, at each one's own rate."""
+    searches = {d.result.name: CapacitySearch(cfg.search) for d in deployments}
+    for i in itertools.count():
+        due = [(d, searches[d.result.name].next_rate()) for d in _turns(deployments, i)]
+        if all(rate is None for _, rate in due):
+            return
+        requests = make_requests(mix, synth, cfg.num_requests, stream=i + 1)
+        for d, rate in due:
+            if rate is None:
+                continue
+            pace = _pace(d.result.name, rate, i, cfg.duration_s, cfg)
+            point = await d.measure(f"{rate:g}", requests, pace, cfg)
+            d.result.points.append(point)
+            searches[d.result.name].record(as_probe(point))
+        write_outputs(results, provenance, plots=False)
+
+
+async def _sweep(
+    deployments: list[_Deployment],
+    cfg: HeadlineConfig,
+    mix: TrafficConfig,
+    synth: TextSynth,
+    results: HeadlineResults,
+    provenance: Provenance,
+) -> None:
+    """The fixed rates, taking turns; a deployment sits out the rates above one whose
+    attainment fell under `stop_below_attainment`."""
     rates = cfg.rate_list
     for i, rate in enumerate(rates):
         requests = make_requests(mix, synth, cfg.num_requests, stream=i + 1)
@@ -139,11 +196,6 @@ async def _interleaved(
                 d.stopped = True
                 d.result.skipped_rates = rates[i + 1 :]
         write_outputs(results, provenance, plots=False)
-    chat = replace(mix, workload="chat")
-    requests = make_requests(chat, synth, cfg.short_num_requests, stream=SHORT_STREAM)
-    for d in _turns(deployments, len(rates)):
-        pace = _pace(d.result.name, cfg.short_rate, SHORT_STREAM, cfg.short_duration_s, cfg)
-        d.result.short_only = await d.measure(f"chat {cfg.short_rate:g}", requests, pace, cfg)
 
 
 def run_headline(cfg: HeadlineConfig, traffic: TrafficConfig, model: RunSettings) -> Path:

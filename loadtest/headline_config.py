@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtest.capacity_search import SearchConfig
 from loadtest.metrics import Slo
 from loadtest.settings import parse_numbers
 
@@ -26,8 +27,25 @@ from loadtest.settings import parse_numbers
 @dataclass(frozen=True)
 class HeadlineConfig:
     rates: str = field(
-        default="0.2,0.25,0.3,0.35,0.4,0.45,0.5,0.55",
-        metadata={"help": "arrival rates of the long-prompt mix (req/s), comma-separated"},
+        default="",
+        metadata={
+            "help": "fixed arrival rates of the long-prompt mix (req/s), comma-separated; "
+            "empty: each deployment's capacity is searched for (the search flags below)"
+        },
+    )
+    start_rate: float = field(default=0.3, metadata={"help": "search: the first probe's rate"})
+    max_probes: int = field(default=7, metadata={"help": "search: most probes per deployment"})
+    bisect_steps: int = field(
+        default=2, metadata={"help": "search: probes narrowing the bracket once one is found"}
+    )
+    min_rate: float = field(default=0.02, metadata={"help": "search: lowest rate it probes"})
+    max_rate: float = field(default=16.0, metadata={"help": "search: highest rate it probes"})
+    local_prefill_max_tokens: int = field(
+        default=512,
+        metadata={
+            "help": "the disaggregated gateway's conditional disaggregation threshold "
+            "(0 = every request takes the prefill hop)"
+        },
     )
     num_requests: int = field(default=40, metadata={"help": "most requests per rate"})
     duration_s: float = field(default=150.0, metadata={"help": "stop issuing a rate after"})
@@ -71,7 +89,7 @@ class HeadlineConfig:
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
 
     def __post_init__(self) -> None:
-        parse_numbers(self.rates, float, "rates")
+        _ = self.rate_list  # validates a fixed sweep's rates
         if min(self.num_requests, self.short_num_requests) < 1 or self.warmup_requests < 0:
             raise ValueError("request counts must be >= 1 (warmup_requests >= 0)")
         if min(self.duration_s, self.short_duration_s, self.request_timeout_s) <= 0:
@@ -82,10 +100,24 @@ class HeadlineConfig:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1]")
         _ = self.slo  # builds (and so validates) the SLO
+        _ = self.search  # validates the search's settings
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError("local_prefill_max_tokens must be >= 0")
 
     @property
     def rate_list(self) -> list[float]:
-        return sorted(parse_numbers(self.rates, float, "rates"))
+        """The fixed sweep's rates; empty when the capacity is searched for."""
+        return sorted(parse_numbers(self.rates, float, "rates")) if self.rates.strip() else []
+
+    @property
+    def search(self) -> SearchConfig:
+        """The capacity search of each deployment (`capacity_search`): a probe is one
+        point of up to `num_requests` requests within `duration_s`."""
+        return SearchConfig(
+            start_rate=self.start_rate, bisect_steps=self.bisect_steps,
+            max_probes=self.max_probes, min_rate=self.min_rate, max_rate=self.max_rate,
+            target=self.attainment_target,
+        )  # fmt: skip
 
     @property
     def slo(self) -> Slo:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtest.capacity_search import CapacitySearch, Probe
 from loadtest.headline_config import HeadlineConfig
 from loadtest.metrics import Slo, max_rate_at
 from loadtest.plots import cdf_plot, curve_plot
@@ -33,7 +34,8 @@ class SystemResult:
     skipped_rates: list[float] = field(default_factory=list)
     short_only: PointResult | None = None
     capacity_rate: float = 0.0  # highest rate holding the attainment target
-    capacity_qualifier: str = ""  # interpolated, at_least or below_sweep
+    # search: bracketed, at_least or below_min; fixed sweep: interpolated, at_least, below_sweep
+    capacity_qualifier: str = ""
     wall_s: float = 0.0
 
 
@@ -71,13 +73,34 @@ def _by_rate(system: SystemResult | None) -> dict[float, PointResult]:
     return {p.rate: p for p in system.points} if system else {}
 
 
+def as_probe(point: PointResult) -> Probe:
+    """A measured point as the capacity search reads it."""
+    m = point.metrics
+    offered = len(point.requests)
+    return Probe(
+        point.rate, 0.0, offered, round(m.slo_attainment * offered), m.slo_attainment,
+        m.goodput, 0.0,
+    )  # fmt: skip
+
+
+def _capacity(system: SystemResult, cfg: HeadlineConfig) -> tuple[float, str]:
+    """A searched deployment's capacity is the search's (the highest passing rate below
+    the lowest failing one: bracketed, at_least or below_min); a fixed sweep's crossing
+    is interpolated (interpolated, at_least or below_sweep)."""
+    if not cfg.rate_list:
+        search = CapacitySearch(cfg.search)
+        for p in system.points:
+            search.record(as_probe(p))
+        found = search.result()
+        return found.capacity_rate, found.qualifier.value
+    points = [(p.rate, p.metrics.slo_attainment) for p in system.points]
+    return max_rate_at(points, cfg.attainment_target)
+
+
 def derive(results: HeadlineResults) -> None:
     """Capacities, per-rate comparisons and ratios from the points measured so far."""
     for system in results.systems:
-        points = [(p.rate, p.metrics.slo_attainment) for p in system.points]
-        system.capacity_rate, system.capacity_qualifier = max_rate_at(
-            points, results.config.attainment_target
-        )
+        system.capacity_rate, system.capacity_qualifier = _capacity(system, results.config)
     named = {s.name: s for s in results.systems}
     dis, col = named.get("disaggregated"), named.get("colocated")
     d_points, c_points = _by_rate(dis), _by_rate(col)

@@ -16,6 +16,10 @@ routing (which placed both sides and knows the decode worker's cache model):
   `BUSY_FACTOR` times as many, while the chosen prefill worker's queue would take longer
   than `local_prefill_busy_s` and the decode worker's own queue is shorter: waiting for
   the prefill pool would cost more than the decode batch loses;
+- `DISAGGREGATED / DECODE_BUSY`: a prompt that would go local by its length, while the
+  decode worker's own prefill queue is longer than `local_prefill_busy_s` and the
+  prefill worker's is shorter: local prefills would pile up in the decode batch (and
+  stall its streams) while the prefill worker idles;
 - `DISAGGREGATED / LONG_PROMPT`: anything longer;
 - `DISAGGREGATED / ALWAYS`: `local_prefill_max_tokens` is 0 (the decision is off).
 
@@ -46,6 +50,7 @@ class SiteReason(enum.Enum):
     SHORT_PROMPT = "short_prompt"
     CACHED_PREFIX = "cached_prefix"
     PREFILL_BUSY = "prefill_busy"
+    DECODE_BUSY = "decode_busy"
     ALWAYS = "always"
 
 
@@ -73,18 +78,21 @@ class SitePolicy:
         if self.local_max_tokens <= 0:
             return SiteChoice(PrefillSite.DISAGGREGATED, SiteReason.ALWAYS, uncached)
         if uncached <= self.local_max_tokens:
+            if self._busier(decode_worker, than=prefill_worker):
+                return SiteChoice(PrefillSite.DISAGGREGATED, SiteReason.DECODE_BUSY, uncached)
             reason = SiteReason.CACHED_PREFIX if cached_tokens > 0 else SiteReason.SHORT_PROMPT
             if prompt_tokens <= self.local_max_tokens:
                 reason = SiteReason.SHORT_PROMPT  # short whatever the cache holds
             return SiteChoice(PrefillSite.LOCAL, reason, uncached)
-        if uncached <= BUSY_FACTOR * self.local_max_tokens and self._prefill_busy(
-            prefill_worker, decode_worker
+        if uncached <= BUSY_FACTOR * self.local_max_tokens and self._busier(
+            prefill_worker, than=decode_worker
         ):
             return SiteChoice(PrefillSite.LOCAL, SiteReason.PREFILL_BUSY, uncached)
         return SiteChoice(PrefillSite.DISAGGREGATED, SiteReason.LONG_PROMPT, uncached)
 
-    def _prefill_busy(self, prefill_worker: str, decode_worker: str) -> bool:
+    def _busier(self, worker: str, *, than: str) -> bool:
+        """Whether `worker`'s prefill queue is past `busy_s` and longer than `than`'s."""
         if self.busy_s <= 0:
             return False
-        waiting = self.queue_s(prefill_worker)
-        return waiting > self.busy_s and self.queue_s(decode_worker) < waiting
+        waiting = self.queue_s(worker)
+        return waiting > self.busy_s and self.queue_s(than) < waiting

@@ -56,15 +56,24 @@ def _records(n: int, attainment: float, rate: float) -> list[RequestRecord]:
 
 
 class StandIn(_Deployment):
-    def __init__(self, result: SystemResult, log: list[tuple[str, str]]) -> None:
+    def __init__(
+        self,
+        result: SystemResult,
+        log: list[tuple[str, str]],
+        capacity: dict[str, float] | None = None,
+    ) -> None:
         super().__init__(result, "127.0.0.1:1")
         self.log = log
+        self.capacity = capacity  # searched: attainment 1.0 up to this rate, 0.5 above
 
     async def measure(
         self, label: str, requests: Sequence[BenchRequest], pace: Pace, cfg: HeadlineConfig
     ) -> PointResult:
         self.log.append((self.result.name, label))
-        attained = ATTAINMENT[self.result.name].get(pace.rate, 1.0)
+        if self.capacity is not None:
+            attained = 1.0 if pace.rate <= self.capacity[self.result.name] else 0.5
+        else:
+            attained = ATTAINMENT[self.result.name].get(pace.rate, 1.0)
         records = _records(len(requests), attained, pace.rate)
         self.result.wall_s += 1.0
         return PointResult(
@@ -106,6 +115,39 @@ def test_deployments_take_turns_and_a_stopped_one_sits_out(
     assert disagg.skipped_rates == []  # it fell under 0.5 only at the last rate
     assert disagg.short_only is not None and coloc.short_only is not None
     assert disagg.wall_s == len(disagg.points) + 1
+
+
+def test_a_searched_capacity_is_bracketed_for_each_deployment(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """Without fixed rates each deployment's capacity is searched for: doubling from the
+    start rate until attainment falls under the target, then two bisections; the two
+    take turns every round and each probes its own rate, so neither capacity is a
+    lower bound however fast the host."""
+    cfg = HeadlineConfig(
+        num_requests=10, short_num_requests=10, warmup_requests=0, out_dir=tmp_path,
+        progress=False, start_rate=0.3,
+    )  # fmt: skip
+    model = RunSettings(model=str(model_dir), model_cache_dir=model_dir.parent)
+    mix = replace(TrafficConfig(), workload="long_mix")
+    results = HeadlineResults("2026-01-01T00:00:00+00:00", cfg, mix, cfg.slo, host_cpus=2)
+    results.systems = [SystemResult(n, cluster_config(n, cfg, model)) for n in SYSTEMS]
+    log: list[tuple[str, str]] = []
+    capacity = {"disaggregated": 0.7, "colocated": 0.4}
+    stand_ins = [StandIn(r, log, capacity) for r in results.systems]
+    provenance = collect_provenance()
+    asyncio.run(_interleaved(stand_ins, cfg, mix, load_synth(model), results, provenance))  # type: ignore[arg-type]
+    write_outputs(results, provenance, plots=False)
+    d, c = "disaggregated", "colocated"
+    assert log == [(d, "0.3"), (c, "0.3"), (c, "0.6"), (d, "0.6"), (d, "1.2"), (c, "0.45"),
+                   (c, "0.375"), (d, "0.9"), (d, "0.75"),
+                   (c, "chat 0.5"), (d, "chat 0.5")]  # fmt: skip
+    disagg, coloc = results.systems
+    assert (disagg.capacity_rate, disagg.capacity_qualifier) == (0.6, "bracketed")
+    assert (coloc.capacity_rate, coloc.capacity_qualifier) == (0.375, "bracketed")
+    assert results.capacity_ratio == pytest.approx(0.6 / 0.375)
+    assert "--local-prefill-max-tokens 512" in disagg.cluster.gateway_args
+    assert coloc.cluster.gateway_args == ""
 
 
 def test_report_carries_capacities_ratio_and_plots(

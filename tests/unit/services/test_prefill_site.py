@@ -38,6 +38,8 @@ def _policy(queues: dict[str, float] | None = None, busy_s: float = 1.0) -> Site
     ("prompt", "cached", "queues", "site", "reason"),
     [
         (300, 0, {}, LOCAL, SiteReason.SHORT_PROMPT),
+        (300, 0, {"d": 2.0, "p": 0.5}, HOP, SiteReason.DECODE_BUSY),
+        (300, 0, {"d": 2.0, "p": 3.0}, LOCAL, SiteReason.SHORT_PROMPT),  # prefill is worse
         (512, 0, {}, LOCAL, SiteReason.SHORT_PROMPT),
         (513, 0, {}, HOP, SiteReason.LONG_PROMPT),
         (900, 400, {}, LOCAL, SiteReason.CACHED_PREFIX),
