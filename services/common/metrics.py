@@ -233,6 +233,12 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily(
             "pdserve_num_requests_running", "Requests in the engine's batch", value=s.running
         )
+        yield GaugeMetricFamily(
+            "pdserve_num_prompt_tokens_waiting",
+            "Prompt tokens the engine still owes prefill (waiting and still-prefilling "
+            "requests, every class): what the prefill pool's autoscaler sizes on",
+            value=sum(s.waiting_tokens_by_class),
+        )
         yield CounterMetricFamily(
             "pdserve_prefix_cached_tokens",
             "Prompt tokens found in the prefix cache (hit ratio = this / prompt tokens)",

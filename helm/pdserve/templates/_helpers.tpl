@@ -291,11 +291,7 @@ and the component name; returns the `PDSERVE_*: "value"` lines.
 {{- $layers = list $v.routing $v.tracing.config $v.metrics.config $v.router.config }}
 {{- else }}
 {{- $pool := index $v .component }}
-{{- $role := .component }}
-{{- if and (eq .component "decode") (not $v.prefill.enabled) }}
-{{- $role = "mixed" }}
-{{- end }}
-{{- $_ := set $base "role" $role }}
+{{- $_ := set $base "role" (include "pdserve.workerRole" .) }}
 {{- $_ := set $base "port" $v.ports.worker }}
 {{- $_ := set $base "kv_transfer_port" $v.ports.kvTransfer }}
 {{- $_ := set $base "kv_backend" $v.kvTransfer.backend }}
@@ -308,4 +304,37 @@ and the component name; returns the `PDSERVE_*: "value"` lines.
 {{- $_ := set $base "metrics_port" $v.metrics.port }}
 {{- end }}
 {{- include "pdserve.configData" (dict "base" $base "layers" $layers) }}
+{{- end }}
+
+{{/*
+The role a pool's workers run: its own name, or `mixed` for the decode pool when there
+is no prefill pool. Call with (dict "root" $ "component" "prefill"|"decode").
+*/}}
+{{- define "pdserve.workerRole" -}}
+{{- if and (eq .component "decode") (not .root.Values.prefill.enabled) }}
+{{- "mixed" }}
+{{- else }}
+{{- .component }}
+{{- end }}
+{{- end }}
+
+{{/*
+PromQL label matchers for the series scraped from one component's Service, e.g.
+namespace="serving",service="rel-pdserve-gateway". The label names are
+metrics.seriesLabels (what a ServiceMonitor sets). Call with (dict "root" $ "component"
+NAME); a list in "components" matches any of those Services.
+*/}}
+{{- define "pdserve.seriesSelector" -}}
+{{- $labels := .root.Values.metrics.seriesLabels }}
+{{- $names := list }}
+{{- range (.components | default (list .component)) }}
+{{- $names = append $names (include "pdserve.componentName" (dict "root" $.root "component" .)) }}
+{{- end }}
+{{- $op := ternary "=~" "=" (gt (len $names) 1) }}
+{{- printf "%s=%q,%s%s%q" $labels.namespace .root.Release.Namespace $labels.service $op (join "|" $names) }}
+{{- end }}
+
+{{/* The worker pools the chart runs: (list "prefill" "decode") or (list "decode"). */}}
+{{- define "pdserve.workerPools" -}}
+{{- if .Values.prefill.enabled }}prefill decode{{ else }}decode{{ end }}
 {{- end }}

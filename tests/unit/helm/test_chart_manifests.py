@@ -2,17 +2,22 @@
 
 Rendered with the real Helm engine for the defaults and every value set under
 helm/pdserve/ci/ (CPU-only dev, multi-node GPU, external Redis with TLS, mixed workers
-with an init-container model); validated against the newest Kubernetes schema that
-`kubernetes-validate` ships, in strict mode (unknown fields are errors).
+with an init-container model, SLO autoscaling and alerts); validated against the newest
+Kubernetes schema that `kubernetes-validate` ships, in strict mode (unknown fields are
+errors), and custom resources (KEDA, Prometheus Operator) against their CRDs' schemas
+(crd_schemas.py).
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 
+from tests.unit.helm import crd_schemas
 from tests.unit.helm.chart import (
     CHART,
     VALUE_SETS,
@@ -60,11 +65,54 @@ def test_every_manifest_is_valid_kubernetes(case: tuple[Any, list[Manifest]]) ->
     _, docs = case
     version = kubernetes_validate.latest_version()
     for doc in docs:
-        if doc["kind"] == "ServiceMonitor":  # a CRD: no upstream schema; checked below
+        if doc["kind"] in crd_schemas.SCHEMAS:
+            # A custom resource: its CRD's schema (crd_schemas.py), and ObjectMeta's own.
+            crd_schemas.validate(doc)
+            meta = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": doc["metadata"]}
+            kubernetes_validate.validate(meta, version, strict=True)
             continue
         kubernetes_validate.validate(doc, version, strict=True)
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
+
+
+def test_value_sets_cover_every_custom_resource() -> None:
+    """Some value set renders each custom resource kind, so the test above checks it."""
+    rendered = {d["kind"] for p in VALUE_SETS for d in render(load_values(p))}
+    assert set(crd_schemas.SCHEMAS) <= rendered
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("spec", "triggers", 0, "metricTyp"), "Value"),  # a misspelt field
+        (("spec", "minReplicaCount"), "2"),  # a string for an int32
+        (("spec", "triggers", 0, "metadata", "threshold"), 0.5),  # metadata is string -> string
+        (("spec", "advanced", "horizontalPodAutoscalerConfig", "behavior", "scaleDown",
+          "stabilizationWindowSeconds"), 7200),  # over the HPA's 3600 s
+    ],
+)  # fmt: skip
+def test_custom_resource_schemas_refuse_what_the_api_would(
+    path: tuple[str | int, ...], value: Any
+) -> None:
+    docs = render(load_values(CHART / "ci" / "slo-autoscaling-values.yaml"))
+    doc = copy.deepcopy(by_kind(docs, "ScaledObject")[0])
+    crd_schemas.validate(doc)
+    node: Any = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(jsonschema.ValidationError):
+        crd_schemas.validate(doc)
+
+
+def test_a_recording_rule_cannot_have_alert_fields() -> None:
+    docs = render(load_values(CHART / "ci" / "slo-autoscaling-values.yaml"))
+    (rule,) = by_kind(docs, "PrometheusRule")
+    rule = copy.deepcopy(rule)
+    rule["spec"]["groups"][0]["rules"][0]["for"] = "5m"
+    with pytest.raises(jsonschema.ValidationError):
+        crd_schemas.validate(rule)
 
 
 def test_gpus_are_requested_only_by_prefill_and_decode(case: tuple[Any, list[Manifest]]) -> None:

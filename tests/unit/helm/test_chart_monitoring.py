@@ -1,0 +1,398 @@
+"""Alerts (PrometheusRule) and the Grafana dashboard: off by default, built only from
+metrics pdserve exports, with thresholds from values.
+
+Every expression and panel query is checked against the series the services' own metric
+classes export (`promql.exported_series`). With `promtool` installed the rules are also
+parsed by Prometheus and evaluated over synthetic series: each alert fires on the
+situation it describes and stays quiet on a healthy one.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from services.common.telemetry_config import TelemetryConfig
+from tests.unit.helm import promtool
+from tests.unit.helm.chart import CHART, Manifest, by_kind, load_values, notes, render
+from tests.unit.helm.promql import (
+    FUNCTIONS,
+    all_exported,
+    exported_families,
+    exported_series,
+    functions_called,
+    metric_literals_in_source,
+    metric_names,
+)
+
+pytest.importorskip("helm_python")
+
+SLO_VALUES = CHART / "ci" / "slo-autoscaling-values.yaml"
+DASHBOARD = CHART / "dashboards" / "pdserve.json"
+ALERTS = {
+    "PdserveErrorBudgetBurn1h", "PdserveErrorBudgetBurn6h", "PdserveErrorBudgetBurn1d",
+    "PdserveErrorBudgetBurn3d", "PdserveTTFTP90High", "PdserveITLP90High",
+    "PdserveKVCacheNearlyFull", "PdserveWorkerErrors",
+}  # fmt: skip
+#: Metric families the dashboard must chart (the issue's list).
+DASHBOARD_FAMILIES = {
+    "pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
+    "pdserve_e2e_request_latency_seconds", "pdserve_goodput_requests", "pdserve_requests",
+    "pdserve_request_errors", "pdserve_active_streams", "pdserve_prompt_tokens",
+    "pdserve_cached_prompt_tokens", "pdserve_output_tokens", "pdserve_num_requests_waiting",
+    "pdserve_kv_blocks", "pdserve_kv_offload_blocks", "pdserve_kv_offload_hit_tokens",
+    "pdserve_kv_offload_blocks_moved", "pdserve_kv_transfer_bytes",
+    "pdserve_kv_transfer_seconds", "pdserve_router_decisions", "pdserve_router_fail_open",
+    "pdserve_slo_violations", "pdserve_gateway_waiting_room",
+}  # fmt: skip
+GATEWAY = 'namespace="serving",service="rel-pdserve-gateway"'
+DECODE = 'namespace="serving",service="rel-pdserve-decode"'
+
+
+def the_rule(docs: list[Manifest]) -> Manifest:
+    (rule,) = by_kind(docs, "PrometheusRule")
+    return rule
+
+
+def rules(rule: Manifest) -> list[dict[str, Any]]:
+    return [r for g in rule["spec"]["groups"] for r in g["rules"]]
+
+
+def alerts(rule: Manifest) -> dict[str, dict[str, Any]]:
+    return {r["alert"]: r for r in rules(rule) if "alert" in r}
+
+
+def dashboard_queries(board: dict[str, Any]) -> list[str]:
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    for var in board["templating"]["list"]:
+        if var["type"] == "query":  # label_values(SELECTOR, LABEL): the selector is PromQL
+            exprs.append(var["query"].removeprefix("label_values(").rsplit(",", 1)[0])
+    return exprs
+
+
+@pytest.fixture(scope="module")
+def slo_docs() -> list[Manifest]:
+    return render(load_values(SLO_VALUES))
+
+
+def test_promql_reader_finds_series_names_only() -> None:
+    expr = (
+        'sum by (le, service) (rate(a_bucket{x="y{",z=~"$ns"}[$__rate_interval])) '
+        "/ on() group_left b offset 5m > 1e3 or vector(0) and pdserve:c:rate5m > 14.4 * (1 - 0.99)"
+    )
+    assert metric_names(expr) == {"a_bucket", "b", "pdserve:c:rate5m"}
+    assert functions_called(expr) == {"sum", "rate", "vector"}
+    assert metric_names("histogram_quantle(0.9, x)") == {"x"}
+    assert "histogram_quantle" not in FUNCTIONS
+
+
+def test_the_exported_catalog_covers_every_metric_in_the_source() -> None:
+    """`exported_families` registers every metric class the services define: a metric
+    name written in services/ that it does not produce means a class is missing there."""
+    families = set().union(*exported_families().values())
+    missing = {n: f for n, f in metric_literals_in_source().items() if n not in families}
+    assert not missing, f"add their classes to promql.exported_families: {missing}"
+
+
+def test_alerts_and_dashboard_are_off_by_default() -> None:
+    docs = render(None)
+    assert not by_kind(docs, "PrometheusRule")
+    assert not [c for c in by_kind(docs, "ConfigMap") if "pdserve.json" in c.get("data", {})]
+    # Both need the metrics endpoints: without them nothing is rendered, and NOTES say so.
+    off = {"metrics": {"prometheusRule": {"enabled": True}, "dashboard": {"enabled": True}}}
+    assert not by_kind(render(off), "PrometheusRule")
+    assert "metrics.prometheusRule and metrics.dashboard have no effect" in notes(off)
+
+
+def test_rule_is_selected_and_grouped_as_prometheus_needs(slo_docs: list[Manifest]) -> None:
+    rule = the_rule(slo_docs)
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    names = [g["name"] for g in rule["spec"]["groups"]]
+    assert len(names) == len(set(names))
+    assert set(alerts(rule)) == ALERTS
+
+
+def test_rule_expressions_read_only_exported_or_recorded_series(slo_docs: list[Manifest]) -> None:
+    rule = the_rule(slo_docs)
+    exported = all_exported()
+    recorded = {r["record"] for r in rules(rule) if "record" in r}
+    assert recorded == {f"pdserve:slo_error_ratio:rate{w}"
+                        for w in ("5m", "30m", "1h", "2h", "6h", "1d", "3d")}  # fmt: skip
+    for r in rules(rule):
+        read = metric_names(r["expr"])
+        assert read and read <= exported | recorded, (r.get("alert") or r["record"], read)
+        assert functions_called(r["expr"]) <= FUNCTIONS
+
+
+def test_rules_select_the_gateway_and_worker_services(slo_docs: list[Manifest]) -> None:
+    series = exported_series()
+    for r in rules(the_rule(slo_docs)):
+        expr = r["expr"]
+        for name in metric_names(expr) - {"pdserve:slo_error_ratio:rate" + w for w in
+                                          ("5m", "30m", "1h", "2h", "6h", "1d", "3d")}:  # fmt: skip
+            if name in series["worker"] and name not in series["gateway"]:
+                assert 'service=~"rel-pdserve-prefill|rel-pdserve-decode"' in expr, name
+            elif name in series["gateway"] and name not in series["worker"]:
+                assert f"{name}{{{GATEWAY}" in expr, name
+    mixed = the_rule(render({"metrics": {"enabled": True, "prometheusRule": {"enabled": True}},
+                             "prefill": {"enabled": False}}))  # fmt: skip
+    kv = alerts(mixed)["PdserveKVCacheNearlyFull"]["expr"]
+    assert 'service="rel-pdserve-decode"' in kv and "prefill" not in kv
+
+
+def test_burn_rate_alerts_pair_long_and_short_windows(slo_docs: list[Manifest]) -> None:
+    by_name = alerts(the_rule(slo_docs))
+    budget = "(1 - 0.995)"  # objective 0.995 in the ci values
+    for name, factor, long, short, severity in [
+        ("PdserveErrorBudgetBurn1h", "14.4", "1h", "5m", "critical"),
+        ("PdserveErrorBudgetBurn6h", "6", "6h", "30m", "critical"),
+        ("PdserveErrorBudgetBurn1d", "3", "1d", "2h", "warning"),
+        ("PdserveErrorBudgetBurn3d", "1", "3d", "6h", "warning"),
+    ]:
+        alert = by_name[name]
+        assert metric_names(alert["expr"]) == {
+            f"pdserve:slo_error_ratio:rate{long}",
+            f"pdserve:slo_error_ratio:rate{short}",
+        }
+        assert alert["expr"].count(f"> ({factor} * {budget})") == 2
+        assert "\nand\n" in alert["expr"]
+        assert alert["labels"]["severity"] == severity
+        assert alert["labels"]["team"] == "serving"  # alertLabels
+
+
+def test_thresholds_and_durations_come_from_values() -> None:
+    mr = {"enabled": True, "objective": 0.95, "ttftP90Seconds": 2.5, "itlP90Seconds": 0.2,
+          "quantileWindow": "10m", "latencyFor": "20m", "kvUtilization": 0.85, "kvFor": "15m",
+          "workerErrorRatio": 0.1, "workerErrorsFor": "7m",
+          "sloErrorCodes": ["INTERNAL"],
+          "workerErrorIgnoredCodes": ["CANCELLED", "NOT_FOUND"]}  # fmt: skip
+    rule = the_rule(render({"metrics": {"enabled": True, "prometheusRule": mr}}))
+    by_name = alerts(rule)
+    ttft, itl = by_name["PdserveTTFTP90High"], by_name["PdserveITLP90High"]
+    assert ttft["expr"].endswith("> 2.5") and ttft["for"] == "20m" and "[10m]" in ttft["expr"]
+    assert itl["expr"].endswith("> 0.2") and itl["for"] == "20m"
+    kv = by_name["PdserveKVCacheNearlyFull"]
+    assert kv["expr"].endswith("> 0.85") and kv["for"] == "15m"
+    errors = by_name["PdserveWorkerErrors"]
+    assert errors["expr"].endswith("> 0.1") and errors["for"] == "7m"
+    assert 'code!~"CANCELLED|NOT_FOUND"' in errors["expr"]
+    assert "(14.4 * (1 - 0.95))" in by_name["PdserveErrorBudgetBurn1h"]["expr"]
+    record = next(r for r in rules(rule) if r.get("record") == "pdserve:slo_error_ratio:rate5m")
+    assert 'code=~"INTERNAL"' in record["expr"]
+
+
+def test_default_thresholds_match_the_gateways_goodput_slos() -> None:
+    """The p90 alerts default to the services' goodput SLOs, and the autoscaling targets
+    sit below them, so the pools grow before the alerts fire."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TelemetryConfig)}
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    alert, target = values["metrics"]["prometheusRule"], values["autoscaling"]["targets"]
+    assert alert["ttftP90Seconds"] == defaults["slo_ttft_s"] > target["ttftP90Seconds"]
+    assert alert["itlP90Seconds"] == defaults["slo_itl_s"] > target["itlP90Seconds"]
+    assert alert["kvUtilization"] > target["kvUtilization"]
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        ({"objective": 1.0}, "objective"),
+        ({"sloErrorCodes": ["UNAVAILABLE", "TIMEOUT"]}, "sloErrorCodes"),
+        ({"latencyFor": "10 minutes"}, "latencyFor"),
+        ({"kvUtilization": 1.5}, "kvUtilization"),
+    ],
+)
+def test_impossible_alert_values_are_refused(values: dict[str, Any], match: str) -> None:
+    import helm_python
+
+    with pytest.raises(helm_python.HelmValuesError, match=match):
+        render({"metrics": {"enabled": True, "prometheusRule": {"enabled": True, **values}}})
+
+
+def test_grpc_code_names_in_the_schema_are_the_ones_the_services_count() -> None:
+    import grpc
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["definitions"]["grpcCodes"]["items"]["enum"] == [c.name for c in grpc.StatusCode]
+
+
+def test_dashboard_configmap_is_labelled_for_the_grafana_sidecar(slo_docs: list[Manifest]) -> None:
+    (cm,) = [c for c in by_kind(slo_docs, "ConfigMap") if "pdserve.json" in c.get("data", {})]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "pdserve"}
+    assert json.loads(cm["data"]["pdserve.json"]) == json.loads(DASHBOARD.read_text())
+    custom = render({"metrics": {"enabled": True, "dashboard": {
+        "enabled": True, "labels": {"grafana_dashboard": "pdserve"}}}})  # fmt: skip
+    (cm,) = [c for c in by_kind(custom, "ConfigMap") if "pdserve.json" in c.get("data", {})]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "pdserve"
+    assert cm["metadata"]["namespace"] == "serving"
+
+
+def test_dashboard_queries_only_exported_metrics() -> None:
+    board = json.loads(DASHBOARD.read_text())
+    exported = all_exported()
+    queries = dashboard_queries(board)
+    assert len(queries) > 40
+    for expr in queries:
+        read = metric_names(expr)
+        assert read and read <= exported, (expr, read - exported)
+        assert functions_called(expr) <= FUNCTIONS | {"label_values"}, expr
+
+
+def test_dashboard_covers_the_metrics_operators_need() -> None:
+    board = json.loads(DASHBOARD.read_text())
+    read = set().union(*(metric_names(e) for e in dashboard_queries(board)))
+    families = {
+        name
+        for name in DASHBOARD_FAMILIES
+        if read & {name, f"{name}_total", f"{name}_bucket", f"{name}_count"}
+    }
+    assert families == DASHBOARD_FAMILIES
+
+
+def test_dashboard_is_well_formed_for_grafana() -> None:
+    board = json.loads(DASHBOARD.read_text())
+    assert board["uid"] == "pdserve" and board["title"]
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+    variables = {v["name"] for v in board["templating"]["list"]}
+    assert {"datasource", "namespace", "gateway", "workers", "router"} <= variables
+    for panel in board["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}"
+        refs = [t["refId"] for t in panel["targets"]]
+        assert refs and len(refs) == len(set(refs)), panel["title"]
+        for t in panel["targets"]:
+            used = {v for v in variables if f"${v}" in t["expr"]}
+            assert "namespace" in used, (panel["title"], t["expr"])
+
+
+@promtool.needs_promtool
+def test_prometheus_parses_every_rule_and_dashboard_query(
+    slo_docs: list[Manifest], tmp_path: Path
+) -> None:
+    promtool.check_rules(the_rule(slo_docs)["spec"]["groups"], tmp_path)
+    board = json.loads(DASHBOARD.read_text())
+    concrete = {
+        f"dashboard_{i}": expr.replace("$__rate_interval", "1m").replace("$", "")
+        for i, expr in enumerate(dashboard_queries(board))
+    }
+    promtool.check_rules(promtool.records(concrete), tmp_path)
+
+
+def _series(name: str, selector: str, labels: str, values: str) -> dict[str, str]:
+    sep = "," if labels else ""
+    return {"series": f"{name}{{{selector}{sep}{labels}}}", "values": values}
+
+
+def _firing(at: str, alertname: str, *labels: dict[str, str]) -> dict[str, Any]:
+    return {"eval_time": at, "alertname": alertname,
+            "exp_alerts": [{"exp_labels": dict(lbl)} for lbl in labels]}  # fmt: skip
+
+
+@promtool.needs_promtool
+def test_alerts_fire_on_what_they_describe_and_not_on_a_healthy_cluster(
+    slo_docs: list[Manifest], tmp_path: Path
+) -> None:
+    """The ci values: objective 0.995, TTFT p90 0.5 s, ITL p90 0.05 s, KV 0.9, worker
+    errors 5%; series every minute."""
+    groups = copy.deepcopy(the_rule(slo_docs)["spec"]["groups"])
+    for group in groups:  # annotations are text for people; the labels are what routes
+        for r in group["rules"]:
+            r.pop("annotations", None)
+    gateway = {"namespace": "serving", "service": "rel-pdserve-gateway", "team": "serving"}
+    decode = {"namespace": "serving", "service": "rel-pdserve-decode", "team": "serving"}
+    finished = 'finish_reason="stop",priority="standard"'
+
+    # 20% of finished requests miss the SLO: both fast-burn pairs page within 30 minutes.
+    burning = {
+        "interval": "1m",
+        "input_series": [
+            _series("pdserve_requests_total", GATEWAY, finished, "0+100x60"),
+            _series("pdserve_goodput_requests_total", GATEWAY, "", "0+80x60"),
+        ],
+        "alert_rule_test": [
+            _firing("30m", "PdserveErrorBudgetBurn1h", {**gateway, "severity": "critical"}),
+            _firing("30m", "PdserveErrorBudgetBurn6h", {**gateway, "severity": "critical"}),
+            _firing("30m", "PdserveErrorBudgetBurn1d"),  # its `for` is 1h
+        ],
+    }
+    # All requests good, but server errors (UNAVAILABLE) are 1/6 of the traffic: a burn
+    # too; client errors (INVALID_ARGUMENT) alone would not be.
+    failing = {
+        "interval": "1m",
+        "input_series": [
+            _series("pdserve_requests_total", GATEWAY, finished, "0+100x60"),
+            _series("pdserve_goodput_requests_total", GATEWAY, "", "0+100x60"),
+            _series("pdserve_request_errors_total", GATEWAY, 'code="UNAVAILABLE"', "0+20x60"),
+            _series("pdserve_request_errors_total", GATEWAY, 'code="INVALID_ARGUMENT"', "0+50x60"),
+        ],
+        "alert_rule_test": [
+            _firing("30m", "PdserveErrorBudgetBurn1h", {**gateway, "severity": "critical"}),
+        ],
+    }
+    # Every first token between 1 s and 2.5 s (p90 2.35 s > 0.5 s) and every token gap
+    # between 0.1 s and 0.25 s (> 0.05 s), for longer than latencyFor (10m).
+    slow = {
+        "interval": "1m",
+        "input_series": [
+            _series("pdserve_time_to_first_token_seconds_bucket", GATEWAY, 'le="1.0"', "0x40"),
+            _series("pdserve_time_to_first_token_seconds_bucket", GATEWAY, 'le="2.5"', "0+10x40"),
+            _series("pdserve_time_to_first_token_seconds_bucket", GATEWAY, 'le="+Inf"', "0+10x40"),
+            _series("pdserve_inter_token_latency_seconds_bucket", GATEWAY, 'le="0.1"', "0x40"),
+            _series("pdserve_inter_token_latency_seconds_bucket", GATEWAY, 'le="0.25"', "0+99x40"),
+            _series("pdserve_inter_token_latency_seconds_bucket", GATEWAY, 'le="+Inf"', "0+99x40"),
+        ],
+        "alert_rule_test": [
+            _firing("5m", "PdserveTTFTP90High"),  # pending: not yet latencyFor
+            _firing("25m", "PdserveTTFTP90High", {**gateway, "severity": "warning"}),
+            _firing("25m", "PdserveITLP90High", {**gateway, "severity": "warning"}),
+        ],
+    }
+    # Fast requests: nothing fires.
+    fast = {
+        "interval": "1m",
+        "input_series": [
+            _series("pdserve_time_to_first_token_seconds_bucket", GATEWAY, 'le="0.25"', "0+10x40"),
+            _series("pdserve_time_to_first_token_seconds_bucket", GATEWAY, 'le="+Inf"', "0+10x40"),
+            _series("pdserve_requests_total", GATEWAY, finished, "0+100x40"),
+            _series("pdserve_goodput_requests_total", GATEWAY, "", "0+100x40"),
+        ],
+        "alert_rule_test": [_firing("30m", name) for name in sorted(ALERTS)],
+    }
+    # Decode pool 97% full; its workers fail 50% of their RPCs; a prefill worker that
+    # never scheduled anything fails all its RPCs (no queue-time series at all). CANCELLED
+    # (the caller went away) is not a worker error.
+    prefill_sel = 'namespace="serving",service="rel-pdserve-prefill"'
+    workers = {
+        "interval": "1m",
+        "input_series": [
+            _series("pdserve_kv_blocks", DECODE, 'pod="d0",state="used"', "97x30"),
+            _series("pdserve_kv_blocks", DECODE, 'pod="d0",state="total"', "100x30"),
+            _series("pdserve_kv_blocks", prefill_sel, 'pod="p0",state="used"', "10x30"),
+            _series("pdserve_kv_blocks", prefill_sel, 'pod="p0",state="total"', "100x30"),
+            _series("pdserve_request_errors_total", DECODE, 'pod="d0",code="INTERNAL"', "0+10x30"),
+            _series("pdserve_queue_time_seconds_count", DECODE, 'pod="d0",phase="decode"',
+                    "0+10x30"),
+            _series("pdserve_request_errors_total", prefill_sel, 'pod="p0",code="UNAVAILABLE"',
+                    "0+3x30"),
+            _series("pdserve_request_errors_total", prefill_sel, 'pod="p0",code="CANCELLED"',
+                    "0+50x30"),
+        ],
+        "alert_rule_test": [
+            _firing("20m", "PdserveKVCacheNearlyFull", {**decode, "severity": "warning"}),
+            _firing("20m", "PdserveWorkerErrors", {**decode, "severity": "warning"},
+                    {**decode, "service": "rel-pdserve-prefill", "severity": "warning"}),
+        ],
+    }  # fmt: skip
+    promtool.run_rule_tests(groups, [burning, failing, slow, fast, workers], tmp_path)
