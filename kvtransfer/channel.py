@@ -9,9 +9,13 @@ reads no certificate files and no config beyond this.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import grpc
+
+from kvtransfer.errors import PeerUnavailableError
+from pdserve.v1 import kvtransfer_pb2_grpc
 
 #: A block of a large model can exceed gRPC's 4 MiB default message size.
 MAX_MESSAGE_BYTES = 256 << 20
@@ -51,6 +55,44 @@ def dial(address: str, security: ChannelSecurity = PLAINTEXT) -> grpc.Channel:
     if security.channel is None:
         return grpc.insecure_channel(address, options=options)
     return grpc.secure_channel(address, security.channel, options=options)
+
+
+class PeerChannels:
+    """One KvTransfer channel per exporter incarnation (its peer key), for an importer's
+    parts that call the exporter (the TCP backend's reads, the lease release).
+    Thread-safe; `connect` replaces (and closes) an earlier channel under the same key."""
+
+    def __init__(self, security: ChannelSecurity = PLAINTEXT) -> None:
+        self._security = security
+        self._lock = threading.Lock()
+        self._channels: dict[str, tuple[grpc.Channel, kvtransfer_pb2_grpc.KvTransferStub]] = {}
+
+    def connect(self, peer_key: str, address: str) -> None:
+        channel = dial(address, self._security)
+        with self._lock:
+            old = self._channels.pop(peer_key, None)
+            self._channels[peer_key] = (channel, kvtransfer_pb2_grpc.KvTransferStub(channel))
+        if old is not None:
+            old[0].close()
+
+    def stub(self, peer_key: str) -> kvtransfer_pb2_grpc.KvTransferStub:
+        with self._lock:
+            entry = self._channels.get(peer_key)
+        if entry is None:
+            raise PeerUnavailableError(f"no connection to KV exporter {peer_key}")
+        return entry[1]
+
+    def forget(self, peer_key: str) -> None:
+        with self._lock:
+            entry = self._channels.pop(peer_key, None)
+        if entry is not None:
+            entry[0].close()
+
+    def close(self) -> None:
+        with self._lock:
+            keys = list(self._channels)
+        for key in keys:
+            self.forget(key)
 
 
 def bind(server: grpc.Server, address: str, security: ChannelSecurity = PLAINTEXT) -> int:

@@ -6,7 +6,8 @@ sees the engine beyond it) registers the engine's KV pool with the backend
 service on loopback and starts a housekeeping thread. After the engine finishes a
 request added with `hold_kv=True`, `export(request_id)` grants a lease and returns the
 KvHandle that travels to the decode side. The lease ends exactly once: on the
-importer's release (a NIXL notification or the Release RPC), on `cancel(request_id)`,
+importer's Release call (answered with whether the lease was still live, which the
+importer needs before it commits a one-sided read), on `cancel(request_id)`,
 or on expiry (counted); each end unpins the blocks in the engine, whose full blocks stay
 in its prefix cache. `close()` ends all leases, stops the server and frees the backend.
 """
@@ -35,7 +36,7 @@ from pdserve.v1 import common_pb2, kvtransfer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-#: How often leases are checked for expiry and NIXL notifications are drained.
+#: How often leases are checked for expiry.
 HOUSEKEEPING_INTERVAL_S = 0.005
 
 
@@ -145,8 +146,6 @@ class KvExporter:
     def _housekeeping(self) -> None:
         while not self._stop.wait(HOUSEKEEPING_INTERVAL_S):
             try:
-                for lease_id in self.backend.poll_releases():
-                    self.leases.release(lease_id)
                 expired = self.leases.expire_due()
                 if expired:
                     log.warning("%d KV lease(s) expired without a release", expired)

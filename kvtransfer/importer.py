@@ -6,9 +6,13 @@ engine's layout and the prompt; make sure the exporter's current incarnation has
 handshaken (once per incarnation: a restarted exporter's stale NIXL metadata is dropped
 and the handshake redone); reserve blocks in the engine (WAITING_FOR_REMOTE_KV), reusing
 blocks already in its prefix cache so only the missing ones are read; read them with one
-batched transfer before the deadline; release the exporter's lease; commit the request
-to the engine's batch (or learn why its first token already ended it: the result's
-`finish_reason`). Any failure cancels the reservation (nothing leaks here) and raises a
+batched transfer before the deadline; release the exporter's lease, whose answer says
+whether the lease was held for the whole read (`LeaseReleaser`: a one-sided read cannot
+be checked by the exporter, and a lease that ended mid-read may have let the engine
+reuse the blocks for another request); only then commit the request to the engine's
+batch (or learn why its first token already ended it: the result's `finish_reason`).
+A lease found ended discards the bytes read (LeaseExpiredError: the gateway prefills the
+request again). Any failure cancels the reservation (nothing leaks here) and raises a
 typed TransferError; the exporter's lease expiry covers its side.
 """
 
@@ -42,6 +46,7 @@ from kvtransfer.errors import (
 from kvtransfer.grpc_errors import transfer_error_from_rpc
 from kvtransfer.handle import PROTOCOL_VERSION, validate_handle
 from kvtransfer.layout import check_layout
+from kvtransfer.lease_release import LeaseReleaser
 from kvtransfer.tcp_backend import TcpImportBackend
 from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 
@@ -123,6 +128,7 @@ class KvImporter:
         self.backend = make_import_backend(
             config.kv_backend, engine.kv_blocks, self.agent_name, security
         )
+        self.releaser = LeaseReleaser(security)
         self._lock = threading.Lock()
         self._peer_by_address: dict[str, str] = {}  # address -> "address|incarnation"
         self._peer_blocks: dict[str, int] = {}  # peer key -> blocks in its pool
@@ -168,7 +174,13 @@ class KvImporter:
             result = None
             if src:
                 result = self.backend.read(peer, handle, src, slot.blocks_to_fill, deadline)
-            self.backend.release(peer, handle, deadline)
+            held = self.releaser.release(peer, handle, deadline)
+            if src and not held:
+                raise LeaseExpiredError(
+                    f"KV lease {handle.lease_id} at {handle.transfer_address} ended during "
+                    "the read (expired or cancelled): its blocks may have been reused, so the "
+                    "bytes read are discarded"
+                )
             ended = self.engine.commit_import(request_id)
         except PeerUnavailableError:
             self.engine.cancel_import(request_id)
@@ -210,7 +222,9 @@ class KvImporter:
                 log.info("KV exporter at %s has a new incarnation; re-handshaking", address)
                 self._peer_blocks.pop(old, None)
                 self.backend.forget(old)
+                self.releaser.forget(old)
             self.backend.connect(key, response)
+            self.releaser.connect(key, address)
             self._peer_by_address[address] = key
             self._peer_blocks[key] = response.num_blocks
             self.handshakes += 1
@@ -232,6 +246,8 @@ class KvImporter:
                 del self._peer_by_address[address]
                 self._peer_blocks.pop(key, None)
                 self.backend.forget(key)
+                self.releaser.forget(key)
 
     def close(self) -> None:
         self.backend.close()
+        self.releaser.close()

@@ -1,7 +1,8 @@
 """Leases on exported KV blocks: pinned until the importer releases them or time runs out.
 
 Lifecycle: `grant` when a prefill engine exports a request's blocks; `release` when the
-importer's notification (NIXL) or Release call (TCP) arrives; `expire_due`, called
+importer's Release call arrives (its answer, whether the lease was still live, is what
+proves a one-sided read safe); `expire_due`, called
 periodically by the exporter's housekeeping thread, releases every lease past its expiry
 and counts it. Releasing calls `on_release(request_id)` exactly once per lease, which
 unpins the blocks in the engine (full blocks stay in its prefix cache). Thread-safe.

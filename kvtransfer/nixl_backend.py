@@ -1,22 +1,22 @@
 """The NIXL backend (nixl-cu12, UCX): one-sided READs of registered KV pools.
 
-Exporter: registers its whole KV pool once (one registration for the process's life),
-hands out its agent metadata and pool address at handshake, and drains notifications,
-each of which names a lease the importer is done with.
+Exporter: registers its whole KV pool once (one registration for the process's life)
+and hands out its agent metadata and pool address at handshake. It never sees a READ.
 
 Importer: registers its pool once and prepares a descriptor list with one entry per
 block (the pool is block-major: a block's KV of every layer, with its scales, is one
 contiguous row). Per exporter incarnation it loads the peer's metadata and prepares the
 peer's block list once. A transfer is then one `make_prepped_xfer` READ with index
 arrays, one descriptor per block; NIXL merges runs of adjacent blocks into one. The
-lease release rides on the READ as its notification (delivered only after the data has
-landed). A restarted exporter has a new agent name (engine id + incarnation): its old
-metadata and prepared list are dropped before the new ones load.
+lease is released afterwards by the importer's Release call, whose answer proves the
+lease held for the whole read (`lease_release.py`). A restarted exporter has a new
+agent name (engine id + incarnation): its old metadata and prepared list are dropped
+before the new ones load.
 
 Settings (found on 2-core CPU hosts with UCX over CMA): no UCX progress thread (the
 binding's thread busy-polls a whole core); UCX error handling mode "none", so a READ
 completes without the exporter's progress; the importer progresses transfers by
-polling `check_xfer_state`, the exporter drains notifications every few milliseconds.
+polling `check_xfer_state`.
 Splitting one large READ over two threads (two CMA copies at once) was tried and was
 not faster here. Agents use read-write thread sync because gRPC handler threads share
 them.
@@ -24,7 +24,6 @@ them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -36,8 +35,6 @@ import torch
 from kvtransfer.backend import ExportBackend, ImportBackend, ReadResult
 from kvtransfer.errors import PeerUnavailableError, TransferTimeoutError
 from pdserve.v1 import common_pb2, kvtransfer_pb2
-
-RELEASE_PREFIX = b"pdserve-release:"
 
 
 def _nixl() -> Any:
@@ -82,10 +79,6 @@ def block_descriptors(base: int, blocks: int, block_bytes: int, device: int) -> 
     return descs
 
 
-def release_message(lease_id: str) -> bytes:
-    return RELEASE_PREFIX + lease_id.encode()
-
-
 class NixlExportBackend(ExportBackend):
     name = "nixl"
 
@@ -101,14 +94,6 @@ class NixlExportBackend(ExportBackend):
         response.pool_base_address = self._pool.data_ptr()
         response.device_id = self._pool.device.index or 0
         response.backends.append(self.name)
-
-    def poll_releases(self) -> list[str]:
-        released = []
-        for messages in self._agent.get_new_notifs().values():
-            for message in messages:
-                if message.startswith(RELEASE_PREFIX):
-                    released.append(message[len(RELEASE_PREFIX) :].decode())
-        return released
 
     def close(self) -> None:
         if self._reg is not None:
@@ -137,7 +122,6 @@ class NixlImportBackend(ImportBackend):
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, _mem_type(kv_blocks))
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
-        self._notified: set[str] = set()
 
     def connect(self, peer_key: str, handshake: kvtransfer_pb2.HandshakeResponse) -> None:
         raw = self._agent.add_remote_agent(handshake.agent_metadata)
@@ -169,16 +153,15 @@ class NixlImportBackend(ImportBackend):
         start = time.monotonic()
         local_idx = np.asarray(dst_blocks, dtype=np.int32)
         remote_idx = np.asarray(src_blocks, dtype=np.int32)
+        # No release notification rides on the read: the importer releases with a call
+        # whose answer says whether the lease held for the whole read (lease_release.py).
         xfer = self._agent.make_prepped_xfer(
-            "READ", self._local, local_idx, peer.prepped, remote_idx,
-            notif_msg=release_message(handle.lease_id),
+            "READ", self._local, local_idx, peer.prepped, remote_idx
         )  # fmt: skip
         try:
             self._wait(xfer, deadline, handle.transfer_address)
         finally:
             xfer.release()
-        with self._lock:
-            self._notified.add(handle.lease_id)
         nbytes = len(local_idx) * self._block_bytes
         return ReadResult(nbytes, len(local_idx), time.monotonic() - start)
 
@@ -195,15 +178,6 @@ class NixlImportBackend(ImportBackend):
             raise PeerUnavailableError(f"KV read from {address} failed: {exc}") from exc
         if state != "DONE":
             raise PeerUnavailableError(f"KV read from {address} ended in state {state}")
-
-    def release(self, peer_key: str, handle: common_pb2.KvHandle, deadline: float) -> None:
-        with self._lock:
-            if handle.lease_id in self._notified:
-                self._notified.discard(handle.lease_id)
-                return
-        # Best effort: an unreleased lease expires on the exporter.
-        with contextlib.suppress(Exception):
-            self._agent.send_notif(self._peer(peer_key).name, release_message(handle.lease_id))
 
     def forget(self, peer_key: str) -> None:
         with self._lock:

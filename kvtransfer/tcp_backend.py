@@ -1,24 +1,24 @@
 """The fallback backend: block bytes streamed over the exporter's KvTransfer gRPC service.
 
 For platforms without NIXL (or UCX trouble). The exporter needs nothing beyond its
-KvTransfer service (`ReadBlocks` streams whole blocks, a few per message; `Release`
-unpins). The importer keeps one channel per exporter incarnation.
+KvTransfer service (`ReadBlocks` streams whole blocks, a few per message, checking the
+lease when it starts; the importer's Release call, answered with whether the lease was
+still live, covers the rest of the read: `lease_release.py`). The importer keeps one
+channel per exporter incarnation.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 
 import grpc
 import torch
 
 from kvtransfer.backend import ExportBackend, ImportBackend, ReadResult
-from kvtransfer.channel import PLAINTEXT, ChannelSecurity, dial
-from kvtransfer.errors import LeaseExpiredError, PeerUnavailableError, TransferError
+from kvtransfer.channel import PLAINTEXT, ChannelSecurity, PeerChannels
+from kvtransfer.errors import LeaseExpiredError, TransferError
 from kvtransfer.grpc_errors import transfer_error_from_rpc
-from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
+from pdserve.v1 import common_pb2, kvtransfer_pb2
 
 
 class TcpExportBackend(ExportBackend):
@@ -35,25 +35,10 @@ class TcpImportBackend(ImportBackend):
 
     def __init__(self, kv_blocks: torch.Tensor, security: ChannelSecurity = PLAINTEXT) -> None:
         self._pool = kv_blocks
-        self._security = security
-        self._lock = threading.Lock()
-        self._channels: dict[str, tuple[grpc.Channel, kvtransfer_pb2_grpc.KvTransferStub]] = {}
+        self._channels = PeerChannels(security)
 
     def connect(self, peer_key: str, handshake: kvtransfer_pb2.HandshakeResponse) -> None:
-        address = peer_key.split("|", 1)[0]
-        channel = dial(address, self._security)
-        with self._lock:
-            old = self._channels.pop(peer_key, None)
-            self._channels[peer_key] = (channel, kvtransfer_pb2_grpc.KvTransferStub(channel))
-        if old is not None:
-            old[0].close()
-
-    def _stub(self, peer_key: str) -> kvtransfer_pb2_grpc.KvTransferStub:
-        with self._lock:
-            entry = self._channels.get(peer_key)
-        if entry is None:
-            raise PeerUnavailableError(f"no connection to KV exporter {peer_key}")
-        return entry[1]
+        self._channels.connect(peer_key, peer_key.split("|", 1)[0])
 
     def read(
         self,
@@ -71,7 +56,7 @@ class TcpImportBackend(ImportBackend):
         dst = torch.tensor(dst_blocks, dtype=torch.long, device=self._pool.device)
         total = chunks = received = 0
         try:
-            for chunk in self._stub(peer_key).ReadBlocks(request, timeout=timeout):
+            for chunk in self._channels.stub(peer_key).ReadBlocks(request, timeout=timeout):
                 self._store(chunk, dst)
                 total += len(chunk.data)
                 chunks += 1
@@ -94,20 +79,8 @@ class TcpImportBackend(ImportBackend):
         data = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(-1, width)
         self._pool.index_copy_(0, dst[chunk.first_block : end], data.to(self._pool.device))
 
-    def release(self, peer_key: str, handle: common_pb2.KvHandle, deadline: float) -> None:
-        timeout = max(deadline - time.monotonic(), 0.5)
-        # Best effort: if the release is lost, the exporter's lease expiry frees it.
-        with contextlib.suppress(grpc.RpcError, PeerUnavailableError):
-            self._stub(peer_key).Release(
-                kvtransfer_pb2.ReleaseRequest(lease_id=handle.lease_id), timeout=timeout
-            )
-
     def forget(self, peer_key: str) -> None:
-        with self._lock:
-            entry = self._channels.pop(peer_key, None)
-        if entry is not None:
-            entry[0].close()
+        self._channels.forget(peer_key)
 
     def close(self) -> None:
-        for key in list(self._channels):
-            self.forget(key)
+        self._channels.close()

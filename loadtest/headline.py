@@ -56,8 +56,6 @@ SHORT_STREAM = 10_000  # request stream of the short-only point (apart from the 
 
 def cluster_config(name: str, cfg: HeadlineConfig, model: RunSettings) -> ClusterConfig:
     prefill, workers = (1, 1) if name == "disaggregated" else (0, 2)
-    # Given as a flag, it also overrides a PDSERVE_LOCAL_PREFILL_MAX_TOKENS in the env.
-    site = f"--local-prefill-max-tokens {cfg.local_prefill_max_tokens}" if prefill else ""
     return ClusterConfig(
         num_prefill=prefill,
         num_decode=workers,
@@ -70,7 +68,8 @@ def cluster_config(name: str, cfg: HeadlineConfig, model: RunSettings) -> Cluste
         placement="redis",
         max_streams=1024,
         pin_workers=cfg.pin_workers,
-        gateway_args=site,
+        # A flag: it also overrides a PDSERVE_LOCAL_PREFILL_MAX_TOKENS in the env.
+        local_prefill_max_tokens=cfg.local_prefill_max_tokens if prefill else None,
     )
 
 

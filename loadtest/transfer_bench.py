@@ -70,6 +70,7 @@ def _run_measurements(
         finally:
             for link in rig.links.values():
                 link.backend.close()
+                link.releaser.close()
         return cases, one_block, wait_leases_settled(peer), peer.proc.pid
     finally:
         peer.close()

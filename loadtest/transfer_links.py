@@ -20,8 +20,10 @@ import torch
 
 from engine.kv_cache import KvLayout, allocate_blocks
 from kvtransfer.backend import ImportBackend, ReadResult
+from kvtransfer.errors import LeaseExpiredError
 from kvtransfer.importer import handshake
 from kvtransfer.layout import check_layout
+from kvtransfer.lease_release import LeaseReleaser
 from kvtransfer.tcp_backend import TcpImportBackend
 from loadtest.transfer_exporter import CPU
 from pdserve.v1 import common_pb2
@@ -35,6 +37,7 @@ class Link:
 
     backend: ImportBackend
     peer_key: str
+    releaser: LeaseReleaser
 
 
 def connect(
@@ -53,7 +56,9 @@ def connect(
     check_layout(layout, response.layout)
     peer_key = f"{address}|{response.incarnation}"
     backend.connect(peer_key, response)
-    return Link(backend, peer_key)
+    releaser = LeaseReleaser()
+    releaser.connect(peer_key, address)
+    return Link(backend, peer_key, releaser)
 
 
 def timed_import(
@@ -64,7 +69,8 @@ def timed_import(
     t0 = time.perf_counter()
     result = link.backend.read(link.peer_key, handle, src, dst, deadline)
     t1 = time.perf_counter()
-    link.backend.release(link.peer_key, handle, deadline)
+    if not link.releaser.release(link.peer_key, handle, deadline):
+        raise LeaseExpiredError(f"lease {handle.lease_id} ended during the timed read")
     return result, t1 - t0, time.perf_counter() - t0
 
 

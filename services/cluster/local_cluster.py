@@ -113,6 +113,13 @@ class ClusterConfig:
     tokens_per_minute: int | None = field(
         default=None, metadata={"help": "gateway: per-tenant token quota per minute"}
     )
+    local_prefill_max_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "gateway: conditional disaggregation threshold (0 = every prompt takes the "
+            "prefill hop; unset = the gateway's default)"
+        },
+    )
     gateways: int = field(
         default=1,
         metadata={"help": "gateway replicas sharing the workers and Redis (extras: any port)"},
@@ -144,6 +151,8 @@ class ClusterConfig:
             value = getattr(self, name)
             if isinstance(value, int | float) and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if self.local_prefill_max_tokens is not None and self.local_prefill_max_tokens < 0:
+            raise ValueError("local_prefill_max_tokens must be >= 0")
 
 
 # ClusterConfig options passed on as the same-named flags of `pdserve gateway` / `worker`.
@@ -305,6 +314,7 @@ class LocalCluster:
             *self._common(),
             *self._redis_args(),
             *self._passthrough(_GATEWAY_PASSTHROUGH),
+            *self._passthrough(("local_prefill_max_tokens",)),
             *shlex.split(self.cfg.gateway_args),
         ]
 

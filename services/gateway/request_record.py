@@ -307,6 +307,11 @@ class RequestRecord:
                 self.keepers.stubs.cleanups.start(self._release_load(gone))
         self._changed()
 
+    def report_down(self, worker_id: str) -> None:
+        """A call to `worker_id` failed UNAVAILABLE: tell the placement (every gateway's
+        router then skips it at once). Runs on its own, like the cleanup."""
+        self.keepers.stubs.cleanups.start(_awaited(self.keepers.placement.report_down(worker_id)))
+
     def decode_opened(self, call: Cancellable) -> None:
         self._enter(RequestState.DECODING)
         self._sent()  # a mixed worker prefills it here
@@ -408,3 +413,7 @@ class RequestRecord:
         if placing in self._placements:
             self._placements.remove(placing)
             self._changed()
+
+
+async def _awaited(work: Awaitable[None]) -> None:
+    await work

@@ -75,6 +75,13 @@ class WorkerLost(StreamError):
     stream over (`RequestStream._migrate`); otherwise the stream ends with this status."""
 
 
+class KvLost(StreamError):
+    """The decode worker could not import the prefilled KV before its first chunk
+    (NOT_FOUND: the lease ended before or during the read, or the prefill worker
+    restarted): the bytes were discarded, and the same decode worker may prefill the
+    prompt itself (`RequestStream._reprefill`)."""
+
+
 class DecodeRefused(StreamError):
     """A decode worker refused the request before its first chunk (`REFUSALS`): another
     attempt may take it over. Ends the stream with its status when none can."""
@@ -114,6 +121,7 @@ class RequestStream:
         self.cached_tokens = 0
         self.output: list[int] = []  # fork 0's tokens streamed so far (what a move resumes)
         self.lost: list[str] = []  # decode workers the stream moved away from
+        self.reprefills = 0  # times a decode worker prefilled again after the KV was lost
         self.tel = (telemetry or GatewayTelemetry.disabled()).stream(
             self.req.request_id, self.req.tenant, len(self.req.prompt), self.req.priority
         )
@@ -176,6 +184,8 @@ class RequestStream:
             except grpc.aio.AioRpcError as exc:
                 if self._past_deadline():  # no time left to retry in
                     raise deadline_error(self.config.request_deadline_s) from exc
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.record.report_down(decision.prefill.worker_id)
                 if exc.code() not in RETRYABLE or attempt == self.config.prefill_retries:
                     raise StreamError(
                         exc.code(), f"prefill worker {decision.prefill.worker_id}: {exc.details()}"
@@ -228,10 +238,15 @@ class RequestStream:
                     yield msg
                 return
             except DecodeRefused as refused:
+                if refused.refusal is DecodeRefusal.GONE:
+                    self.record.report_down(decision.decode.worker_id)
                 retry.refused(decision.decode.worker_id, refused.refusal)
                 decision = await self._reroute_decode(decision, retry, refused)
-            except WorkerLost as lost:
-                decision = await self._migrate(decision, lost)
+            except (WorkerLost, KvLost) as lost:
+                if isinstance(lost, KvLost):
+                    self._reprefill(decision, lost)
+                else:
+                    decision = await self._migrate(decision, lost)
                 handle, resume = None, list(self.output)
                 retry = DecodeRetry.start(
                     self.config.first_token_timeout_s, None, time.monotonic(), time.time()
@@ -239,7 +254,7 @@ class RequestStream:
 
     def _why_not_migrate(self) -> str:
         """Why a lost stream may not move (a `migration` outcome), or "" if it may."""
-        if len(self.lost) >= self.config.max_migrations:
+        if len(self.lost) + self.reprefills >= self.config.max_migrations:
             return "limit"
         if self.req.params.n > 1:
             return "forks"  # each fork would resume on its own: not done
@@ -247,19 +262,41 @@ class RequestStream:
             return "no_tokens"  # nothing went out: the stream's own errors apply
         return ""
 
-    async def _migrate(self, lost_on: RouteDecision, lost: WorkerLost) -> RouteDecision:
-        """Place the decode side again after `lost_on`'s decode worker was lost mid-stream;
-        raises `lost` when the stream may not move or no decode worker is left."""
-        start = time.monotonic()
-        worker = lost_on.decode.worker_id
-        attrs: dict[str, str | int] = {
+    def _move_attrs(self, worker: str, lost: StreamError) -> dict[str, str | int]:
+        return {
             "pdserve.migration.from": worker, "pdserve.migration.reason": lost.code.name,
             "pdserve.migration.resumed_tokens": len(self.output),
         }  # fmt: skip
+
+    def _may_move(self, start: float, attrs: dict[str, str | int], lost: StreamError) -> None:
+        """Raises `lost` (the refusal traced and counted) when the stream may not move."""
         refusal = self._why_not_migrate()
         if refusal:
             self.tel.migrated(start, attrs, refusal)
             raise lost
+
+    def _reprefill(self, decision: RouteDecision, lost: KvLost) -> None:
+        """The prefilled KV is gone: the same decode worker computes it again, resuming
+        after the tokens already sent (one of the request's `max_migrations` moves);
+        raises `lost` when the stream may not."""
+        start, attrs = time.monotonic(), self._move_attrs(decision.decode.worker_id, lost)
+        attrs["pdserve.migration.to"] = decision.decode.worker_id
+        self._may_move(start, attrs, lost)
+        self.reprefills += 1
+        self.tel.migrated(start, attrs, "reprefill")
+        log.warning(
+            "request %s: the prefilled KV was lost before decode (%s); decode worker %s "
+            "prefills it again", self.req.request_id, lost, decision.decode.worker_id,
+        )  # fmt: skip
+
+    async def _migrate(self, lost_on: RouteDecision, lost: WorkerLost) -> RouteDecision:
+        """Place the decode side again after `lost_on`'s decode worker was lost mid-stream;
+        raises `lost` when the stream may not move or no decode worker is left."""
+        worker = lost_on.decode.worker_id
+        start, attrs = time.monotonic(), self._move_attrs(worker, lost)
+        if lost.code == grpc.StatusCode.UNAVAILABLE:
+            self.record.report_down(worker)  # dead, not slow: every gateway skips it now
+        self._may_move(start, attrs, lost)
         self.lost.append(worker)
         self.record.decode_lost()
         try:
@@ -322,7 +359,7 @@ class RequestStream:
         )
         self.record.decode_opened(call)
         pulled_from = decision.prefill.address if decision.prefill and handle else None
-        chunk = await self._first_chunk(call, first_by, decision)
+        chunk = await self._first_chunk(call, first_by, decision, imported=handle is not None)
         # Any chunk comes after the import: the decode worker has the KV now.
         self.record.decode_started(pulled_from)
         first = handle is None and not resume  # a mixed request's prefill is here
@@ -347,13 +384,21 @@ class RequestStream:
             chunk = await self._read(call, self.config.token_timeout_s, decision)
 
     async def _first_chunk(
-        self, call: grpc.aio.UnaryStreamCall, first_by: float, decision: RouteDecision
+        self,
+        call: grpc.aio.UnaryStreamCall,
+        first_by: float,
+        decision: RouteDecision,
+        *,
+        imported: bool,
     ) -> worker_pb2.DecodeChunk:
-        """The call's first chunk (after the KV import), due by `first_by`."""
+        """The call's first chunk (after the KV import, when `imported`), due by
+        `first_by`."""
         limit = f"first_token_timeout_s ({self.config.first_token_timeout_s:g}s)"
         try:
             return await self._read(call, first_by - time.monotonic(), decision, limit)
         except StreamError as exc:
+            if imported and exc.code == grpc.StatusCode.NOT_FOUND:
+                raise KvLost(exc.code, str(exc)) from exc
             refusal = REFUSALS.get(exc.code)
             if refusal is None:
                 raise

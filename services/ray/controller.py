@@ -6,7 +6,9 @@ uses) the router's Redis, the Router service actors, both worker pools, waits un
 worker serves (each has registered with Redis by then), then starts the gateway, which
 places through the router library on the same Redis, and returns the gateway address.
 `scale(pool, n)` adds workers (new actors, waited on until they serve) or removes the
-newest ones (drained first, like SIGTERM, then killed). `shutdown()` stops the gateway,
+newest ones (drained first, like SIGTERM, then killed). `autoscale(cfg)` starts (or, with
+None, stops) the SLO-driven autoscaler (`autoscaler.py`), a thread calling the same
+`scale`; `start()` starts it when `--autoscale` is on. `shutdown()` stops it, the gateway,
 drains the workers and routers, and stops the embedded Redis. The controller owns the
 actors it creates, so if it dies Ray tears them down with it; it is itself owned by the
 `pdserve up --ray` process (or the test) that created it.
@@ -18,7 +20,8 @@ id is `<role>-<i>`, kept across restarts.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -32,9 +35,13 @@ from services.common.role import Role
 from services.common.telemetry_config import TelemetryConfig
 from services.gateway.config import GatewayConfig
 from services.ray.actors import ServiceActor, ServiceSpec
+from services.ray.autoscaler import AutoscaleConfig, AutoscaleLoop, PoolName, SignalReader
 from services.ray.config import RayConfig, parse_resources
 from services.router.embedded_redis import EmbeddedRedis
+from services.router.keyspace import Keyspace
+from services.router.redis_client import connect
 from services.router.router_config import RouterConfig
+from services.router.worker_signal import SignalBoard
 from services.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -78,6 +85,9 @@ class ClusterController:
         self.gateway: Any = None
         self.gateway_address = ""
         self.http_address = ""
+        self.gateway_metrics_port: int | None = None
+        self.autoscaler: AutoscaleLoop | None = None
+        self._scale_lock = threading.Lock()  # the autoscaler's thread and callers both scale
 
     # -- start ---------------------------------------------------------------------
 
@@ -95,6 +105,10 @@ class ClusterController:
             self.gateway_address = self._wait([self.gateway])[0]
             fields = ray.get(self.gateway.ready_fields.remote(self.cluster.startup_timeout_s))
             self.http_address = str(fields.get("http", ""))
+            self.gateway_metrics_port = fields.get("metrics_port")
+            if self.ray_cfg.autoscale:
+                t = self.telemetry
+                self.autoscale(self.ray_cfg.autoscale_config(t.slo_ttft_s, t.slo_itl_s))
             return self.gateway_address
         except BaseException:
             self.shutdown()
@@ -151,6 +165,8 @@ class ClusterController:
         http_port = c.http_port if c.http_port is not None else 8471 if c.gateway_port else 0
         gateway = GatewayConfig(gateway_port=c.gateway_port, placement="redis",
                                 max_streams=c.max_streams, http_port=http_port)  # fmt: skip
+        if c.local_prefill_max_tokens is not None:
+            gateway = replace(gateway, local_prefill_max_tokens=c.local_prefill_max_tokens)
         model = ModelConfig(model=c.model, model_cache_dir=c.model_cache_dir)
         return ServiceSpec("gateway", "gateway", (gateway, model, self._router_cfg(),
                                                   self.telemetry))  # fmt: skip
@@ -174,6 +190,10 @@ class ClusterController:
 
     def scale(self, pool_name: str, replicas: int) -> list[str]:
         """Resize a pool to `replicas` workers; returns its worker ids once they serve."""
+        with self._scale_lock:
+            return self._scale(pool_name, replicas)
+
+    def _scale(self, pool_name: str, replicas: int) -> list[str]:
         pool = self._pool(pool_name, replicas)
         current = sorted(pool.actors)
         if replicas > len(current):
@@ -229,6 +249,33 @@ class ClusterController:
         for actor in actors:
             ray.kill(actor, no_restart=True)
 
+    # -- autoscaling ---------------------------------------------------------------
+
+    def autoscale(self, cfg: AutoscaleConfig | None) -> dict[str, Any]:
+        """Start the autoscaler with `cfg` (replacing a running one), or stop it (None);
+        returns its status."""
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
+            self.autoscaler = None
+        if cfg is None:
+            return {}
+        if self.gateway_metrics_port is None:
+            raise ValueError("autoscale: the gateway serves no /metrics (metrics_port < 0)")
+        board = SignalBoard(connect(self.redis_url), Keyspace(self.ray_cfg.ray_namespace))
+        host = self.gateway_address.rpartition(":")[0] or "127.0.0.1"
+        reader = SignalReader.for_gateway(board, host, self.gateway_metrics_port)
+        mixed = self.pools["decode"].role == "mixed"
+        pools = (PoolName.DECODE,) if mixed else (PoolName.PREFILL, PoolName.DECODE)
+        self.autoscaler = AutoscaleLoop(cfg, reader, self._sizes, self._autoscale_to, pools)
+        self.autoscaler.start()
+        return self.autoscaler.status()
+
+    def _sizes(self) -> dict[PoolName, int]:
+        return {p: len(self.pools[p.value].actors) for p in PoolName}
+
+    def _autoscale_to(self, pool: PoolName, replicas: int) -> None:
+        self.scale(pool.value, replicas)
+
     # -- status and shutdown -------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
@@ -239,6 +286,7 @@ class ClusterController:
             "redis_pid": self.redis.pid if self.redis is not None else None,
             "routers": len(self.routers),
             "pools": {k: self._ids(p) for k, p in self.pools.items()},
+            "autoscale": self.autoscaler.status() if self.autoscaler is not None else None,
         }
 
     def pids(self) -> list[int]:
@@ -248,7 +296,9 @@ class ClusterController:
         return list(ray.get([a.pid.remote() for a in actors]))
 
     def shutdown(self) -> None:
-        """Gateway first (no new requests), then workers (drained), routers, Redis."""
+        """Autoscaler first, then the gateway (no new requests), workers (drained),
+        routers, Redis."""
+        self.autoscale(None)
         if self.gateway is not None:
             self._stop([self.gateway])
             self.gateway = None

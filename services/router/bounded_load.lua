@@ -18,11 +18,21 @@
 -- ARGV[7]  its weight: full KV blocks of the prompt (cache_aware only)
 -- ARGV[8]  share of a worker's registered KV capacity the cache model assumes
 -- ARGV[9]  cache model TTL in ms (idle models of departed workers expire)
--- ARGV[10..] the m candidate worker ids, in preference order (the ring walk, client-side)
+-- ARGV[10] slow start in ms (0: off)
+-- ARGV[11..] the m candidate worker ids, in preference order (the ring walk, client-side)
 --
--- A candidate counts only if its registration exists and is not draining; total load
--- and n cover counted candidates only. bound = ceil((1 + eps) * (total + 1) / n): since
--- the average load is below the bound, "bounded" always finds a worker.
+-- A candidate counts only if its registration exists, is not draining and is not marked
+-- down (`down_until` in the future: a call to it failed; when every live candidate is
+-- marked down they all count, rather than none); total load and n cover counted
+-- candidates only. bound = ceil((1 + eps) * (total + 1) / n): since the average load is
+-- below the bound, "bounded" always finds a worker.
+--
+-- Slow start (bounded modes): once some candidate joined more than the slow start ago,
+-- a younger one (new, or restarted: `joined` is stamped at registration) is below the
+-- bound only while its load is under ceil(bound x share), share growing linearly from
+-- MIN_SHARE to 1 over the slow start, so a cold cache is not stampeded. If no candidate
+-- is under its own limit, the plain bound decides (the invariant above still holds).
+-- Workers that all joined together (a fresh cluster) have nobody warmer to defer to.
 --
 -- cache_aware is bounded with a model of each worker's prefix cache: which prefix keys
 -- it served recently (LRU order in the ZSET, weights in the HASH). Among candidates
@@ -50,15 +60,24 @@ for _, lease in ipairs(expired) do
 end
 if #expired > 0 then redis.call('INCRBY', KEYS[5], #expired) end
 
-local m = #ARGV - 9
-local live, slot, capacity = {}, {}, {}
+local MIN_SHARE = 0.1
+local m = #ARGV - 10
+local up, down = {}, {}
 for j = 1, m do
-  local reg = redis.call('HMGET', KEYS[5 + j], 'draining', 'capacity')
+  local reg = redis.call('HMGET', KEYS[5 + j], 'draining', 'capacity', 'joined', 'down_until')
   if reg[1] == '0' then
-    live[#live + 1] = ARGV[9 + j]
-    slot[#live] = j
-    capacity[#live] = tonumber(reg[2]) or 0
+    local entry = {ARGV[10 + j], j, tonumber(reg[2]) or 0, tonumber(reg[3]) or 0}
+    if reg[4] and tonumber(reg[4]) > now then
+      down[#down + 1] = entry
+    else
+      up[#up + 1] = entry
+    end
   end
+end
+if #up == 0 then up = down end
+local live, slot, capacity, joined = {}, {}, {}, {}
+for i, entry in ipairs(up) do
+  live[i], slot[i], capacity[i], joined[i] = entry[1], entry[2], entry[3], entry[4]
 end
 local n = #live
 if n == 0 then
@@ -74,6 +93,21 @@ for i = 1, n do
 end
 local bound = math.ceil((1 + tonumber(ARGV[2])) * (total + 1) / n)
 
+-- Each candidate's own limit under slow start (see the header).
+local slow = tonumber(ARGV[10])
+local established = false
+for i = 1, n do
+  if slow <= 0 or now - joined[i] >= slow then established = true end
+end
+local limit = {}
+for i = 1, n do
+  limit[i] = bound
+  if established and now - joined[i] < slow then
+    local share = math.max(MIN_SHARE, (now - joined[i]) / slow)
+    limit[i] = math.max(1, math.ceil(bound * share))
+  end
+end
+
 local mode = ARGV[1]
 local cached = mode == 'cache_aware'
 if #KEYS ~= 5 + (cached and 3 or 1) * m then
@@ -84,7 +118,7 @@ end
 local function warm_pick()
   local best = nil
   for i = 1, n do
-    if loads[i] < bound and redis.call('ZSCORE', KEYS[5 + m + slot[i]], ARGV[6]) then
+    if loads[i] < limit[i] and redis.call('ZSCORE', KEYS[5 + m + slot[i]], ARGV[6]) then
       if best == nil or loads[i] < loads[best] then best = i end
     end
   end
@@ -122,6 +156,14 @@ if cached then
 end
 if mode == 'bounded' or mode == 'cache_aware' then
   if pick == nil then
+    for i = 1, n do
+      if loads[i] < limit[i] then
+        pick = i
+        break
+      end
+    end
+  end
+  if pick == nil then  -- only slow-starting workers had room: the plain bound decides
     for i = 1, n do
       if loads[i] < bound then
         pick = i

@@ -63,6 +63,7 @@ class PlaceRequest:
     key: int = 0  # the request's prefix key (cache_aware)
     weight: int = 0  # full KV blocks of its prompt: its footprint in a prefix cache
     cache_share: float = 1.0  # share of a worker's KV capacity the cache model assumes
+    slow_start_s: float = 0.0  # a worker that joined this recently takes a ramped share
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,8 @@ class LoadLedger:
         ttl_ms = max(1, round(r.ttl_s * 1000))
         args: list[str | int] = [r.mode, repr(float(r.eps)), lease_prefix, ttl_ms]
         args += [self.purge_batch, f"{r.key & 0xFFFFFFFFFFFFFFFF:016x}", r.weight]
-        args += [repr(float(r.cache_share)), CACHE_MODEL_TTL_MS, *r.candidates]
+        args += [repr(float(r.cache_share)), CACHE_MODEL_TTL_MS]
+        args += [max(0, round(r.slow_start_s * 1000)), *r.candidates]
         return keys, args, lease_prefix
 
     def release(self, lease_ids: Sequence[str]) -> int:

@@ -28,6 +28,7 @@ class RouterCollector(Collector):
             ("fail_open", s.fail_open, "Pool placements made locally because Redis was down"),
             ("redis_errors", s.redis_errors, "Redis calls that failed"),
             ("release_failures", s.release_failures, "Lease releases Redis did not get at once"),
+            ("marked_down", s.marked_down, "Workers marked down after a call to them failed"),
         ):
             yield CounterMetricFamily(f"pdserve_router_{name}", text, value=value)
         yield GaugeMetricFamily(

@@ -97,6 +97,11 @@ class Placement(Protocol):
         """Start giving back the decision's load; await the result to wait for it."""
         ...
 
+    def report_down(self, worker_id: str) -> Awaitable[None]:
+        """A call to the worker failed UNAVAILABLE: keep placements off it for a while
+        (on every router sharing the registry). Starts at call time, as `release`."""
+        ...
+
     def workers(self) -> list[WorkerRef]: ...
 
 
@@ -152,6 +157,9 @@ class StaticPlacement:
 
     def release(self, decision: RouteDecision) -> Awaitable[None]:
         return done()
+
+    def report_down(self, worker_id: str) -> Awaitable[None]:
+        return done()  # a fixed list: the failed call's own retry excludes the worker
 
     def _pick(
         self, pool: list[WorkerRef], counter: itertools.count[int], exclude: Sequence[str]

@@ -124,6 +124,10 @@ class RedisPlacement:
             return done()
         return in_thread(self.router.release, decision.load_lease_ids)
 
+    def report_down(self, worker_id: str) -> Awaitable[None]:
+        """Mark the worker down in the registry (`Router.report_down`), in a thread."""
+        return in_thread(self.router.report_down, worker_id)
+
     def workers(self) -> list[WorkerRef]:
         return self.router.workers()
 

@@ -4,18 +4,31 @@
 -- KEYS[2]  ns:pool:prefill   SET of worker ids
 -- KEYS[3]  ns:pool:decode    SET of worker ids
 -- KEYS[4]  ns:pool:mixed     SET of worker ids
--- ARGV[1]  op: register | deregister | drain | list
+-- ARGV[1]  op: register | deregister | drain | down | list
 -- ARGV[2]  worker key prefix "ns:worker:" (a worker's key is prefix .. id; single Redis)
 --
--- register  ARGV[3..10] = id, role, model, layout, address, capacity, draining, ttl_ms
+-- register  ARGV[3..11] = id, role, model, layout, address, capacity, draining, ttl_ms,
+--                         incarnation (the worker process's start token)
 --   -> {'ok', created (1 new, 0 renewed)} | {'identity', model, layout} | {'role', role}
 --   Creates or renews the worker's PX lease. The identity is set by the first live
 --   worker and lives as long as the longest worker lease, so it resets only once every
---   worker is gone. Draining is sticky: a heartbeat never un-drains a worker.
+--   worker is gone. Draining is sticky: a heartbeat never un-drains a worker. A new
+--   registration, or a new incarnation (the worker restarted), stamps `joined` (Redis
+--   time, ms: where its slow start begins) and clears a `down_until` mark.
 -- deregister ARGV[3] = id -> 1 if it was registered; drops the identity if no worker is left
 -- drain      ARGV[3] = id, ARGV[4] = '1' | '0' -> 1 if the worker is registered
+-- down       ARGV[3] = id, ARGV[4] = ms -> 1 if registered: no placements on it until
+--   Redis time + ms (`down_until`; a call to it failed: the routers' shared breaker)
 -- list       ARGV[3] = role or '' for all
 --   -> flat {id, role, model, layout, address, capacity, draining, ...}; prunes expired ids
+
+-- Redis < 7 replicates scripts by effects only if asked; TIME below needs that.
+if redis.replicate_commands then redis.replicate_commands() end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 
 local pools = {prefill = KEYS[2], decode = KEYS[3], mixed = KEYS[4]}
 local op = ARGV[1]
@@ -44,7 +57,7 @@ if op == 'register' then
   if known[1] and (known[1] ~= model or known[2] ~= layout) then
     return {'identity', known[1], known[2]}
   end
-  local old = redis.call('HMGET', key, 'role', 'draining')
+  local old = redis.call('HMGET', key, 'role', 'draining', 'incarnation')
   if old[1] and old[1] ~= role then
     return {'role', old[1]}
   end
@@ -52,6 +65,10 @@ if op == 'register' then
   if old[2] == '1' then draining = '1' end
   redis.call('HSET', key, 'role', role, 'model', model, 'layout', layout,
              'address', ARGV[7], 'capacity', ARGV[8], 'draining', draining)
+  if not old[1] or old[3] ~= ARGV[11] then
+    redis.call('HSET', key, 'joined', now_ms(), 'incarnation', ARGV[11])
+    redis.call('HDEL', key, 'down_until')
+  end
   redis.call('PEXPIRE', key, ttl)
   redis.call('SADD', pools[role], id)
   redis.call('HSET', KEYS[1], 'model', model, 'layout', layout)
@@ -74,6 +91,11 @@ elseif op == 'drain' then
   local key = prefix .. ARGV[3]
   if redis.call('EXISTS', key) == 0 then return 0 end
   redis.call('HSET', key, 'draining', ARGV[4])
+  return 1
+elseif op == 'down' then
+  local key = prefix .. ARGV[3]
+  if redis.call('EXISTS', key) == 0 then return 0 end
+  redis.call('HSET', key, 'down_until', now_ms() + tonumber(ARGV[4]))
   return 1
 elseif op == 'list' then
   local out = {}

@@ -3,7 +3,9 @@
 Lifecycle of a registration: a worker calls `register` once it can serve (a PX-expiring
 hash plus membership in its pool's set), then `heartbeat` well within `ttl_s` to renew
 it. A heartbeat re-creates a registration Redis lost (restart, failover), so the registry
-rebuilds itself from heartbeats. To leave, a worker calls `set_draining(id)` (routers stop
+rebuilds itself from heartbeats. A worker whose calls fail can be marked down
+(`mark_down`): every router skips it until the mark runs out, long before its lease
+would. To leave, a worker calls `set_draining(id)` (routers stop
 sending it requests), finishes its streams, then `deregister`s; a worker that dies just
 stops heartbeating and expires. All workers must share one model and KV layout (the
 cluster's identity): the first live worker sets it unless the config pins it, and a worker
@@ -37,6 +39,7 @@ class WorkerInfo:
     address: str  # host:port of the worker's gRPC server
     capacity: int = 0  # KV blocks it can hold (informational)
     draining: bool = False
+    incarnation: str = ""  # its process's start token: a new one restarts its slow start
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
@@ -84,7 +87,7 @@ class Registry:
         res = self._call(
             "register", info.worker_id, info.role, info.model, info.layout_fingerprint,
             info.address, info.capacity, "1" if info.draining else "0",
-            max(1, round(self.ttl_s * 1000)),
+            max(1, round(self.ttl_s * 1000)), info.incarnation,
         )  # fmt: skip
         assert isinstance(res, list)
         status = str(res[0])
@@ -124,6 +127,13 @@ class Registry:
     def set_draining(self, worker_id: str, draining: bool = True) -> bool:
         """Mark a worker (un)draining; routers stop placing on it at once. False if unknown."""
         return int(str(self._call("drain", worker_id, "1" if draining else "0"))) == 1
+
+    def mark_down(self, worker_id: str, seconds: float) -> bool:
+        """Keep every router's placements off a worker for `seconds` (a call to it failed
+        with UNAVAILABLE); a re-registration under a new incarnation lifts it. False if
+        the worker is not registered."""
+        ms = max(1, round(seconds * 1000))
+        return int(str(self._call("down", worker_id, ms))) == 1
 
     def list(self, role: str | None = None) -> list[WorkerInfo]:
         """Live registrations (all pools, or one), pruning expired ones from the pool sets."""

@@ -17,6 +17,12 @@ Lifecycle of a decision (`Router.route`, synchronous and thread-safe):
 `route_decode` is the same decision over the decode (or mixed) pool alone: the gateway
 asks for it when a request's prefill is done but its decode worker refused it.
 
+Marked down: `report_down(worker_id)` (the gateway, after a call to the worker failed
+UNAVAILABLE) stamps the worker's registration with `down_until`, which the placement
+script honours on every router at once, long before the worker's heartbeat lease would
+lapse; a restarted worker's registration clears it. Slow start: the script also ramps a
+newly joined worker's share of the bound (`slow_start_s`; router.md).
+
 Fail-open: if Redis errors, the router places with `LocalLoad` on the last known
 membership, logs once per outage, counts each such decision in `stats.fail_open`, and
 tries Redis again after `redis_retry_s`. If Redis comes back empty (restarted), pools it
@@ -57,6 +63,7 @@ class RouterStats:
     redis_errors: int = 0  # Redis calls that failed with a connection/timeout error
     release_failures: int = 0  # lease releases Redis did not get at once (kept, sent again)
     owed_releases: int = 0  # a gauge: kept releases not sent yet (`ReleaseBacklog`)
+    marked_down: int = 0  # workers reported down (`report_down`)
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,7 @@ class Router:
         self._next_refresh = float("-inf")
         self._redis_down_until = float("-inf")
         self._redis_down = False
+        self._down: dict[str, float] = {}  # worker id -> until (clock): the local breaker
 
     # -- public API -------------------------------------------------------------------
 
@@ -189,6 +197,33 @@ class Router:
         )
         return Routed(decision, tuple(chosen), any(p.local for p in chosen))
 
+    def report_down(self, worker_id: str) -> None:
+        """A call to `worker_id` failed UNAVAILABLE (refused, reset): every router sharing
+        this Redis skips it for `down_s` (the registration's mark, read by the placement
+        script), this one also while Redis is unreachable. Never raises on a dead Redis."""
+        seconds = self.config.down_s
+        if seconds <= 0:
+            return
+        now = self._clock()
+        with self._lock:
+            self._down[worker_id] = now + seconds
+        self._count(marked_down=1)
+        if now < self._redis_down_until:
+            return
+        try:
+            self.registry.mark_down(worker_id, seconds)
+        except REDIS_DOWN_ERRORS as exc:
+            self._redis_failed(exc)
+
+    def _up(self, order: list[str], now: float) -> list[str]:
+        """`order` without the workers this router saw fail lately (all of it if that
+        leaves none: trying a suspect beats placing nowhere)."""
+        with self._lock:
+            self._down = {w: until for w, until in self._down.items() if until > now}
+            down = set(self._down)
+        kept = [w for w in order if w not in down]
+        return kept or order
+
     def release(self, lease_ids: Sequence[str]) -> None:
         """Give back load leases (local ones here, the rest in Redis). Never raises on a
         dead Redis: the leases it did not get are kept (`backlog`) and sent again with
@@ -248,7 +283,7 @@ class Router:
             weight = len(prompt_token_ids) // cfg.block_size
             reqs = [
                 PlaceRequest(r, orders[r], self.policy.mode, cfg.eps, cfg.load_ttl_s, key,
-                             weight, cfg.cache_share)
+                             weight, cfg.cache_share, cfg.slow_start_s)
                 for r in remote
             ]  # fmt: skip
             try:
@@ -258,7 +293,7 @@ class Router:
                 self._redis_failed(exc)
         for role in roles:
             if role not in out:
-                live = view.live(role, orders[role])
+                live = view.live(role, self._up(orders[role], now))
                 out[role] = self.local.place(role, live, self.policy.mode, cfg.eps, cfg.load_ttl_s)
                 self._count(fail_open=1)
         return [out[r] for r in roles]

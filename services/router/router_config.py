@@ -56,6 +56,21 @@ class RouterConfig:
         default="",
         metadata={"help": "KV layout workers must have (empty = the first worker's)"},
     )
+    slow_start_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "a worker that joins (new or restarted) a pool with warmer workers takes "
+            "a share of the bounded-load bound ramping from 10% to all over this (0 = off)"
+        },
+    )
+    down_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "seconds every router skips a worker after a call to it failed "
+            "UNAVAILABLE (the shared breaker; its heartbeat lease would take "
+            "heartbeat_ttl_s)"
+        },
+    )
     membership_refresh_s: float = field(
         default=1.0, metadata={"help": "seconds between re-reads of the worker registry"}
     )
@@ -84,7 +99,7 @@ class RouterConfig:
         for name in ("load_ttl_s", "heartbeat_ttl_s", "redis_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("membership_refresh_s", "redis_retry_s"):
+        for name in ("membership_refresh_s", "redis_retry_s", "slow_start_s", "down_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.namespace:

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import os
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
 
@@ -217,7 +218,7 @@ async def _register(
     info = WorkerInfo(
         worker_id=config.worker_id, role=config.role, model=engine.spec.fingerprint,
         layout_fingerprint=engine.layout.fingerprint(), address=address,
-        capacity=engine.pool.num_blocks,
+        capacity=engine.pool.num_blocks, incarnation=uuid.uuid4().hex[:12],
     )  # fmt: skip
     registration = WorkerRegistration(
         config.redis_url, config.namespace, config.heartbeat_ttl_s, info

@@ -27,7 +27,7 @@ DECISIONS = "pdserve_disaggregation_decisions_total"
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = _cluster(num_prefill=1, num_decode=1, gateway_args="--local-prefill-max-tokens 512")
+    c = _cluster(num_prefill=1, num_decode=1, local_prefill_max_tokens=512)
     yield c
     c.stop()
 

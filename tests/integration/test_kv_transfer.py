@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,7 @@ from engine.engine import LLMEngine
 from engine.priority import Priority
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
+from kvtransfer.backend import ReadResult
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import (
     InvalidHandleError,
@@ -241,6 +243,46 @@ def test_unclaimed_lease_expires_and_unpins(backend: str) -> None:
         assert stats["expired"] == 1 and stats["held_blocks"] == 0 and stats["used_blocks"] == 0
     finally:
         p.close()
+
+
+def test_a_lease_that_expires_mid_read_discards_the_bytes(backend: str, decode: LLMEngine) -> None:
+    """A one-sided read cannot be checked by the exporter: the importer learns from the
+    release's answer whether the lease held for the whole read. Here the read outlasts
+    the lease (it expires and the exporter unpins the blocks, free for reuse), so the
+    import must fail with LeaseExpiredError and commit nothing, whatever the bytes."""
+    p = PeerProcess(backend, lease_ttl=1.0)
+    imp = KvImporter(decode, TransferConfig(kv_backend=backend, kv_transfer_timeout_s=10))
+    real_read = imp.backend.read
+
+    def slow_read(*args: Any, **kwargs: Any) -> ReadResult:
+        done = real_read(*args, **kwargs)
+        time.sleep(1.5)  # past the lease's TTL: the exporter's housekeeping ends it
+        return done
+
+    imp.backend.read = slow_read  # type: ignore[method-assign]
+    decode.pool.reset_prefix_cache()  # every block is read: none is found here
+    try:
+        prompt = decode.tokenizer.encode(long_prompt(2))
+        handle = p.prefill(prompt)
+        with pytest.raises(LeaseExpiredError, match="ended during the read") as info:
+            imp.import_kv(handle, prompt, PARAMS, request_id="late")
+        assert info.value.code.name == "NOT_FOUND"
+        assert "late" not in decode.requests
+        assert_no_leaks(decode)
+        stats = p.wait_stats(lambda s: s["expired"] == 1)
+        assert stats["held_blocks"] == 0 and stats["active_leases"] == 0
+        # A read that beats the lease is committed as before.
+        imp.backend.read = real_read  # type: ignore[method-assign]
+        handle = p.prefill(prompt)
+        result = imp.import_kv(handle, prompt, PARAMS, request_id="on-time")
+        assert result.queued and result.num_read_blocks > 0
+        assert result.num_cached_blocks + result.num_read_blocks == len(handle.block_ids)
+        _decode_all(decode, "on-time", handle.first_token_id)
+        assert_no_leaks(decode)
+    finally:
+        imp.close()
+        p.close()
+        decode.pool.reset_prefix_cache()
 
 
 def test_dead_exporter_gives_typed_error_within_deadline(backend: str, decode: LLMEngine) -> None:

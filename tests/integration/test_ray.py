@@ -1,9 +1,10 @@
 """pdserve on a local Ray cluster: router, gateway and both worker pools as named actors.
 
 One module-scoped cluster (the default model, KV over NIXL): generation end to end
-through the gateway, `scale` at runtime, and a killed worker actor that Ray restarts,
-which registers again under the same worker id and serves the next request; that test
-ends with the leak probe (`leak_check`) over the workers registered in Redis.
+through the gateway, `scale` at runtime, a killed worker actor that Ray restarts, which
+registers again under the same worker id and serves the next request (that test ends
+with the leak probe, `leak_check`, over the workers registered in Redis), and the
+autoscaler growing the prefill pool under a load step and draining it after.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from loadtest.leak_probe import LeaseTtls, ProbeTarget  # noqa: E402
 from services.cluster.local_cluster import ClusterConfig  # noqa: E402
 from services.gateway.client import GatewayClient, build_request  # noqa: E402
 from services.ray import launcher  # noqa: E402
+from services.ray.autoscaler import AutoscaleConfig  # noqa: E402
 from services.ray.config import RayConfig  # noqa: E402
 from services.ray.launcher import RayCluster, scale_pool  # noqa: E402
 from services.router.keyspace import Keyspace  # noqa: E402
@@ -29,6 +31,7 @@ from services.router.redis_client import connect  # noqa: E402
 from services.router.registry import Registry  # noqa: E402
 from tests.conftest import MODEL_CACHE  # noqa: E402
 from tests.integration.leak_check import assert_cluster_clean, start_probe  # noqa: E402
+from tests.prompts import long_prompt  # noqa: E402
 
 NAMESPACE = "pdserve-test"
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -41,7 +44,8 @@ def cluster() -> Iterator[RayCluster]:
                      object_store_memory=80 << 20)  # fmt: skip
     c = RayCluster(
         ClusterConfig(num_prefill=1, num_decode=1, gateway_port=0, model_cache_dir=MODEL_CACHE,
-                      worker_kv_cache_bytes=64 << 20, startup_timeout_s=180),
+                      worker_kv_cache_bytes=64 << 20, startup_timeout_s=180,
+                      local_prefill_max_tokens=0),  # the prefill hop, as every test cluster
         RayConfig(ray_namespace=NAMESPACE, worker_cpus=1, service_cpus=0.25, max_restarts=2,
                   prefill_resources="pdserve_slot=1", decode_resources="pdserve_slot=1"),
     )  # fmt: skip
@@ -161,3 +165,64 @@ def test_scale_decode_at_runtime(cluster: RayCluster, capsys: pytest.CaptureFixt
     assert set(_registered(cluster.status())) == {"prefill-0", "decode-0"}
     with pytest.raises(ValueError, match="replicas"):
         scale_pool(NAMESPACE, "decode", 0)
+
+
+# The autoscale drill. The TTFT target sits below one long prompt's own prefill on one
+# core, so a burst of them is far past what one prefill worker holds (the load step),
+# while the trickle of tiny prompts after it stays under half the target (idle).
+AUTOSCALE = AutoscaleConfig(
+    interval_s=1.0, ttft_p90_s=0.6, queued_tokens_per_worker=10**6, itl_p90_s=30.0,
+    kv_utilization=1.0, down_fraction=0.5, down_window_s=4.0, up_cooldown_s=0.0,
+    down_cooldown_s=4.0, max_prefill=2, max_decode=1,
+)  # fmt: skip
+GROW_WITHIN_S = 90.0  # the decision (a few intervals) plus a worker's start (model load)
+SHRINK_WITHIN_S = 60.0  # the low window, the cool-down, and a drain
+
+
+async def _drive(address: str, prompt: str, max_tokens: int, concurrency: int,
+                 until: Any) -> list[bool]:  # fmt: skip
+    """Keep `concurrency` requests in flight until `until()`; whether each finished."""
+    done: list[bool] = []
+
+    async def one(client: GatewayClient) -> None:
+        request = build_request(prompt=prompt, max_tokens=max_tokens, ignore_eos=True)
+        msgs = [m async for m in client.generate(request)]
+        done.append(bool(msgs) and msgs[-1].finished)
+
+    async def lane(client: GatewayClient) -> None:
+        while not until():
+            await one(client)
+
+    async with GatewayClient(address) as client:
+        await asyncio.gather(*(lane(client) for _ in range(concurrency)))
+    return done
+
+
+def test_autoscaling_grows_the_prefill_pool_under_load_and_drains_it_after(
+    cluster: RayCluster,
+) -> None:
+    """A load step past one prefill worker grows the prefill pool within GROW_WITHIN_S;
+    once the burst is over the pool shrinks back within SHRINK_WITHIN_S, draining the
+    worker it removes; not one request fails in either direction."""
+    controller = cluster.controller
+    ray.get(controller.autoscale.remote(AUTOSCALE))
+    try:
+        start = time.monotonic()
+        grown = lambda: len(cluster.status()["pools"]["prefill"]) == 2  # noqa: E731
+        burst = asyncio.run(_drive(cluster.gateway_address, long_prompt(3), 2, 4, grown))
+        assert grown() and time.monotonic() - start < GROW_WITHIN_S
+        assert cluster.status()["pools"]["decode"] == ["decode-0"]  # its signals were low
+        start = time.monotonic()
+        shrunk = lambda: len(cluster.status()["pools"]["prefill"]) == 1  # noqa: E731
+        trickle = asyncio.run(
+            _drive(cluster.gateway_address, "Hi.", 2, 1,
+                   lambda: shrunk() or time.monotonic() - start > SHRINK_WITHIN_S)
+        )  # fmt: skip
+        assert shrunk(), cluster.status()["autoscale"]
+        assert burst and trickle and all(burst) and all(trickle)
+        assert cluster.status()["autoscale"]["changes"] == 2  # one growth, one shrink
+        _until(lambda: set(_registered(cluster.status())) == {"prefill-0", "decode-0"}, 30,
+               "the removed worker to drain and deregister")  # fmt: skip
+    finally:
+        ray.get(controller.autoscale.remote(None))
+    assert cluster.status()["autoscale"] is None

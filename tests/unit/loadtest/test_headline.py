@@ -146,8 +146,8 @@ def test_a_searched_capacity_is_bracketed_for_each_deployment(
     assert (disagg.capacity_rate, disagg.capacity_qualifier) == (0.6, "bracketed")
     assert (coloc.capacity_rate, coloc.capacity_qualifier) == (0.375, "bracketed")
     assert results.capacity_ratio == pytest.approx(0.6 / 0.375)
-    assert "--local-prefill-max-tokens 512" in disagg.cluster.gateway_args
-    assert coloc.cluster.gateway_args == ""
+    assert disagg.cluster.local_prefill_max_tokens == 512
+    assert coloc.cluster.local_prefill_max_tokens is None
 
 
 def test_report_carries_capacities_ratio_and_plots(

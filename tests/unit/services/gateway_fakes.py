@@ -132,7 +132,7 @@ class FakeDecodeCall:
             if self.refusal is not None:  # nothing pulled: the KV stays on prefill
                 self.ended = True
                 raise rpc_error(self.refusal, "no room for the KV")
-            if self.cluster.import_fails:
+            if self.cluster.import_fails and self.request.HasField("kv_handle"):
                 self.ended = True
                 raise rpc_error(grpc.StatusCode.NOT_FOUND, "lease expired")
             if self.request.HasField("kv_handle"):

@@ -24,6 +24,8 @@ from services.gateway.record_book import GAUGE, HeldCollector, Resource
 from services.gateway.request_record import RequestRecord, RequestState
 from services.gateway.request_stream import StreamError
 from tests.unit.services.gateway_fakes import (
+    DECODE_TOKENS,
+    FIRST_TOKEN,
     MAX_TOKENS,
     PROMPT,
     Client,
@@ -172,11 +174,11 @@ def test_cancel_while_routing_again_after_a_failed_prefill(
 def test_a_failed_import_aborts_the_prefill_lease(
     client: redis.Redis, namespace: str, model_dir: Path
 ) -> None:
-    """The decode worker could not pull the KV: the prefill worker still holds it, and
-    only the gateway's Abort frees it before its TTL."""
+    """The decode worker could not pull the KV and moving is off: the prefill worker
+    still holds it, and only the gateway's Abort frees it before its TTL."""
 
     async def scenario() -> None:
-        gw = build_gateway(client, namespace, model_dir)
+        gw = build_gateway(client, namespace, model_dir, max_migrations=0)
         gw.cluster.import_fails = True
         reader = Client(gw)
         with pytest.raises(StreamError) as failed:
@@ -184,6 +186,31 @@ def test_a_failed_import_aborts_the_prefill_lease(
         assert failed.value.code == grpc.StatusCode.NOT_FOUND
         assert gw.cluster.aborts == [("p0:1", gw.cluster.decodes[0].request.request_id)]
         assert gw.service.book.live() == []  # the stream's end waited for its cleanup
+        await gw.service.stubs.cleanups.close(timeout_s=10.0)
+        assert gw.cluster.leaks() == [] and gw.load_counts() == {"prefill": {}, "decode": {}}
+        assert gw.service.book.counts() == dict.fromkeys(Resource, 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_lost_kv_is_prefilled_again_by_the_same_decode_worker(
+    client: redis.Redis, namespace: str, model_dir: Path
+) -> None:
+    """The import found the lease gone (NOT_FOUND: it expired or was cancelled during the
+    read, and the bytes were discarded): the same decode worker prefills the prompt
+    itself, resuming after token 1, and the client sees every token once."""
+
+    async def scenario() -> None:
+        gw = build_gateway(client, namespace, model_dir, decode_workers=2)
+        gw.cluster.import_fails = True
+        reader = Client(gw)
+        await reader.run()
+        lost, again = gw.cluster.decodes
+        assert again.address == lost.address and not again.request.HasField("kv_handle")
+        assert list(again.request.resume_token_ids) == [FIRST_TOKEN]
+        tokens = [t for m in reader.received for t in m.token_ids]
+        assert tokens == [FIRST_TOKEN, *DECODE_TOKENS]
+        assert reader.received[-1].finished
         await gw.service.stubs.cleanups.close(timeout_s=10.0)
         assert gw.cluster.leaks() == [] and gw.load_counts() == {"prefill": {}, "decode": {}}
         assert gw.service.book.counts() == dict.fromkeys(Resource, 0)

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from services.gateway.request_stream import StreamError
+from services.router.keyspace import Keyspace
 from tests.unit.services.gateway_fakes import (
     DECODE_TOKENS,
     FIRST_TOKEN,
@@ -48,6 +49,10 @@ def test_a_stream_whose_decode_worker_dies_moves_and_goes_on(
         workers = [m.decode_worker for m in reader.received if m.decode_worker]
         assert workers == [lost.address.split(":")[0]] * 2 + [moved.address.split(":")[0]]
         await assert_nothing_held(gw, record)
+        # The dead worker was reported: every router skips it until the mark runs out.
+        dead = lost.address.split(":")[0]
+        assert client.hget(Keyspace(namespace).worker(dead), "down_until") is not None
+        assert gw.router.stats.marked_down == 1
 
     asyncio.run(scenario())
 
