@@ -57,8 +57,8 @@ bench: model
 	$(BIN)/python -m loadtest.structured_bench --out bench-results/structured.json
 	# 2,000 requests, 10% cancelled, then leak and RSS accounting (about 3 minutes)
 	$(BIN)/python -m loadtest.soak --out bench-results/soak.json
-	# the headline, short (about 10 minutes: a 4-probe capacity search per deployment);
-	# the full search is `python -m loadtest.headline`
+	# the headline, short (about 15 minutes: 4-probe capacity searches per deployment, on
+	# the long-prompt mix and on chat alone); the full run is `python -m loadtest.headline`
 	$(BIN)/python -m loadtest.headline --out-dir bench-results --max-probes 4 --start-rate 0.4 \
 		--num-requests 12 --duration-s 60 --long-fraction 0.2 --long-prompt-tokens 1024-2048 \
 		--short-num-requests 20 --short-duration-s 40

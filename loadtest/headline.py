@@ -30,13 +30,13 @@ import itertools
 import os
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loadtest.bench import load_synth, now_iso, warm_up
 from loadtest.bench_main import add_settings_args, settings_from_args
-from loadtest.capacity_search import CapacitySearch
+from loadtest.capacity_search import CapacitySearch, SearchConfig
 from loadtest.headline_config import HeadlineConfig
 from loadtest.headline_report import HeadlineResults, SystemResult, as_probe, write_outputs
 from loadtest.metrics import summarize
@@ -137,39 +137,62 @@ async def _interleaved(
     if cfg.rate_list:
         await _sweep(deployments, cfg, mix, synth, results, provenance)
     else:
-        await _search(deployments, cfg, mix, synth, results, provenance)
+        mixed = _Probes(mix, cfg.num_requests, cfg.duration_s, cfg.search, "", 1)
+        await _search(deployments, cfg, mixed, synth, lambda r: r.points, (results, provenance))
     chat = replace(mix, workload="chat")
+    if cfg.chat_search:
+        search = replace(cfg.search, start_rate=cfg.short_rate)
+        probes = _Probes(chat, cfg.short_num_requests, cfg.short_duration_s, search, "chat ",
+                         SHORT_STREAM)  # fmt: skip
+        await _search(deployments, cfg, probes, synth, lambda r: r.chat_points,
+                      (results, provenance))  # fmt: skip
+        for d in deployments:  # the search's first probe is the chat point at short_rate
+            d.result.short_only = d.result.chat_points[0]
+        return
     requests = make_requests(chat, synth, cfg.short_num_requests, stream=SHORT_STREAM)
     for d in _turns(deployments, len(results.systems[0].points)):
         pace = _pace(d.result.name, cfg.short_rate, SHORT_STREAM, cfg.short_duration_s, cfg)
         d.result.short_only = await d.measure(f"chat {cfg.short_rate:g}", requests, pace, cfg)
 
 
+@dataclass(frozen=True)
+class _Probes:
+    """What one capacity search sends: its traffic, a probe's size, where it starts."""
+
+    traffic: TrafficConfig
+    num_requests: int
+    duration_s: float
+    search: SearchConfig
+    label: str  # before each probe's rate in the report ("chat 1.2")
+    stream: int  # request stream of its first round (the next rounds count up)
+
+
 async def _search(
     deployments: list[_Deployment],
     cfg: HeadlineConfig,
-    mix: TrafficConfig,
+    probes: _Probes,
     synth: TextSynth,
-    results: HeadlineResults,
-    provenance: Provenance,
+    points: Callable[[SystemResult], list[PointResult]],
+    outputs: tuple[HeadlineResults, Provenance],
 ) -> None:
-    """Each deployment's capacity by search (`capacity_search`: up from `start_rate`
+    """Each deployment's capacity by search (`capacity_search`: up from the start rate
     until attainment falls under the target, then bisect), one probe each per round,
-    taking turns; a round's requests are the same for both, at each one's own rate."""
-    searches = {d.result.name: CapacitySearch(cfg.search) for d in deployments}
+    taking turns; a round's requests are the same for both, at each one's own rate.
+    Each probe lands in `points(result)`."""
+    searches = {d.result.name: CapacitySearch(probes.search) for d in deployments}
     for i in itertools.count():
         due = [(d, searches[d.result.name].next_rate()) for d in _turns(deployments, i)]
         if all(rate is None for _, rate in due):
             return
-        requests = make_requests(mix, synth, cfg.num_requests, stream=i + 1)
+        requests = make_requests(probes.traffic, synth, probes.num_requests, probes.stream + i)
         for d, rate in due:
             if rate is None:
                 continue
-            pace = _pace(d.result.name, rate, i, cfg.duration_s, cfg)
-            point = await d.measure(f"{rate:g}", requests, pace, cfg)
-            d.result.points.append(point)
+            pace = _pace(d.result.name, rate, probes.stream + i, probes.duration_s, cfg)
+            point = await d.measure(f"{probes.label}{rate:g}", requests, pace, cfg)
+            points(d.result).append(point)
             searches[d.result.name].record(as_probe(point))
-        write_outputs(results, provenance, plots=False)
+        write_outputs(*outputs, plots=False)
 
 
 async def _sweep(

@@ -59,7 +59,18 @@ class HeadlineConfig:
         default=0.5, metadata={"help": "skip a deployment's higher rates once below this"}
     )
     short_rate: float = field(
-        default=0.5, metadata={"help": "arrival rate of the short-prompt-only (chat) point"}
+        default=0.5,
+        metadata={
+            "help": "arrival rate of the short-prompt-only (chat) point; with chat_search, "
+            "where that search starts"
+        },
+    )
+    chat_search: bool = field(
+        default=True,
+        metadata={
+            "help": "search each deployment's capacity on short prompts only too (else one "
+            "chat point at short_rate)"
+        },
     )
     short_num_requests: int = field(default=40, metadata={"help": "requests of that point"})
     short_duration_s: float = field(default=120.0, metadata={"help": "its time bound"})

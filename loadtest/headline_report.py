@@ -36,6 +36,9 @@ class SystemResult:
     capacity_rate: float = 0.0  # highest rate holding the attainment target
     # search: bracketed, at_least or below_min; fixed sweep: interpolated, at_least, below_sweep
     capacity_qualifier: str = ""
+    chat_points: list[PointResult] = field(default_factory=list)  # the chat-only search
+    chat_capacity_rate: float = 0.0
+    chat_capacity_qualifier: str = ""
     wall_s: float = 0.0
 
 
@@ -61,6 +64,7 @@ class HeadlineResults:
     capacity_ratio: float | None = None  # None until both ran, or colocated had none
     target_met: bool | None = None
     short_only_goodput_ratio: float | None = None
+    chat_capacity_ratio: float | None = None  # disaggregated / colocated, chat only
     plots: dict[str, str] = field(default_factory=dict)
     schema: str = SCHEMA
 
@@ -83,16 +87,21 @@ def as_probe(point: PointResult) -> Probe:
     )  # fmt: skip
 
 
+def _searched(points: list[PointResult], cfg: HeadlineConfig) -> tuple[float, str]:
+    """A search's capacity: the highest passing rate below the lowest failing one
+    (bracketed, at_least or below_min)."""
+    search = CapacitySearch(cfg.search)
+    for p in points:
+        search.record(as_probe(p))
+    found = search.result()
+    return found.capacity_rate, found.qualifier.value
+
+
 def _capacity(system: SystemResult, cfg: HeadlineConfig) -> tuple[float, str]:
-    """A searched deployment's capacity is the search's (the highest passing rate below
-    the lowest failing one: bracketed, at_least or below_min); a fixed sweep's crossing
-    is interpolated (interpolated, at_least or below_sweep)."""
+    """A searched deployment's capacity is the search's; a fixed sweep's crossing is
+    interpolated (interpolated, at_least or below_sweep)."""
     if not cfg.rate_list:
-        search = CapacitySearch(cfg.search)
-        for p in system.points:
-            search.record(as_probe(p))
-        found = search.result()
-        return found.capacity_rate, found.qualifier.value
+        return _searched(system.points, cfg)
     points = [(p.rate, p.metrics.slo_attainment) for p in system.points]
     return max_rate_at(points, cfg.attainment_target)
 
@@ -101,6 +110,9 @@ def derive(results: HeadlineResults) -> None:
     """Capacities, per-rate comparisons and ratios from the points measured so far."""
     for system in results.systems:
         system.capacity_rate, system.capacity_qualifier = _capacity(system, results.config)
+        if system.chat_points:
+            chat = _searched(system.chat_points, results.config)
+            system.chat_capacity_rate, system.chat_capacity_qualifier = chat
     named = {s.name: s for s in results.systems}
     dis, col = named.get("disaggregated"), named.get("colocated")
     d_points, c_points = _by_rate(dis), _by_rate(col)
@@ -123,6 +135,8 @@ def derive(results: HeadlineResults) -> None:
         results.capacity_ratio = _ratio(dis.capacity_rate, col.capacity_rate)
         ratio = results.capacity_ratio
         results.target_met = ratio is not None and ratio >= results.config.target_ratio
+        if dis.chat_points and col.chat_points:
+            results.chat_capacity_ratio = _ratio(dis.chat_capacity_rate, col.chat_capacity_rate)
         if dis.short_only and col.short_only:
             results.short_only_goodput_ratio = _ratio(
                 dis.short_only.metrics.goodput, col.short_only.metrics.goodput
@@ -166,6 +180,25 @@ def _short_lines(results: HeadlineResults) -> list[str]:
     return lines
 
 
+def _chat_capacity_lines(results: HeadlineResults) -> list[str]:
+    """The chat-only capacities by search, when it ran."""
+    if not any(s.chat_points for s in results.systems):
+        return []
+    lines = ["", "Short prompts only, capacity by search:", ""]
+    for s in results.systems:
+        rates = ", ".join(f"{p.rate:g} ({p.metrics.slo_attainment:.2f})" for p in s.chat_points)
+        lines.append(
+            f"- {s.name}: {s.chat_capacity_rate:.3f} req/s ({s.chat_capacity_qualifier}; "
+            f"probes, rate (attainment): {rates})"
+        )
+    if results.chat_capacity_ratio is not None:
+        lines.append(
+            f"- ratio disaggregated / colocated: **{results.chat_capacity_ratio:.2f}x** "
+            "(target >= 1.0x)"
+        )
+    return lines
+
+
 def markdown(results: HeadlineResults) -> str:
     cfg, t = results.config, results.traffic
     lines = [
@@ -193,6 +226,7 @@ def markdown(results: HeadlineResults) -> str:
         )
     lines += ["", *_capacity_lines(results), ""]
     lines += [f"Short prompts only (chat at {cfg.short_rate:g} req/s):", "", *_short_lines(results)]
+    lines += _chat_capacity_lines(results)
     for s in results.systems:
         skipped = ", ".join(f"{r:g}" for r in s.skipped_rates) or "none"
         lines += [
@@ -201,7 +235,8 @@ def markdown(results: HeadlineResults) -> str:
             "",
             POINT_HEADER,
         ]
-        points = [*s.points, *([s.short_only] if s.short_only else [])]
+        chat = s.chat_points or ([s.short_only] if s.short_only else [])
+        points = [*s.points, *chat]
         lines += [point_row(p.label, p.metrics) for p in points]
         lines += ["", *(d for p in points for d in detail_lines(p.label, p.metrics))]
     lines += ["", *(f"![{name}]({file})" for name, file in results.plots.items())]

@@ -126,7 +126,7 @@ def _wait_kv_leases_ended(probe: LeakProbe) -> None:
 
 MOVE_GREEDY = 20  # concurrent greedy streams when a decode worker dies under them
 MOVE_SEEDED = 4  # and seeded sampled ones
-MOVE_TOKENS = 48
+MOVE_TOKENS = 32
 
 
 async def _open_streams(client: GatewayClient, tag: str, greedy: int, seeded: int) -> list[Stream]:

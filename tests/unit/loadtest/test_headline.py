@@ -71,7 +71,9 @@ class StandIn(_Deployment):
     ) -> PointResult:
         self.log.append((self.result.name, label))
         if self.capacity is not None:
-            attained = 1.0 if pace.rate <= self.capacity[self.result.name] else 0.5
+            chat = label.startswith("chat ")
+            limit = self.capacity[self.result.name] * (4 if chat else 1)  # chat is lighter
+            attained = 1.0 if pace.rate <= limit else 0.5
         else:
             attained = ATTAINMENT[self.result.name].get(pace.rate, 1.0)
         records = _records(len(requests), attained, pace.rate)
@@ -86,7 +88,7 @@ class StandIn(_Deployment):
 def run(tmp_path: Path, model_dir: Path) -> tuple[HeadlineResults, list[tuple[str, str]]]:
     cfg = HeadlineConfig(
         rates="0.2,0.3,0.4,0.5", num_requests=10, short_num_requests=10, warmup_requests=0,
-        out_dir=tmp_path, progress=False,
+        out_dir=tmp_path, progress=False, chat_search=False,
     )  # fmt: skip
     model = RunSettings(model=str(model_dir), model_cache_dir=model_dir.parent)
     mix = replace(TrafficConfig(), workload="long_mix")
@@ -139,13 +141,23 @@ def test_a_searched_capacity_is_bracketed_for_each_deployment(
     asyncio.run(_interleaved(stand_ins, cfg, mix, load_synth(model), results, provenance))  # type: ignore[arg-type]
     write_outputs(results, provenance, plots=False)
     d, c = "disaggregated", "colocated"
-    assert log == [(d, "0.3"), (c, "0.3"), (c, "0.6"), (d, "0.6"), (d, "1.2"), (c, "0.45"),
-                   (c, "0.375"), (d, "0.9"), (d, "0.75"),
-                   (c, "chat 0.5"), (d, "chat 0.5")]  # fmt: skip
+    assert log[:9] == [(d, "0.3"), (c, "0.3"), (c, "0.6"), (d, "0.6"), (d, "1.2"),
+                       (c, "0.45"), (c, "0.375"), (d, "0.9"), (d, "0.75")]  # fmt: skip
     disagg, coloc = results.systems
     assert (disagg.capacity_rate, disagg.capacity_qualifier) == (0.6, "bracketed")
     assert (coloc.capacity_rate, coloc.capacity_qualifier) == (0.375, "bracketed")
     assert results.capacity_ratio == pytest.approx(0.6 / 0.375)
+    # Then the chat-only search, from short_rate (0.5): capacities 2.8 and 1.6 here.
+    chat = log[9:]
+    assert chat[:2] == [(d, "chat 0.5"), (c, "chat 0.5")] and all(
+        n.startswith("chat ") for _, n in chat
+    )
+    assert (disagg.chat_capacity_rate, disagg.chat_capacity_qualifier) == (2.5, "bracketed")
+    assert (coloc.chat_capacity_rate, coloc.chat_capacity_qualifier) == (1.5, "bracketed")
+    assert results.chat_capacity_ratio == pytest.approx(2.5 / 1.5)
+    assert disagg.short_only is disagg.chat_points[0]  # the point at short_rate
+    md = (tmp_path / "headline.md").read_text()
+    assert "Short prompts only, capacity by search:" in md and "**1.67x**" in md
     assert disagg.cluster.local_prefill_max_tokens == 512
     assert coloc.cluster.local_prefill_max_tokens is None
 
