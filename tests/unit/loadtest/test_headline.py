@@ -90,15 +90,24 @@ def run(tmp_path: Path, model_dir: Path) -> tuple[HeadlineResults, list[tuple[st
         rates="0.2,0.3,0.4,0.5", num_requests=10, short_num_requests=10, warmup_requests=0,
         out_dir=tmp_path, progress=False, chat_search=False,
     )  # fmt: skip
+    return _run_stand_ins(cfg, model_dir, plots=True)
+
+
+def _run_stand_ins(
+    cfg: HeadlineConfig, model_dir: Path, capacity: dict[str, float] | None = None, *,
+    plots: bool,
+) -> tuple[HeadlineResults, list[tuple[str, str]]]:  # fmt: skip
+    """The headline's driver over stand-ins; returns the results (capacities derived)
+    and who ran which point, in order."""
     model = RunSettings(model=str(model_dir), model_cache_dir=model_dir.parent)
     mix = replace(TrafficConfig(), workload="long_mix")
     results = HeadlineResults("2026-01-01T00:00:00+00:00", cfg, mix, cfg.slo, host_cpus=2)
     results.systems = [SystemResult(n, cluster_config(n, cfg, model)) for n in SYSTEMS]
     log: list[tuple[str, str]] = []
-    stand_ins = [StandIn(r, log) for r in results.systems]
+    stand_ins = [StandIn(r, log, capacity) for r in results.systems]
     provenance = collect_provenance()
     asyncio.run(_interleaved(stand_ins, cfg, mix, load_synth(model), results, provenance))  # type: ignore[arg-type]
-    write_outputs(results, provenance, plots=True)  # derives the capacities
+    write_outputs(results, provenance, plots=plots)
     return results, log
 
 
@@ -130,16 +139,8 @@ def test_a_searched_capacity_is_bracketed_for_each_deployment(
         num_requests=10, short_num_requests=10, warmup_requests=0, out_dir=tmp_path,
         progress=False, start_rate=0.3,
     )  # fmt: skip
-    model = RunSettings(model=str(model_dir), model_cache_dir=model_dir.parent)
-    mix = replace(TrafficConfig(), workload="long_mix")
-    results = HeadlineResults("2026-01-01T00:00:00+00:00", cfg, mix, cfg.slo, host_cpus=2)
-    results.systems = [SystemResult(n, cluster_config(n, cfg, model)) for n in SYSTEMS]
-    log: list[tuple[str, str]] = []
     capacity = {"disaggregated": 0.7, "colocated": 0.4}
-    stand_ins = [StandIn(r, log, capacity) for r in results.systems]
-    provenance = collect_provenance()
-    asyncio.run(_interleaved(stand_ins, cfg, mix, load_synth(model), results, provenance))  # type: ignore[arg-type]
-    write_outputs(results, provenance, plots=False)
+    results, log = _run_stand_ins(cfg, model_dir, capacity, plots=False)
     d, c = "disaggregated", "colocated"
     assert log[:9] == [(d, "0.3"), (c, "0.3"), (c, "0.6"), (d, "0.6"), (d, "1.2"),
                        (c, "0.45"), (c, "0.375"), (d, "0.9"), (d, "0.75")]  # fmt: skip

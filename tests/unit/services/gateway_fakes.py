@@ -364,3 +364,20 @@ class Client:
                 if len(self.received) - 1 == self.stall_at:
                     self.stalled.set()
                     await self.resume.wait()
+
+
+async def until(predicate: Callable[[], object], timeout: float = 10.0) -> None:
+    async def wait() -> None:
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(wait(), timeout)
+
+
+async def start_request(gw: Gateway) -> tuple[Client, asyncio.Task[None], RequestRecord]:
+    """One request started through the gateway: its reader, the reading task, and its
+    record once it is live."""
+    reader = Client(gw)
+    task = asyncio.create_task(reader.run())
+    await until(lambda: len(gw.service.book.live()) == 1)
+    return reader, task, only_record(gw)

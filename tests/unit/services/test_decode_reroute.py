@@ -25,6 +25,7 @@ from tests.unit.services.gateway_fakes import (
     assert_nothing_held,
     build_gateway,
     only_record,
+    until,
 )
 from tests.unit.services.test_request_lifecycle import cancel
 
@@ -34,14 +35,6 @@ GONE = grpc.StatusCode.UNAVAILABLE
 
 def decoded_on(gw: Gateway) -> list[str]:
     return [call.address for call in gw.cluster.decodes]
-
-
-async def until(predicate: object, timeout: float = 10.0) -> None:
-    async def wait() -> None:
-        while not predicate():  # type: ignore[operator]
-            await asyncio.sleep(0.01)
-
-    await asyncio.wait_for(wait(), timeout)
 
 
 @pytest.mark.parametrize("code", [FULL, GONE], ids=["full", "unreachable"])

@@ -23,9 +23,10 @@ from tests.unit.services.gateway_fakes import (
     build_gateway,
     only_record,
     prompt_tokens,
+    start_request,
+    until,
 )
 from tests.unit.services.test_capacity import signal
-from tests.unit.services.test_decode_reroute import until
 
 LOCAL, HOP = PrefillSite.LOCAL, PrefillSite.DISAGGREGATED
 
@@ -114,10 +115,7 @@ def test_a_prompt_past_the_threshold_takes_the_prefill_hop(
     async def scenario() -> None:
         gw = build_gateway(client, namespace, model_dir, local_prefill_max_tokens=1)
         assert prompt_tokens(gw) > 1
-        reader = Client(gw)
-        task = asyncio.create_task(reader.run())
-        await until(lambda: len(gw.service.book.live()) == 1)
-        record = only_record(gw)
+        reader, task, record = await start_request(gw)
         await task
         assert gw.cluster.prefills == ["p0:1"]
         (call,) = gw.cluster.decodes

@@ -18,12 +18,10 @@ from services.router.keyspace import Keyspace
 from tests.unit.services.gateway_fakes import (
     DECODE_TOKENS,
     FIRST_TOKEN,
-    Client,
     assert_nothing_held,
     build_gateway,
-    only_record,
+    start_request,
 )
-from tests.unit.services.test_decode_reroute import until
 
 ALL_TOKENS = [FIRST_TOKEN, *DECODE_TOKENS]
 
@@ -34,10 +32,7 @@ def test_a_stream_whose_decode_worker_dies_moves_and_goes_on(
     async def scenario() -> None:
         gw = build_gateway(client, namespace, model_dir, decode_workers=2)
         gw.cluster.decode_deaths = [2]  # the first call dies after two decode tokens
-        reader = Client(gw)
-        task = asyncio.create_task(reader.run())
-        await until(lambda: len(gw.service.book.live()) == 1)
-        record = only_record(gw)
+        reader, task, record = await start_request(gw)
         await task
         lost, moved = gw.cluster.decodes
         assert lost.address != moved.address
@@ -72,10 +67,7 @@ def test_a_stream_past_its_move_limit_ends_with_the_workers_status(
             client, namespace, model_dir, decode_workers=2, max_migrations=max_migrations
         )
         gw.cluster.decode_deaths = list(deaths)
-        reader = Client(gw)
-        task = asyncio.create_task(reader.run())
-        await until(lambda: len(gw.service.book.live()) == 1)
-        record = only_record(gw)
+        reader, task, record = await start_request(gw)
         with pytest.raises(StreamError) as failed:
             await task
         assert failed.value.code == grpc.StatusCode.UNAVAILABLE
@@ -93,10 +85,7 @@ def test_a_stream_with_no_decode_worker_left_ends_unavailable(
     async def scenario() -> None:
         gw = build_gateway(client, namespace, model_dir, decode_workers=1)
         gw.cluster.decode_deaths = [2]
-        reader = Client(gw)
-        task = asyncio.create_task(reader.run())
-        await until(lambda: len(gw.service.book.live()) == 1)
-        record = only_record(gw)
+        _, task, record = await start_request(gw)
         with pytest.raises(StreamError) as failed:
             await task
         assert failed.value.code == grpc.StatusCode.UNAVAILABLE
