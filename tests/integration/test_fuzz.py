@@ -33,10 +33,10 @@ from services.gateway.service import MAX_PROMPT_CHARS
 from tests.integration.test_cluster import _cluster
 from tests.integration.wire_bytes import JUNK, field, flip, frames, send_junk
 
-GATEWAY_CASES = 400  # typed GenerateRequests through the gateway
-WIRE_CASES = 300  # raw bytes as a GenerateRequest (random, truncated, bad UTF-8)
+GATEWAY_CASES = 800  # typed GenerateRequests through the gateway
+WIRE_CASES = 450  # raw bytes as a GenerateRequest (random, truncated, bad UTF-8)
 PREFILL_CASES = 250  # typed PrefillRequests straight to the prefill worker
-DECODE_CASES = 300  # DecodeRequests with forged KV handles straight to the decode worker
+DECODE_CASES = 500  # DecodeRequests with forged KV handles straight to the decode worker
 assert GATEWAY_CASES + WIRE_CASES + PREFILL_CASES + DECODE_CASES >= 2000
 
 OK = grpc.StatusCode.OK
