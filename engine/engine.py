@@ -157,9 +157,8 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("prompt", "must not be empty")
+        self._check_ids("prompt_token_ids", prompt_token_ids)
         vocab = self.spec.vocab_size
-        if any(not (0 <= t < vocab) for t in prompt_token_ids):
-            raise InvalidRequestError("prompt_token_ids", f"each id must be in [0, {vocab})")
         if any(t >= vocab for t, _ in sampling.logit_bias):
             raise InvalidRequestError("logit_bias", f"each token id must be < {vocab}")
         if any(t >= vocab for t in sampling.stop_token_ids):
@@ -209,6 +208,12 @@ class LLMEngine:
             self._inbox_add.append(req)
         return req.request_id
 
+    def _check_ids(self, field: str, ids: Sequence[int]) -> None:
+        """InvalidRequestError naming `field` unless every id is in the vocabulary."""
+        vocab = self.spec.vocab_size
+        if any(not (0 <= t < vocab) for t in ids):
+            raise InvalidRequestError(field, f"each id must be in [0, {vocab})")
+
     def _resume(self, req: Request, output: Sequence[int]) -> None:
         """Make `req` continue after `output`: it is queued as a preempted request is,
         with its output so far, so its first step computes the KV of prompt + output and
@@ -217,9 +222,7 @@ class LLMEngine:
         is keyed on its position (`Request.draw_generator`): greedy and seeded streams go
         on exactly as one engine would have run them."""
         params = req.sampling
-        vocab = self.spec.vocab_size
-        if any(not (0 <= t < vocab) for t in output):
-            raise InvalidRequestError("resume_token_ids", f"each id must be in [0, {vocab})")
+        self._check_ids("resume_token_ids", output)
         if len(output) >= params.max_tokens:
             raise InvalidRequestError(
                 "resume_token_ids", f"must hold fewer than max_tokens ({params.max_tokens}) ids"

@@ -21,7 +21,7 @@ import time
 
 import grpc
 
-from kvtransfer.channel import PLAINTEXT, ChannelSecurity, PeerChannels
+from kvtransfer.channel import PeerChannels
 from kvtransfer.grpc_errors import transfer_error_from_rpc
 from pdserve.v1 import common_pb2, kvtransfer_pb2
 
@@ -30,18 +30,14 @@ from pdserve.v1 import common_pb2, kvtransfer_pb2
 MIN_RELEASE_TIMEOUT_S = 0.5
 
 
-class LeaseReleaser:
-    def __init__(self, security: ChannelSecurity = PLAINTEXT) -> None:
-        self._channels = PeerChannels(security)
-
-    def connect(self, peer_key: str, address: str) -> None:
-        self._channels.connect(peer_key, address)
+class LeaseReleaser(PeerChannels):
+    """The exporters' channels (`PeerChannels`), and the release over them."""
 
     def release(self, peer_key: str, handle: common_pb2.KvHandle, deadline: float) -> bool:
         """End the handle's lease; True when the exporter found it live (it was held for
         the whole read), False when it had already ended. PeerUnavailableError when the
         exporter does not answer (or another TransferError): then nothing is proved."""
-        stub = self._channels.stub(peer_key)
+        stub = self.stub(peer_key)
         timeout = max(deadline - time.monotonic(), MIN_RELEASE_TIMEOUT_S)
         request = kvtransfer_pb2.ReleaseRequest(lease_id=handle.lease_id)
         try:
@@ -50,9 +46,3 @@ class LeaseReleaser:
             context = f"KV lease release at {handle.transfer_address}"
             raise transfer_error_from_rpc(exc, context) from exc
         return bool(response.released)
-
-    def forget(self, peer_key: str) -> None:
-        self._channels.forget(peer_key)
-
-    def close(self) -> None:
-        self._channels.close()

@@ -149,17 +149,21 @@ class ClusterConfig:
             raise ValueError(f"gateway_args: {exc}") from None
         for name in _GATEWAY_PASSTHROUGH + _WORKER_PASSTHROUGH:
             value = getattr(self, name)
-            if isinstance(value, int | float) and value <= 0:
+            if not isinstance(value, int | float):
+                continue
+            if name in _ZERO_ALLOWED:
+                if value < 0:
+                    raise ValueError(f"{name} must be >= 0, got {value}")
+            elif value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        if self.local_prefill_max_tokens is not None and self.local_prefill_max_tokens < 0:
-            raise ValueError("local_prefill_max_tokens must be >= 0")
 
 
 # ClusterConfig options passed on as the same-named flags of `pdserve gateway` / `worker`.
 _GATEWAY_PASSTHROUGH = (
     "prefill_timeout_s", "first_token_timeout_s", "token_timeout_s", "heartbeat_ttl_s",
-    "load_ttl_s", "api_keys_file", "tokens_per_minute",
+    "load_ttl_s", "api_keys_file", "tokens_per_minute", "local_prefill_max_tokens",
 )  # fmt: skip
+_ZERO_ALLOWED = ("local_prefill_max_tokens",)  # 0 means something: the hop for every prompt
 _WORKER_PASSTHROUGH = (
     "heartbeat_ttl_s", "kv_lease_ttl_s", "dtype", "quantization", "kv_cache_dtype",
 )  # fmt: skip
@@ -314,7 +318,6 @@ class LocalCluster:
             *self._common(),
             *self._redis_args(),
             *self._passthrough(_GATEWAY_PASSTHROUGH),
-            *self._passthrough(("local_prefill_max_tokens",)),
             *shlex.split(self.cfg.gateway_args),
         ]
 

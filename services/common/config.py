@@ -97,15 +97,11 @@ def add_config_args(
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"{name}={environ[name]!r}: {exc}")
         help_text = f"{f.metadata.get('help', '')} (env {name}; default: %(default)s)"
-        if f.metadata.get("bare"):  # also given alone: `--autoscale` = `--autoscale true`
-            group.add_argument(
-                flag(f.name), dest=f.name, type=parse, default=default, help=help_text,
-                nargs="?", const=True,
-            )  # fmt: skip
-        else:
-            group.add_argument(
-                flag(f.name), dest=f.name, type=parse, default=default, help=help_text
-            )
+        bare = bool(f.metadata.get("bare"))  # also alone: `--autoscale` = `--autoscale true`
+        group.add_argument(
+            flag(f.name), dest=f.name, type=parse, default=default, help=help_text,
+            nargs="?" if bare else None, const=True if bare else None,
+        )  # fmt: skip
 
 
 def config_from_args(cls: type[T], namespace: argparse.Namespace) -> T:

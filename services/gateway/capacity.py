@@ -187,8 +187,7 @@ class Capacity:
         signal = self.by_worker.get(worker_id)
         if signal is None or signal.prefill_tokens_per_s <= 0:
             return 0.0
-        waiting = sum(signal.waiting_tokens[p] for p in Priority)
-        return waiting / signal.prefill_tokens_per_s
+        return signal.queued_tokens / signal.prefill_tokens_per_s
 
     @property
     def known(self) -> bool:

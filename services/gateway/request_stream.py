@@ -56,7 +56,7 @@ from services.gateway.decode_retry import REFUSALS, DecodeRefusal, DecodeRetry
 from services.gateway.prefill_site import PrefillSite, SitePolicy
 from services.gateway.request_record import RequestRecord
 from services.gateway.stop_text import StopTrimmer
-from services.gateway.stream_telemetry import GatewayTelemetry
+from services.gateway.stream_telemetry import GatewayTelemetry, MigrationOutcome
 from services.gateway.worker_stubs import WorkerStubs
 from services.router.placement import RouteDecision
 
@@ -201,7 +201,7 @@ class RequestStream:
             len(self.req.prompt), decision.decode_cached_tokens,
             decision.prefill.worker_id, decision.decode.worker_id,
         )  # fmt: skip
-        self.tel.disaggregation(choice.site.value, choice.reason.value)
+        self.tel.disaggregation(choice)
         return choice.site is PrefillSite.LOCAL
 
     async def _prefill(self, decision: RouteDecision) -> worker_pb2.PrefillResponse:
@@ -252,15 +252,15 @@ class RequestStream:
                     self.config.first_token_timeout_s, None, time.monotonic(), time.time()
                 )
 
-    def _why_not_migrate(self) -> str:
-        """Why a lost stream may not move (a `migration` outcome), or "" if it may."""
+    def _why_not_migrate(self) -> MigrationOutcome | None:
+        """Why a lost stream may not move, or None if it may."""
         if len(self.lost) + self.reprefills >= self.config.max_migrations:
-            return "limit"
+            return MigrationOutcome.LIMIT
         if self.req.params.n > 1:
-            return "forks"  # each fork would resume on its own: not done
+            return MigrationOutcome.FORKS  # each fork would resume on its own: not done
         if not self.output:
-            return "no_tokens"  # nothing went out: the stream's own errors apply
-        return ""
+            return MigrationOutcome.NO_TOKENS  # nothing went out: its own errors apply
+        return None
 
     def _move_attrs(self, worker: str, lost: StreamError) -> dict[str, str | int]:
         return {
@@ -271,7 +271,7 @@ class RequestStream:
     def _may_move(self, start: float, attrs: dict[str, str | int], lost: StreamError) -> None:
         """Raises `lost` (the refusal traced and counted) when the stream may not move."""
         refusal = self._why_not_migrate()
-        if refusal:
+        if refusal is not None:
             self.tel.migrated(start, attrs, refusal)
             raise lost
 
@@ -283,7 +283,7 @@ class RequestStream:
         attrs["pdserve.migration.to"] = decision.decode.worker_id
         self._may_move(start, attrs, lost)
         self.reprefills += 1
-        self.tel.migrated(start, attrs, "reprefill")
+        self.tel.migrated(start, attrs, MigrationOutcome.REPREFILL)
         log.warning(
             "request %s: the prefilled KV was lost before decode (%s); decode worker %s "
             "prefills it again", self.req.request_id, lost, decision.decode.worker_id,
@@ -303,10 +303,10 @@ class RequestStream:
             call = self.record.reroute_decode(lost_on, self.lost)
             decision = await self.tel.route(call, len(self.lost))
         except NoWorkerError:
-            self.tel.migrated(start, attrs, "no_worker")
+            self.tel.migrated(start, attrs, MigrationOutcome.NO_WORKER)
             raise lost from None
         attrs["pdserve.migration.to"] = decision.decode.worker_id
-        self.tel.migrated(start, attrs, "moved")
+        self.tel.migrated(start, attrs, MigrationOutcome.MOVED)
         log.warning(
             "request %s: decode worker %s lost after %d tokens (%s); the stream moves to %s",
             self.req.request_id, worker, len(self.output), lost, decision.decode.worker_id,

@@ -13,6 +13,7 @@ happened: it counts an error by status code or a cancel, and ends the root span.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Awaitable, Iterable
 
@@ -25,9 +26,21 @@ from services.common.metrics import GatewayMetrics
 from services.common.status import code_for
 from services.common.telemetry import Telemetry
 from services.common.tracing import Metadata, Phase, Tracing, trace_id_hex
+from services.gateway.prefill_site import SiteChoice
 from services.router.metrics import RouterCollector
 from services.router.placement import Placement, RouteDecision
 from services.router.redis_placement import RedisPlacement
+
+
+class MigrationOutcome(enum.Enum):
+    """What became of a stream whose decode worker was lost (the metric's label)."""
+
+    MOVED = "moved"  # placed on another decode worker, resuming after its tokens
+    REPREFILL = "reprefill"  # its KV was lost at the hand-off: the same worker prefills
+    LIMIT = "limit"  # max_migrations reached: the stream ends with the worker's status
+    FORKS = "forks"  # n > 1: forks do not move
+    NO_TOKENS = "no_tokens"  # nothing went out yet: the stream's own errors apply
+    NO_WORKER = "no_worker"  # no other decode worker to move to
 
 
 class GatewayTelemetry:
@@ -129,23 +142,27 @@ class StreamTelemetry:
         try:
             decision = await call
         except Exception as exc:
-            self._route_phase(start, {**attrs, "error": str(exc)}, failed=True)
+            self._phase_span("router.route", start, {**attrs, "error": str(exc)}, failed=True)
             raise
         if decision.prefill is not None:
             attrs["pdserve.prefill_worker"] = decision.prefill.worker_id
         attrs["pdserve.decode_worker"] = decision.decode.worker_id
         if self.root is not None:
             self.root.set_attributes(attrs)
-        self._route_phase(start, attrs, failed=False)
+        self._phase_span("router.route", start, attrs, failed=False)
         return decision
 
-    def _route_phase(self, start: float, attrs: dict[str, str | int], *, failed: bool) -> None:
-        phase = Phase("router.route", start, time.monotonic(), attrs)
+    def _phase_span(
+        self, name: str, start: float, attrs: dict[str, str | int], *, failed: bool
+    ) -> None:
+        """A gateway phase from `start` (monotonic) to now: in the timeline, and a child
+        span of the root (failed: with the `error` attribute as its status message)."""
+        phase = Phase(name, start, time.monotonic(), attrs)
         self._routes.append(phase)
         if self.root is None:
             return
         span = self._tracing.start(
-            "router.route",
+            name,
             Tracing.context_of(self.root),
             attrs,
             start_ns=phase.timing("").start_unix_nano,
@@ -154,23 +171,19 @@ class StreamTelemetry:
             Tracing.fail(span, "UNAVAILABLE", str(attrs.get("error", "")))
         span.end()
 
-    def migrated(self, start: float, attrs: dict[str, str | int], outcome: str) -> None:
+    def migrated(
+        self, start: float, attrs: dict[str, str | int], outcome: MigrationOutcome
+    ) -> None:
         """A stream's move to another decode worker (or the refusal to move it): a
         `migration` phase and span from `start` (monotonic) to now, counted by outcome."""
-        attrs = {**attrs, "pdserve.migration.outcome": outcome}
-        phase = Phase("migration", start, time.monotonic(), attrs)
-        self._routes.append(phase)
-        if self.root is not None:
-            span = self._tracing.start(
-                "migration", Tracing.context_of(self.root), attrs,
-                start_ns=phase.timing("").start_unix_nano,
-            )  # fmt: skip
-            span.end()
+        attrs = {**attrs, "pdserve.migration.outcome": outcome.value}
+        self._phase_span("migration", start, attrs, failed=False)
         if self._metrics is not None:
-            self._metrics.migrations.labels(outcome).inc()
+            self._metrics.migrations.labels(outcome.value).inc()
 
-    def disaggregation(self, mode: str, reason: str) -> None:
+    def disaggregation(self, choice: SiteChoice) -> None:
         """Where the prompt is prefilled and why: root span attributes and a count."""
+        mode, reason = choice.site.value, choice.reason.value
         if self.root is not None:
             self.root.set_attributes(
                 {"pdserve.disaggregation": mode, "pdserve.disaggregation_reason": reason}

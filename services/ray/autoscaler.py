@@ -14,7 +14,8 @@ Lifecycle: `ClusterController.autoscale(cfg)` starts an `AutoscaleLoop` thread; 
 `interval_s` it reads the signals (`SignalReader.read`: the workers' load signals in
 Redis, and the gateway's TTFT and ITL histograms from its /metrics, differenced since the
 previous read), asks `Autoscaler.decide` for each pool's target, and calls the
-controller's `scale` for any change. `stop()` ends it; `status()` says what it last
+controller's `scale` for any change. `stop()` ends it and closes the reader's Redis
+client; `status()` says what it last
 decided and why. The decision (`Autoscaler`) is pure and clocked by the caller, so its
 tests need no cluster. The same signals drive the chart's KEDA triggers (deploy.md).
 """
@@ -225,6 +226,10 @@ class SignalReader:
             ),
         }
 
+    def close(self) -> None:
+        """Close the Redis client the board reads with (the reader owns it)."""
+        self.board.client.close()
+
     def _p90(self, page: Mapping[str, float], name: str) -> float | None:
         """The p90 of what the histogram counted since the previous read."""
         now = histogram(page, name)
@@ -235,7 +240,7 @@ class SignalReader:
 
 
 def _queued(signals: Sequence[WorkerSignal]) -> int:
-    return sum(sum(s.waiting_tokens) for s in signals)
+    return sum(s.queued_tokens for s in signals)
 
 
 def _kv_used(signals: Sequence[WorkerSignal]) -> float:
@@ -270,9 +275,11 @@ class AutoscaleLoop:
         return self
 
     def stop(self) -> None:
+        """End the loop (after a round in progress) and close the reader."""
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=self.cfg.interval_s + 5)
+        self.reader.close()
 
     def tick(self, now: float | None = None) -> list[Decision]:
         """One read-decide-scale round; returns its decisions."""

@@ -63,6 +63,11 @@ class WorkerSignal:
             raise ValueError("worker_id must be non-empty")
 
     @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens it still owes prefill, every class."""
+        return sum(self.waiting_tokens)
+
+    @property
     def kv_utilisation(self) -> float:
         """Share of the KV pool in use, 0.0 to 1.0 (0.0 for an empty pool)."""
         return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
