@@ -353,16 +353,32 @@ async def _decode(address: str, request: worker_pb2.DecodeRequest) -> tuple[grpc
 def test_forged_kv_handles_get_documented_statuses(rig: Rig, probe: LeakProbe) -> None:
     prompt, real = _template(rig)
 
+    # A moved stream's resume_token_ids: none mostly; else ids in or past the vocabulary,
+    # as many as max_tokens or fewer, with the handle (refused by name) or without it
+    # (the decode worker prefills the prompt itself and resumes).
+    resume = _mostly(st.just([]), st.lists(st.one_of(st.integers(0, 49151), _U32), max_size=3))
+
     @settings(FUZZ, max_examples=DECODE_CASES)
-    @given(forged=_forged(prompt, real), max_tokens=st.integers(1, 2))
-    def case(forged: tuple[list[int], common_pb2.KvHandle], max_tokens: int) -> None:
+    @given(forged=_forged(prompt, real), max_tokens=st.integers(1, 2), resume=resume,
+           keep_handle=_mostly(st.just(True), st.just(False)))  # fmt: skip
+    def case(
+        forged: tuple[list[int], common_pb2.KvHandle],
+        max_tokens: int,
+        resume: list[int],
+        keep_handle: bool,
+    ) -> None:
         tokens, handle = forged
         request = worker_pb2.DecodeRequest(
-            request_id=uuid.uuid4().hex, prompt_token_ids=tokens, kv_handle=handle,
-            sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
+            request_id=uuid.uuid4().hex, prompt_token_ids=tokens,
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens), resume_token_ids=resume,
         )  # fmt: skip
+        if keep_handle:
+            request.kv_handle.CopyFrom(handle)
         code, details = rig.run(_decode(rig.worker("decode"), request))
         assert code in DECODE_CODES, (code, details, request)
+        if resume and keep_handle:
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+            assert details.startswith("resume_token_ids: "), details
 
     case()
     _assert_healthy_and_clean(rig, probe)
