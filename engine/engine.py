@@ -307,26 +307,35 @@ class LLMEngine:
         priority: Priority = Priority.STANDARD,
         deadline: float | None = None,
         fork_token_ids: Sequence[int] = (),
+        resume_token_ids: Sequence[int] = (),
     ) -> ImportSlot:
         """Reserve blocks for a prompt whose KV comes from elsewhere (reusing cached prefix
         blocks); OutOfBlocksError if short, InvalidRequestError for a bad request. With
         n > 1, `fork_token_ids` are forks 1..n-1's first tokens: the commit forks them.
-        `priority` and `deadline` as for `add_request`, once the import is committed."""
+        `priority` and `deadline` as for `add_request`, once the import is committed.
+        `resume_token_ids`: a migrated stream's tokens so far (`_resume`); they replace
+        `first_token_id` (the exporter's own draw, which an unseeded sample may not
+        repeat), and the first step after the commit computes their KV after the
+        imported prompt's."""
         self.validate(prompt_token_ids, sampling)
         vocab = self.spec.vocab_size
         if not 0 <= first_token_id < vocab:
             raise InvalidRequestError("first_token_id", f"must be in [0, {vocab})")
         req = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, False)
         req.priority, req.deadline = _priority(priority), deadline
-        if req.grammar is not None:  # the prefill worker sampled it under the same grammar
-            req.grammar.advance([first_token_id])
+        if resume_token_ids:
+            self._resume(req, resume_token_ids)
+        else:
+            req.output_token_ids.append(first_token_id)
+            if req.grammar is not None:  # the prefill worker sampled it under this grammar
+                req.grammar.advance([first_token_id])
         if len(fork_token_ids) != sampling.n - 1:
             raise InvalidRequestError("fork_token_ids", f"must hold n - 1 = {sampling.n - 1} ids")
         req.fork_token_ids = list(fork_token_ids)
 
         def reserve() -> ImportSlot:
             self._claim_id(request_id)
-            cached = self.scheduler.reserve_import(req, first_token_id)
+            cached = self.scheduler.reserve_import(req)
             return ImportSlot(request_id, list(req.block_ids), cached)
 
         return self.gate.between_steps(reserve)

@@ -369,12 +369,14 @@ class Scheduler:
         self._retire(req, req.finish_reason or FinishReason.STOP)
         return True
 
-    def reserve_import(self, req: Request, first_token_id: int) -> int:
+    def reserve_import(self, req: Request) -> int:
         """A new request whose prompt's KV comes from a peer -> WAITING_FOR_REMOTE_KV.
 
-        Gives it blocks for the whole prompt, reusing the longest cached prefix, and
-        returns how many leading blocks were cached (they need no transfer). Raises
-        OutOfBlocksError, taking nothing, when the pool is short.
+        `req` already holds its output so far: the first token the peer sampled, or a
+        migrated stream's tokens (whose KV the first step after the commit computes, as
+        a prefill chunk). Gives it blocks for the whole prompt, reusing the longest
+        cached prefix, and returns how many leading blocks were cached (they need no
+        transfer). Raises OutOfBlocksError, taking nothing, when the pool is short.
         """
         self._extend_hashes(req, req.num_prompt_tokens)
         hits = self.pool.longest_cached_prefix(req.block_hashes)
@@ -387,7 +389,6 @@ class Scheduler:
         req.block_ids = hits + self.pool.allocate(need)
         req.num_cached_tokens = len(hits) * self.config.block_size
         self._count_prefix(req)
-        req.output_token_ids.append(first_token_id)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.importing[req.request_id] = req
         self.requests[req.request_id] = req
@@ -397,8 +398,9 @@ class Scheduler:
         """The reserved blocks hold the prompt's KV: WAITING_FOR_REMOTE_KV -> WAITING.
 
         Publishes the full blocks to the prefix cache and queues the request to decode its
-        second token. Returns None, freeing the blocks, for an import aborted while
-        landing; UnknownRequestError if `request_id` is not importing.
+        second token (a migrated stream: to compute its output's KV, then go on). Returns
+        None, freeing the blocks, for an import aborted while landing; UnknownRequestError
+        if `request_id` is not importing.
         """
         req = self.importing.pop(request_id, None)
         if req is None:

@@ -72,11 +72,13 @@ class ImportPort(Protocol):
         priority: Priority = Priority.STANDARD,
         deadline: float | None = None,
         fork_token_ids: Sequence[int] = (),
+        resume_token_ids: Sequence[int] = (),
     ) -> ImportSlot:
         """Reserve blocks for the prompt (forks 1..n-1 start from `fork_token_ids` at the
-        commit), for a request of class `priority` that must be
-        done by `deadline` (monotonic seconds); raises OutOfBlocksError when short (taking
-        nothing) and InvalidRequestError for a request the engine refuses."""
+        commit; a migrated stream goes on after `resume_token_ids`), for a request of
+        class `priority` that must be done by `deadline` (monotonic seconds); raises
+        OutOfBlocksError when short (taking nothing) and InvalidRequestError for a
+        request the engine refuses."""
         ...
 
     def commit_import(self, request_id: str) -> FinishReason | None:

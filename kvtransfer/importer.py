@@ -146,11 +146,13 @@ class KvImporter:
         metadata: Sequence[tuple[str, str]] = (),
         priority: Priority = Priority.STANDARD,
         request_deadline: float | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> ImportResult:
         """Bring the handle's KV in and queue the request; raises TransferError subclasses.
         `metadata` goes on the gRPC calls to the exporter (W3C trace context); the request
         joins the batch at class `priority` with the engine deadline `request_deadline`
-        (monotonic seconds; the transfer has its own, shorter one)."""
+        (monotonic seconds; the transfer has its own, shorter one). A migrated stream
+        imports its prompt's KV and goes on after `resume_token_ids`."""
         start = time.monotonic()
         deadline = start + (timeout_s or self.config.kv_transfer_timeout_s)
         validate_handle(handle, self.engine.layout, prompt_token_ids, self.backend.name)
@@ -166,6 +168,7 @@ class KvImporter:
                 priority=priority,
                 deadline=request_deadline,
                 fork_token_ids=list(handle.fork_token_ids),
+                resume_token_ids=resume_token_ids,
             )
         except OutOfBlocksError as exc:
             raise NoBlocksError(str(exc)) from exc

@@ -111,6 +111,24 @@ def config_from_args(cls: type[T], namespace: argparse.Namespace) -> T:
     return cls(**values)
 
 
+def config_with_args(cfg: T, argv: list[str]) -> T:
+    """`cfg` with the flags in `argv` applied on top (its own values are the defaults;
+    the environment is not read). A flag `cfg`'s class does not have is a ValueError
+    naming it: a launcher that forwards extra flags to a service it builds in-process
+    (Ray) refuses what that service would not understand instead of dropping it."""
+    cls = type(cfg)
+    parser = argparse.ArgumentParser(prog=cls.__name__, add_help=False, exit_on_error=False)
+    add_config_args(parser, cls, env={})
+    parser.set_defaults(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
+    try:
+        namespace, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        raise ValueError(f"{cls.__name__}: {exc}") from None
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no flag {unknown[0]!r}")
+    return config_from_args(cls, namespace)
+
+
 def config_args(cfg: object, **overrides: object) -> list[str]:
     """Flags that reproduce a config dataclass for a child process: one `--flag value` per
     field that differs from its default (after `overrides`), so children inherit only

@@ -106,6 +106,14 @@ class GatewayMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.migration_prompt_kv = Counter(
+            "pdserve_stream_migration_prompt_kv",
+            "Streams moved to another decode worker, by where the new worker got the "
+            "prompt's KV (imported: a prefill worker exported it again from its prefix "
+            "cache; recomputed)",
+            ["source"],
+            registry=registry,
+        )
         self.disaggregation = Counter(
             "pdserve_disaggregation_decisions",
             "Where each request's prompt was prefilled (disaggregated: a prefill worker; "

@@ -3,8 +3,10 @@ then stream tokens from the continuous batch until the request finishes.
 
 Lifecycle of one stream: open an output queue first; import the KvHandle in a worker
 thread (the import commits the request into the engine's batch) or add the whole
-request to the engine (mixed role, a decode worker prefilling locally, or a migrated
-stream that resumes after `resume_token_ids`); yield one chunk per engine step's tokens;
+request to the engine (mixed role, or a decode worker prefilling locally); a migrated
+stream, with or without a handle, resumes after `resume_token_ids` (with one, the prompt's
+KV is imported and only the tokens so far are computed); yield one chunk per engine
+step's tokens;
 when the client closes the stream the handler is cancelled and `EngineLoop.close`
 aborts the request, which frees its blocks at the next step. `DecodeTrace` records the
 request's phases (kv.transfer, decode.queue, decode.first_token, decode.stream) as spans
@@ -26,7 +28,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from engine.errors import InvalidRequestError
 from engine.priority import Priority
 from engine.request import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -118,15 +119,11 @@ class DecodeHandler:
         priority = priority_proto.for_engine(request.priority)
         resume = list(request.resume_token_ids)
         if request.HasField("kv_handle"):
-            if resume:
-                raise InvalidRequestError(
-                    "resume_token_ids", "must be empty with a kv_handle (a moved stream has none)"
-                )
             if self.importer is None:
                 raise ValueError("this worker has no KV importer (role prefill)")
             with trace.transfer(request.kv_handle) as span:
                 result = await self._import_waiting(
-                    request, prompt, params, span, priority, deadline
+                    request, prompt, params, span, priority, deadline, resume
                 )
                 span.done(result)
             self.loop.wake()
@@ -146,6 +143,7 @@ class DecodeHandler:
         span: TransferSpan,
         priority: Priority,
         deadline: float | None,
+        resume: list[int],
     ) -> ImportResult:
         """Import the KV, waiting for room while the pool is full (`ImportRoom`); raises
         DecodeFullError once the wait is over. Nothing is held between tries."""
@@ -154,7 +152,7 @@ class DecodeHandler:
         while True:
             ticket = self.room.ticket()  # before the try: a stream finishing during it counts
             try:
-                return await self._import(request, prompt, params, span, priority, deadline)
+                return await self._import(request, prompt, params, span, priority, deadline, resume)
             except NoBlocksError as exc:
                 if not await self.room.wait(ticket, until):
                     waited = time.monotonic() - start
@@ -170,6 +168,7 @@ class DecodeHandler:
         span: TransferSpan,
         priority: Priority,
         deadline: float | None,
+        resume: list[int],
     ) -> ImportResult:
         """One try at the import, in a worker thread."""
         assert self.importer is not None
@@ -177,7 +176,7 @@ class DecodeHandler:
         importing = asyncio.ensure_future(asyncio.to_thread(
             self.importer.import_kv, request.kv_handle, prompt, params,
             request_id=rid, cache_salt=request.cache_salt, metadata=span.metadata,
-            priority=priority, request_deadline=deadline,
+            priority=priority, request_deadline=deadline, resume_token_ids=resume,
         ))  # fmt: skip
         try:
             return await asyncio.shield(importing)

@@ -46,6 +46,7 @@ from dataclasses import replace
 
 import grpc
 
+from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2
 from services.common import priority_proto, sampling
 from services.common.detokenizer import IncrementalDetokenizer
@@ -56,7 +57,7 @@ from services.gateway.decode_retry import REFUSALS, DecodeRefusal, DecodeRetry
 from services.gateway.prefill_site import PrefillSite, SitePolicy
 from services.gateway.request_record import RequestRecord
 from services.gateway.stop_text import StopTrimmer
-from services.gateway.stream_telemetry import GatewayTelemetry, MigrationOutcome
+from services.gateway.stream_telemetry import GatewayTelemetry, MigrationOutcome, PromptKvSource
 from services.gateway.worker_stubs import WorkerStubs
 from services.router.placement import RouteDecision
 
@@ -205,10 +206,20 @@ class RequestStream:
         return choice.site is PrefillSite.LOCAL
 
     async def _prefill(self, decision: RouteDecision) -> worker_pb2.PrefillResponse:
+        response = await self._prefill_call(decision, self.req.params)
+        self.cached_tokens = response.cached_tokens
+        self.tel.add_phases(response.phases)
+        return response
+
+    async def _prefill_call(
+        self, decision: RouteDecision, params: SamplingParams
+    ) -> worker_pb2.PrefillResponse:
+        """One Prefill call to `decision`'s prefill worker; the record knows that worker
+        may hold the request's KV under a lease from now on."""
         assert decision.prefill is not None
         request = worker_pb2.PrefillRequest(
             request_id=self.req.worker_request_id, prompt_token_ids=self.req.prompt,
-            sampling=sampling.to_proto(self.req.params), cache_salt=self.req.tenant,
+            sampling=sampling.to_proto(params), cache_salt=self.req.tenant,
             priority=self.priority,
         )  # fmt: skip
         address = decision.prefill.address
@@ -218,8 +229,6 @@ class RequestStream:
             request, timeout=timeout, metadata=self.tel.metadata()
         )
         self.record.prefill_done(address, finished=response.finished)
-        self.cached_tokens = response.cached_tokens
-        self.tel.add_phases(response.phases)
         return response
 
     # -- decode ------------------------------------------------------------------
@@ -243,13 +252,16 @@ class RequestStream:
                 retry.refused(decision.decode.worker_id, refused.refusal)
                 decision = await self._reroute_decode(decision, retry, refused)
             except (WorkerLost, KvLost) as lost:
-                if isinstance(lost, KvLost):
-                    self._reprefill(decision, lost)
+                if isinstance(lost, WorkerLost):
+                    decision, handle = await self._migrate(decision, lost)
+                elif resume:  # a moved stream's import failed: that move recomputes it
+                    handle = None
                 else:
-                    decision = await self._migrate(decision, lost)
-                handle, resume = None, list(self.output)
+                    self._reprefill(decision, lost)
+                    handle = None
+                resume = list(self.output)
                 retry = DecodeRetry.start(
-                    self.config.first_token_timeout_s, None, time.monotonic(), time.time()
+                    self.config.first_token_timeout_s, handle, time.monotonic(), time.time()
                 )
 
     def _why_not_migrate(self) -> MigrationOutcome | None:
@@ -289,9 +301,13 @@ class RequestStream:
             "prefills it again", self.req.request_id, lost, decision.decode.worker_id,
         )  # fmt: skip
 
-    async def _migrate(self, lost_on: RouteDecision, lost: WorkerLost) -> RouteDecision:
-        """Place the decode side again after `lost_on`'s decode worker was lost mid-stream;
-        raises `lost` when the stream may not move or no decode worker is left."""
+    async def _migrate(
+        self, lost_on: RouteDecision, lost: WorkerLost
+    ) -> tuple[RouteDecision, common_pb2.KvHandle | None]:
+        """Place the decode side again after `lost_on`'s decode worker was lost mid-stream,
+        with a handle on the prompt's KV when a prefill worker exports it again
+        (`_export_again`); raises `lost` when the stream may not move or no decode worker
+        is left."""
         worker = lost_on.decode.worker_id
         start, attrs = time.monotonic(), self._move_attrs(worker, lost)
         if lost.code == grpc.StatusCode.UNAVAILABLE:
@@ -306,12 +322,47 @@ class RequestStream:
             self.tel.migrated(start, attrs, MigrationOutcome.NO_WORKER)
             raise lost from None
         attrs["pdserve.migration.to"] = decision.decode.worker_id
-        self.tel.migrated(start, attrs, MigrationOutcome.MOVED)
+        handle = await self._export_again(decision)
+        source = PromptKvSource.RECOMPUTED if handle is None else PromptKvSource.IMPORTED
+        self.tel.migrated(start, attrs, MigrationOutcome.MOVED, source)
         log.warning(
-            "request %s: decode worker %s lost after %d tokens (%s); the stream moves to %s",
-            self.req.request_id, worker, len(self.output), lost, decision.decode.worker_id,
+            "request %s: decode worker %s lost after %d tokens (%s); the stream moves to %s "
+            "(prompt KV %s)", self.req.request_id, worker, len(self.output), lost,
+            decision.decode.worker_id, source.value,
         )  # fmt: skip
-        return decision
+        return decision, handle
+
+    async def _export_again(self, decision: RouteDecision) -> common_pb2.KvHandle | None:
+        """A handle on the prompt's KV for a moved stream: the prefill worker that
+        prefilled it most likely still caches its full blocks (and the router placed the
+        same prompt there again), so a Prefill there computes little more than the last
+        partial block and leases the blocks out afresh; the new decode worker imports
+        them and computes only the tokens streamed so far. None, and the new worker
+        computes the prompt too, when the request had no prefill hop, its prompt is one
+        conditional disaggregation prefills locally, or that Prefill fails."""
+        if decision.prefill is None:
+            return None
+        choice = self.sites.choose(
+            len(self.req.prompt), decision.decode_cached_tokens,
+            decision.prefill.worker_id, decision.decode.worker_id,
+        )  # fmt: skip
+        if choice.site is PrefillSite.LOCAL:
+            return None
+        params = replace(self.req.params, prompt_logprobs=None)  # they went out already
+        try:
+            response = await self._prefill_call(decision, params)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.record.report_down(decision.prefill.worker_id)
+            log.warning(
+                "request %s: prefill worker %s did not export the prompt's KV again (%s: "
+                "%s); the new decode worker computes it", self.req.request_id,
+                decision.prefill.worker_id, exc.code().name, exc.details(),
+            )  # fmt: skip
+            return None
+        # Its first draw ended it there (an unseeded sample may differ from the stream's):
+        # no KV was kept, and the stream's own tokens decide what happens next.
+        return None if response.finished else response.kv_handle
 
     async def _reroute_decode(
         self, failed: RouteDecision, retry: DecodeRetry, refused: DecodeRefused

@@ -43,6 +43,13 @@ class MigrationOutcome(enum.Enum):
     NO_WORKER = "no_worker"  # no other decode worker to move to
 
 
+class PromptKvSource(enum.Enum):
+    """Where a moved stream's new decode worker got the prompt's KV (a metric's label)."""
+
+    IMPORTED = "imported"  # a prefill worker exported it again (from its prefix cache)
+    RECOMPUTED = "recomputed"  # the new decode worker computed it
+
+
 class GatewayTelemetry:
     """One per gateway process."""
 
@@ -172,14 +179,23 @@ class StreamTelemetry:
         span.end()
 
     def migrated(
-        self, start: float, attrs: dict[str, str | int], outcome: MigrationOutcome
+        self,
+        start: float,
+        attrs: dict[str, str | int],
+        outcome: MigrationOutcome,
+        prompt_kv: PromptKvSource | None = None,
     ) -> None:
         """A stream's move to another decode worker (or the refusal to move it): a
-        `migration` phase and span from `start` (monotonic) to now, counted by outcome."""
+        `migration` phase and span from `start` (monotonic) to now, counted by outcome;
+        a move also by where its prompt's KV came from (`prompt_kv`)."""
         attrs = {**attrs, "pdserve.migration.outcome": outcome.value}
+        if prompt_kv is not None:
+            attrs["pdserve.migration.prompt_kv"] = prompt_kv.value
         self._phase_span("migration", start, attrs, failed=False)
         if self._metrics is not None:
             self._metrics.migrations.labels(outcome.value).inc()
+            if prompt_kv is not None:
+                self._metrics.migration_prompt_kv.labels(prompt_kv.value).inc()
 
     def disaggregation(self, choice: SiteChoice) -> None:
         """Where the prompt is prefilled and why: root span attributes and a count."""

@@ -20,6 +20,7 @@ id is `<role>-<i>`, kept across restarts.
 from __future__ import annotations
 
 import logging
+import shlex
 import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,6 +31,7 @@ from engine.config import EngineConfig
 from engine.precision import DType, KvCacheDType, WeightQuant
 from kvtransfer.config import TransferConfig
 from services.cluster.local_cluster import ClusterConfig
+from services.common.config import config_with_args
 from services.common.model_config import ModelConfig
 from services.common.role import Role
 from services.common.telemetry_config import TelemetryConfig
@@ -167,6 +169,9 @@ class ClusterController:
                                 max_streams=c.max_streams, http_port=http_port)  # fmt: skip
         if c.local_prefill_max_tokens is not None:
             gateway = replace(gateway, local_prefill_max_tokens=c.local_prefill_max_tokens)
+        # `--gateway-args` as on a local cluster (GatewayConfig flags only: the gateway
+        # actor is built here, not from a command line).
+        gateway = config_with_args(gateway, shlex.split(c.gateway_args))
         model = ModelConfig(model=c.model, model_cache_dir=c.model_cache_dir)
         return ServiceSpec("gateway", "gateway", (gateway, model, self._router_cfg(),
                                                   self.telemetry))  # fmt: skip

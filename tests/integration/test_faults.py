@@ -35,6 +35,7 @@ from pdserve.v1 import (
     router_pb2_grpc,
 )
 from services.cluster.local_cluster import Child, LocalCluster
+from services.common.metrics import scrape
 from services.gateway.client import GatewayClient, build_request
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.keyspace import Keyspace
@@ -164,8 +165,10 @@ def _assert_moved_exactly(
 def test_kill9_decode_mid_stream_moves_its_streams(cluster: LocalCluster) -> None:
     """The issue's drill: kill -9 the decode worker of 20 concurrent greedy streams (and
     4 seeded ones) mid-way; every stream completes, token-identical to a run without the
-    kill, the gap is reported, and nothing leaks."""
+    kill, each moved one with its prompt's KV imported from the prefill worker, the gap
+    is reported, and nothing leaks."""
     probe = start_probe(cluster)
+    imported_before = _moves_with_imported_kv(cluster)
 
     async def scenario() -> tuple[list[Stream], list[Stream], str, float, list[Any]]:
         async with GatewayClient(cluster.gateway_address) as client:
@@ -181,6 +184,9 @@ def test_kill9_decode_mid_stream_moves_its_streams(cluster: LocalCluster) -> Non
         gaps = _assert_moved_exactly(streams, reference, ends, victim, killed)
         print(f"moved {len(gaps)} streams: gap p50 {gaps[len(gaps) // 2]:.2f}s max {gaps[-1]:.2f}s")
         assert gaps[-1] < MOVE_GAP_S
+        # The prefill worker exported each moved stream's prompt again (from its prefix
+        # cache); the new decode worker imported it and computed only the tokens so far.
+        assert _moves_with_imported_kv(cluster) - imported_before == len(gaps)
         # Its registration lapses; from then on new requests avoid it.
         _wait_registry(cluster, present=set(), absent=frozenset({victim}))
         pairs = asyncio.run(serve(cluster, 3, "kd-after"))
@@ -189,6 +195,12 @@ def test_kill9_decode_mid_stream_moves_its_streams(cluster: LocalCluster) -> Non
         cluster.relaunch(victim)
         _wait_registry(cluster, present={victim})
     assert_cluster_clean(probe)
+
+
+def _moves_with_imported_kv(cluster: LocalCluster) -> float:
+    port = cluster.gateways[0].metrics_port
+    assert port is not None
+    return scrape(port).get("pdserve_stream_migration_prompt_kv_total{source=imported}", 0.0)
 
 
 def test_sigstop_decode_moves_streams_once_the_token_deadline_fires(

@@ -45,7 +45,11 @@ def cluster() -> Iterator[RayCluster]:
     c = RayCluster(
         ClusterConfig(num_prefill=1, num_decode=1, gateway_port=0, model_cache_dir=MODEL_CACHE,
                       worker_kv_cache_bytes=64 << 20, startup_timeout_s=180,
-                      local_prefill_max_tokens=0),  # the prefill hop, as every test cluster
+                      local_prefill_max_tokens=0,  # the prefill hop, as every test cluster
+                      # The autoscale drill's burst outruns one prefill worker on purpose;
+                      # on a slow host its requests wait past the default 5 s budget before
+                      # the second worker serves. The drill is about growing, not shedding.
+                      gateway_args="--ttft-budget-standard-s 60"),
         RayConfig(ray_namespace=NAMESPACE, worker_cpus=1, service_cpus=0.25, max_restarts=2,
                   prefill_resources="pdserve_slot=1", decode_resources="pdserve_slot=1"),
     )  # fmt: skip

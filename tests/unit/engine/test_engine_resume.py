@@ -1,6 +1,8 @@
 """Resuming a request after output another engine made (a migrated stream): greedy,
-seeded, penalised and grammar-guided runs go on exactly as one uninterrupted run, and a
-resume the engine cannot honour is refused by name. Every test ends with a leak check."""
+seeded, penalised and grammar-guided runs go on exactly as one uninterrupted run, also
+when the prompt's KV is imported from a prefill engine (only the tokens so far are
+computed), and a resume the engine cannot honour is refused by name. Every test ends
+with a leak check."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from engine.grammar import GuidedKind, GuidedSpec
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory, assert_no_leaks
-from tests.prompts import SHORT
+from tests.prompts import SHORT, long_prompt
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +76,40 @@ def test_a_resumed_request_in_a_batch_matches_one_alone(engine: LLMEngine) -> No
             got[out.request_id] += out.new_token_ids
     assert [w[:5] + got[r] for w, r in zip(wholes, rids, strict=True)] == wholes
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("name", ["greedy", "seeded"])
+def test_an_imported_prompt_resumes_computing_only_the_tokens_so_far(
+    engine: LLMEngine, make_engine: EngineFactory, name: str
+) -> None:
+    """What a decode worker does with a migrated stream whose prompt the prefill worker
+    still caches: import the prompt's blocks, compute the output so far, go on. The
+    exporter's own first draw is ignored: the stream's tokens say what came out."""
+    params = CASES[name]
+    prompt = engine.tokenizer.encode(long_prompt(2))
+    whole, _ = _run(engine, prompt, params)
+    prefill = make_engine(kv_cache_bytes=32 << 20)
+    rid = prefill.add_request(prompt, SamplingParams(max_tokens=1), hold_kv=True)
+    while prefill.has_unfinished():
+        prefill.step()
+    held = prefill.held_kv(rid)
+    other_draw = (whole[0] + 1) % engine.spec.vocab_size
+    engine.pool.reset_prefix_cache()  # nothing of the prompt cached here: all imported
+    slot = engine.reserve_import(prompt, other_draw, params, request_id="moved",
+                                 resume_token_ids=whole[:7])  # fmt: skip
+    assert slot.num_cached_blocks == 0
+    engine.kv_blocks[slot.blocks_to_fill] = prefill.kv_blocks[held.block_ids]
+    prefill.release_held(rid)
+    assert engine.commit_import("moved") is None
+    computed_before = engine.stats().prefill_tokens_total
+    rest: list[int] = []
+    while engine.has_unfinished():
+        rest += [t for o in engine.step() for t in o.new_token_ids]
+    assert whole[:7] + rest == whole
+    # The first step computed the 7 streamed tokens' KV, not the prompt's again.
+    assert engine.stats().prefill_tokens_total - computed_before == 7
+    assert_no_leaks(engine)
+    assert_no_leaks(prefill)
 
 
 def test_a_guided_request_resumes_inside_its_grammar(engine: LLMEngine) -> None:

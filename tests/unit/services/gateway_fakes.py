@@ -110,6 +110,7 @@ class FakeDecodeCall:
         self.address = address
         self.refusal = cluster.decode_refusals.pop(0) if cluster.decode_refusals else None
         self.dies_at = cluster.decode_deaths.pop(0) if cluster.decode_deaths else None
+        self.index = len(cluster.decodes)  # this call's place among the cluster's Decodes
         # A moved stream resumes after token 1 and the decode tokens it already sent.
         self.offset = max(0, len(request.resume_token_ids) - 1)
         self.reads = 0
@@ -128,14 +129,15 @@ class FakeDecodeCall:
         ).passing()
         if n == 1 and self.cluster.torn_down:
             raise asyncio.CancelledError  # as a grpc.aio call closed under its reader
-        if n == 0:
+        if n == self.offset:  # the call's first read: the import, or the refusal
             if self.refusal is not None:  # nothing pulled: the KV stays on prefill
                 self.ended = True
                 raise rpc_error(self.refusal, "no room for the KV")
-            if self.cluster.import_fails and self.request.HasField("kv_handle"):
+            imports = self.request.HasField("kv_handle")
+            if imports and (self.cluster.import_fails or self.index in self.cluster.lost_imports):
                 self.ended = True
                 raise rpc_error(grpc.StatusCode.NOT_FOUND, "lease expired")
-            if self.request.HasField("kv_handle"):
+            if imports:
                 self.cluster.leases.discard(self.request.request_id)  # pulled
         if n >= len(DECODE_TOKENS):
             self.ended = True
@@ -166,7 +168,9 @@ class FakeWorker:
         cluster = self.cluster
         cluster.prefills.append(self.address)
         cluster.priorities.append(("prefill", request.priority))
-        if cluster.unreachable_first and len(cluster.prefills) == 1:
+        if (cluster.unreachable_first and len(cluster.prefills) == 1) or len(
+            cluster.prefills
+        ) in cluster.unreachable_prefills:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused")
         finished = request.sampling.max_tokens == 1
         if not finished:
@@ -210,6 +214,8 @@ class FakeCluster:
     priorities: list[tuple[str, int]] = field(default_factory=list)  # (call, proto class)
     unreachable_first: bool = False  # the first Prefill call fails: UNAVAILABLE
     import_fails: bool = False
+    lost_imports: set[int] = field(default_factory=set)  # Decode calls (0-based): NOT_FOUND
+    unreachable_prefills: set[int] = field(default_factory=set)  # Prefill calls (1-based)
     decode_refusals: list[grpc.StatusCode] = field(default_factory=list)  # next calls', in order
     decode_deaths: list[int | None] = field(default_factory=list)  # next calls': dies at read
     torn_down: bool = False  # the decode call's second read is cancelled from outside

@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from services.common.config import add_config_args, config_from_args, env_var_names
+from services.common.config import (
+    add_config_args,
+    config_from_args,
+    config_with_args,
+    env_var_names,
+)
 from services.gateway.config import GatewayConfig
 from services.worker.config import WorkerConfig
 
@@ -65,3 +70,16 @@ def test_gateway_guardrail_flags_and_env_vars() -> None:
                  "stream_buffer_messages"):  # fmt: skip
         with pytest.raises(ValueError, match=name):
             GatewayConfig(decode_workers="d:1", **{name: 0})  # type: ignore[arg-type]
+
+
+def test_config_with_args_layers_flags_on_a_built_config() -> None:
+    """What the Ray controller does with `--gateway-args`: the config's own values stay
+    unless a flag names them; a flag the class lacks, or a bad value, is refused by name."""
+    base = GatewayConfig(placement="redis", max_streams=7)
+    got = config_with_args(base, ["--ttft-budget-standard-s", "30"])
+    assert (got.ttft_budget_standard_s, got.max_streams) == (30.0, 7)
+    assert config_with_args(base, []) == base
+    with pytest.raises(ValueError, match="no flag '--num-prefill'"):
+        config_with_args(base, ["--num-prefill", "2"])
+    with pytest.raises(ValueError, match="ttft-budget-standard-s"):
+        config_with_args(base, ["--ttft-budget-standard-s", "soon"])

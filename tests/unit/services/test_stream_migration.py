@@ -1,8 +1,11 @@
 """The gateway when a decode worker dies mid-stream, on real Redis in front of fake
 workers: the stream moves to another decode worker, which is sent every token already
 streamed (`resume_token_ids`) and goes on after them; the client sees each token once
-and no error. At most `max_migrations` moves, then the worker's status. Every test ends
-with the leak check (`assert_nothing_held`). On real processes: test_faults.py."""
+and no error. The prefill worker exports the prompt's KV again for the new worker; when
+it cannot (no prefill hop, its Prefill fails, the import fails) the new worker computes
+the prompt, within the same move. At most `max_migrations` moves, then the worker's
+status. Every test ends with the leak check (`assert_nothing_held`). On real processes:
+test_faults.py."""
 
 from __future__ import annotations
 
@@ -37,7 +40,9 @@ def test_a_stream_whose_decode_worker_dies_moves_and_goes_on(
         lost, moved = gw.cluster.decodes
         assert lost.address != moved.address
         assert list(moved.request.resume_token_ids) == ALL_TOKENS[:3]
-        assert not moved.request.HasField("kv_handle")
+        # The prefill worker exported the prompt again: the new worker imports it.
+        assert moved.request.HasField("kv_handle") and len(gw.cluster.prefills) == 2
+        assert gw.cluster.prefills[0] == gw.cluster.prefills[1]
         assert [t for m in reader.received for t in m.token_ids] == ALL_TOKENS
         assert reader.received[-1].finished
         assert reader.received[-1].usage.completion_tokens == len(ALL_TOKENS)
@@ -91,6 +96,35 @@ def test_a_stream_with_no_decode_worker_left_ends_unavailable(
         assert failed.value.code == grpc.StatusCode.UNAVAILABLE
         assert "decode worker d0" in str(failed.value)
         assert len(gw.cluster.decodes) == 1
+        await assert_nothing_held(gw, record)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("case", ["prefill_unreachable", "import_lost"])
+def test_a_moved_stream_without_the_prompts_kv_recomputes_it_in_the_same_move(
+    client: redis.Redis, namespace: str, model_dir: Path, case: str
+) -> None:
+    """A prefill worker that cannot export the prompt again, or an import of that
+    export that fails: the new decode worker computes the prompt itself, and that is
+    still one move (max_migrations 1 lets it finish)."""
+
+    async def scenario() -> None:
+        gw = build_gateway(client, namespace, model_dir, decode_workers=2, max_migrations=1)
+        gw.cluster.decode_deaths = [2]
+        if case == "prefill_unreachable":
+            gw.cluster.unreachable_prefills = {2}
+        if case == "import_lost":
+            gw.cluster.lost_imports = {1}
+        reader, task, record = await start_request(gw)
+        await task
+        assert [t for m in reader.received for t in m.token_ids] == ALL_TOKENS
+        last = gw.cluster.decodes[-1]
+        assert list(last.request.resume_token_ids) == ALL_TOKENS[:3]
+        assert not last.request.HasField("kv_handle")
+        assert last.address != gw.cluster.decodes[0].address
+        assert len(gw.cluster.prefills) == 2
+        assert len(gw.cluster.decodes) == (3 if case == "import_lost" else 2)
         await assert_nothing_held(gw, record)
 
     asyncio.run(scenario())
