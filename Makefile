@@ -50,6 +50,8 @@ bench: model
 	$(BIN)/python -m loadtest.transfer_bench --out bench-results/transfer.json
 	# 8-bit KV capacity and batch-32 throughput, offload-tier TTFT (about 10 minutes)
 	$(BIN)/python -m loadtest.kv_bench --out bench-results/kv.json
+	# speculative decoding on and off at batch 1, repetitive and chat (about 4 minutes)
+	$(BIN)/python -m loadtest.spec_bench --out bench-results/spec.json
 	$(BIN)/python -m loadtest.gateway_bench --out bench-results/gateway.json
 	$(BIN)/python -m loadtest.router_bench --out bench-results/router.json
 	$(BIN)/python -m loadtest.tracing_bench --out bench-results/tracing.json

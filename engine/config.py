@@ -16,6 +16,7 @@ import torch
 
 from engine.linear_kernel import KERNELS
 from engine.precision import DType, KvCacheDType, WeightQuant, check_quant, resolve_dtype
+from engine.speculation import SpecConfig, SpecMode
 
 DEFAULT_MODEL_CACHE = Path("~/.cache/pdserve/models")
 _E = TypeVar("_E", bound=enum.Enum)
@@ -83,6 +84,22 @@ class EngineConfig:
     num_threads: int | None = field(
         default=None, metadata={"help": "torch CPU threads (default: torch's choice)"}
     )
+    speculative_decoding: SpecMode = field(
+        default=SpecMode.OFF,
+        metadata={
+            "help": "off; auto (prompt-lookup drafts, verified in the batched step, draft "
+            "length adapted to each request's acceptance, none above spec_max_batch "
+            "decodes); on (always the full draft length). Output is unchanged: greedy and "
+            "seeded streams are token-identical either way"
+        },
+    )
+    num_speculative_tokens: int = field(
+        default=4, metadata={"help": "most draft tokens a request verifies per step"}
+    )
+    spec_max_batch: int = field(
+        default=8,
+        metadata={"help": "auto: no drafts in a step with more decodes than this"},
+    )
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 8:
@@ -108,8 +125,22 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch or flash, got {self.attention_backend}"
             )
+        object.__setattr__(
+            self,
+            "speculative_decoding",
+            _member(SpecMode, "speculative_decoding", self.speculative_decoding),
+        )
+        self.spec_config  # validates the speculation knobs  # noqa: B018
         if self.linear_kernel not in KERNELS:
             raise ValueError(f"linear_kernel must be one of {KERNELS}, got {self.linear_kernel!r}")
+
+    @property
+    def spec_config(self) -> SpecConfig:
+        return SpecConfig(
+            mode=self.speculative_decoding,
+            max_draft=self.num_speculative_tokens,
+            max_batch=self.spec_max_batch,
+        )
 
     @property
     def torch_device(self) -> torch.device:

@@ -55,10 +55,11 @@ from engine.precision import kv_storage_dtype
 from engine.prefix_hash import hash_seed
 from engine.priority import Priority
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
-from engine.sampler import new_generator, sample
+from engine.sampler import new_generator, position_seed, sample
 from engine.sampling_params import MAX_FORKS, SamplingParams
 from engine.scheduled_batch import ScheduledBatch
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.speculation import Speculator, accepted
 from engine.stats import ClassCounts, EngineStats
 from engine.step_gate import StepGate
 from engine.step_meter import StepMeter, prefill_backlog
@@ -127,6 +128,7 @@ class LLMEngine:
             lambda spec: self.grammars().matcher(spec),
         )  # fmt: skip
         self._pending: list[RequestOutput] = []  # forks ended at an import's commit
+        self.speculator = Speculator(config.spec_config)
         self._last_stats = self._collect_stats()
         log.info(
             "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token), model %s",
@@ -388,21 +390,92 @@ class LLMEngine:
             return outputs
 
     def _run_batch(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        if self.speculator.enabled:
+            self.speculator.propose(
+                [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+            )
         batch = self.scheduler.schedule()
         outputs.extend(self._output(req, []) for req in batch.expired)
         if batch.empty:
-            return outputs
+            return self._forget_ended(outputs)
         self._meter.count(batch)  # before `advance` moves the requests on
         # The snapshot readers get while this step runs: its prefill tokens still to do.
         self._last_stats = self._collect_stats()
         masks = self._start_masks(batch)
         result = self.runner.execute(batch)
         for req, n in batch.items:
-            self.scheduler.advance(req, n)
-        if result.sampling_requests:
-            self._meter.sampled(len(result.sampling_requests))
-            outputs.extend(self._sample(result.logits, result.sampling_requests, masks))
+            if not req.draft_token_ids:  # a verification advances by what it keeps
+                self.scheduler.advance(req, n)
+        plain = len(result.sampling_requests)
+        if plain:
+            self._meter.sampled(plain)
+            outputs.extend(self._sample(result.logits[:plain], result.sampling_requests, masks))
+        if result.speculating:
+            outputs.extend(self._verify(result.logits[plain:], result.speculating))
+        return self._forget_ended(outputs)
+
+    def _forget_ended(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        if self.speculator.states:
+            for out in outputs:
+                if out.finished:
+                    self.speculator.forget(out.request_id)
         return outputs
+
+    def _verify(self, logits: torch.Tensor, reqs: list[Request]) -> list[RequestOutput]:
+        """Sample every position of each speculating request (its last token's, then each
+        draft's) as plain decoding would there, keep the drafts up to the first that
+        differs from its sample plus one sample (`speculation.accepted`), and move the
+        request on by what it kept (`speculation.py` says why this is exact)."""
+        rows: list[RowContext] = []
+        generators: list[torch.Generator | None] = []
+        for req in reqs:
+            drafts = req.draft_token_ids
+            for j in range(len(drafts) + 1):
+                output = req.output_token_ids + drafts[:j]
+                rows.append(RowContext(req.sampling, req.prompt_token_ids, output))
+                generators.append(self._draw_generator_at(req, len(output)))
+        samples = sample(
+            logits, [r.params for r in rows], generators, contexts=rows, eos_ids=self._eos_ids
+        )
+        outputs, at = [], 0
+        for req in reqs:
+            drafts, req.draft_token_ids = req.draft_token_ids, []
+            tokens = accepted(samples[at : at + len(drafts) + 1], drafts)
+            at += len(drafts) + 1
+            self.speculator.record(req, len(drafts), len(tokens) - 1)
+            req.spec_drafted += len(drafts)
+            req.spec_accepted += len(tokens) - 1
+            outputs.append(self._keep(req, tokens))
+        return outputs
+
+    @staticmethod
+    def _draw_generator_at(req: Request, position: int) -> torch.Generator | None:
+        """The generator of `req`'s draw at output `position`: a seeded request's own,
+        keyed on the position as `Request.draw_generator` keys it; an unseeded one's
+        shared generator, which just runs on."""
+        if req.generator is None or req.sampling.seed is None:
+            return req.generator
+        return new_generator(position_seed(req.sampling.seed, position))
+
+    def _keep(self, req: Request, tokens: list[int]) -> RequestOutput:
+        """Append a verification's tokens, each stop-checked in turn (one that ends the
+        request drops those after it); the request's computed tokens then reach all but
+        its last token, the blocks only rejected drafts reached are freed, and then a stop
+        ends it."""
+        kept: list[int] = []
+        reason = None
+        for token in tokens:
+            req.output_token_ids.append(token)
+            kept.append(token)
+            reason = self.stop_checker.check(req)
+            if reason is not None:
+                break
+        self._meter.sampled(len(kept))
+        self.scheduler.advance(req, req.num_tokens - 1 - req.num_computed_tokens)
+        self.scheduler.trim_drafts(req)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+        return self._output(req, kept)
 
     def _start_masks(self, batch: ScheduledBatch) -> tuple[MaskJob, list[Request]] | None:
         """Start the grammar masks of this step's constrained sampling rows, to compute
@@ -537,6 +610,8 @@ class LLMEngine:
             arrival_time=req.arrival_time,
             first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,
+            spec_drafted=req.spec_drafted,
+            spec_accepted=req.spec_accepted,
         )
 
     # -- observability -----------------------------------------------------------
@@ -589,6 +664,9 @@ class LLMEngine:
             kv_bytes_per_token=self.layout.bytes_per_token,
             kv_pool_bytes=p.total * self.layout.bytes_per_block,
             block_size=self.config.block_size,
+            spec_drafted_total=self.speculator.drafted_total,
+            spec_accepted_total=self.speculator.accepted_total,
+            spec_verifications_total=self.speculator.verifications_total,
             **self._offload_stats(),
         )
 

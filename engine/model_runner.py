@@ -3,7 +3,8 @@
 Lifecycle per step: `execute(batch)` lays the batch out flat (decodes first, then prefill
 chunks), builds `AttentionMetadata` and the slot mapping from each request's block table,
 runs one forward pass, and returns logits only for requests whose last known token was
-computed this step (a mid-prompt chunk samples nothing). A request that asked for
+computed this step (a mid-prompt chunk samples nothing), and for a decode verifying draft
+tokens (`engine/speculation.py`) one row per position of its chunk. A request that asked for
 `prompt_logprobs` also gets the log-probability of each next prompt token its chunk's
 positions predict, appended to `Request.prompt_logprobs` here (positions it already has,
 after a preemption, are not computed again).
@@ -11,7 +12,7 @@ after a preemption, are not computed again).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,10 +29,13 @@ SCORE_ROWS = 256
 
 @dataclass
 class StepResult:
-    """Logits rows (float32, [N, vocab]) for `sampling_requests`, in the same order."""
+    """Logits rows (float32, [N, vocab]) for `sampling_requests`, in the same order, then
+    for each of `speculating` (requests verifying draft tokens) 1 + k rows: the positions
+    of its last token and of its k drafts, in order."""
 
     logits: torch.Tensor
     sampling_requests: list[Request]
+    speculating: list[Request] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -60,6 +64,8 @@ class ModelRunner:
         seqlens: list[int] = []
         last_rows: list[int] = []
         sampling: list[Request] = []
+        spec_rows: list[int] = []
+        speculating: list[Request] = []
         scored: list[tuple[Request, int, int]] = []  # prompt_logprobs: (request, row, n)
         for req, n in items:
             start = req.num_computed_tokens
@@ -70,7 +76,10 @@ class ModelRunner:
             slots.extend(self._slot(req, i) for i in range(start, start + n))
             qlens.append(n)
             seqlens.append(start + n)
-            if start + n == req.num_tokens:
+            if req.draft_token_ids:  # its last token and every draft: 1 + k rows
+                spec_rows.extend(range(len(ids) - n, len(ids)))
+                speculating.append(req)
+            elif start + n == req.num_tokens:
                 last_rows.append(len(ids) - 1)
                 sampling.append(req)
         meta = self._metadata(items, slots, qlens, seqlens, len(batch.decodes))
@@ -85,10 +94,10 @@ class ModelRunner:
         )
         for req, row, n in scored:
             self._score_prompt(req, hidden, row, n)
-        if not last_rows:
+        if not last_rows and not spec_rows:
             return StepResult(torch.empty(0, 0), [])
-        rows = hidden[torch.tensor(last_rows, device=self.device)]
-        return StepResult(self.model.logits(rows), sampling)
+        rows = hidden[torch.tensor(last_rows + spec_rows, device=self.device)]
+        return StepResult(self.model.logits(rows), sampling, speculating)
 
     def _score_prompt(self, req: Request, hidden: torch.Tensor, first_row: int, n: int) -> None:
         """Append the log-probabilities of the prompt tokens this chunk's positions

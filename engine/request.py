@@ -122,6 +122,11 @@ class Request:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     grammar: Grammar | None = None  # structured output: the state after the output so far
     forked: bool = False  # n > 1: its forks exist (or, on a prefill engine, were sampled)
+    # Speculative decoding: this step's draft tokens, after the output (`speculation.py`);
+    # set before the step is scheduled, cleared once verified (or the request preempted).
+    draft_token_ids: list[int] = field(default_factory=list)
+    spec_drafted: int = 0  # draft tokens this request verified, and kept, on this engine
+    spec_accepted: int = 0
 
     @property
     def group(self) -> str:
@@ -158,8 +163,16 @@ class Request:
         return self.generator
 
     def token_at(self, index: int) -> int:
+        """The token at sequence position `index`: prompt, output, then this step's drafts."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+        if index < n:
+            return self.prompt_token_ids[index]
+        m = len(self.output_token_ids)
+        return (
+            self.output_token_ids[index - n]
+            if index - n < m
+            else self.draft_token_ids[index - n - m]
+        )
 
 
 @dataclass(frozen=True)
@@ -185,6 +198,8 @@ class RequestOutput:
     # Prefill side, n > 1: forks 1..n-1's first tokens (and logprobs, when asked).
     fork_token_ids: tuple[int, ...] = ()
     fork_logprobs: tuple[TokenLogprobs, ...] = ()
+    spec_drafted: int = 0  # speculative decoding: draft tokens verified so far, and kept
+    spec_accepted: int = 0
 
     def raise_for_deadline(self) -> None:
         """DeadlineExceededError if the engine ended the request on its deadline (a worker

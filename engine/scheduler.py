@@ -120,10 +120,13 @@ class Scheduler:
         floor = -1
         for req in decodes:
             if req.status is not RequestStatus.RUNNING or req.priority <= floor:
+                req.draft_token_ids = []
                 continue  # preempted for a request placed before it, or its class is dry
             if budget - batch.num_tokens <= 0:
+                for rest in decodes:
+                    rest.draft_token_ids = []
                 return budget - batch.num_tokens
-            if not self._place(batch, req, 1):
+            if not self._place(batch, req, 1 + self._fit_drafts(req, budget - batch.num_tokens)):
                 floor = req.priority
         admissible = self.waiting and len(self.running) < self.config.max_num_seqs
         # Running prefills together leave half the budget to admission while requests
@@ -136,6 +139,33 @@ class Scheduler:
             if n > 0 and not self._place(batch, req, n):
                 floor = req.priority
         return budget - batch.num_tokens
+
+    def _fit_drafts(self, req: Request, budget: int) -> int:
+        """How many of a decode's draft tokens go into this step: what the token budget
+        and the free blocks allow without preempting anyone (drafts are a bet, never
+        worth a preemption). The rest are dropped."""
+        drafts = req.draft_token_ids[: max(0, budget - 1)]
+        bs = self.config.block_size
+        # Leave a block per running request: the next decodes of this step come first.
+        spare = self.pool.num_free - len(self.running)
+        while drafts:
+            need = -(-(req.num_computed_tokens + 1 + len(drafts)) // bs) - len(req.block_ids)
+            if need <= max(0, spare) and self._grow(req, req.num_computed_tokens + 1 + len(drafts)):
+                break
+            drafts = drafts[:-1]
+        req.draft_token_ids = drafts
+        return len(drafts)
+
+    def trim_drafts(self, req: Request) -> None:
+        """After a verification: free the blocks that only rejected drafts' KV reached
+        (past what the request's tokens need). Slots of rejected drafts in a block that
+        stays are past `num_computed_tokens`: overwritten before that block is full, so
+        never published to the prefix cache."""
+        keep = -(-req.num_tokens // self.config.block_size)
+        if len(req.block_ids) > keep:
+            extra = req.block_ids[keep:]
+            req.block_ids = req.block_ids[:keep]
+            self.pool.free(reversed(extra))
 
     def _place(self, batch: ScheduledBatch, req: Request, n: int) -> bool:
         """Grow `req` by `n` tokens and schedule it, preempting (`_victim`) when short.
@@ -295,6 +325,7 @@ class Scheduler:
         for recompute, or end it with DEADLINE if that has passed."""
         self.pool.free(reversed(req.block_ids))
         req.block_ids = []
+        req.draft_token_ids = []
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1

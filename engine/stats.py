@@ -78,6 +78,18 @@ class EngineStats:
     offload_hit_tokens: int = 0
     offload_spilled_total: int = 0
     offload_restored_total: int = 0
+    # Speculative decoding (all 0 when off): draft tokens verified, of those kept, and the
+    # request-steps that verified drafts (tokens per verification = 1 + kept / steps).
+    spec_drafted_total: int = 0
+    spec_accepted_total: int = 0
+    spec_verifications_total: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Kept / verified draft tokens since start (0 before any)."""
+        return (
+            self.spec_accepted_total / self.spec_drafted_total if self.spec_drafted_total else 0.0
+        )
 
     @property
     def prefix_hit_ratio(self) -> float:

@@ -47,8 +47,11 @@ class StepMeter:
                 prefill += 1
             else:
                 decodes += 1
-        for _, n in batch.prefills:
-            prefill += n
+        for req, n in batch.prefills:
+            if req.draft_token_ids:  # a decode verifying drafts (speculation)
+                decodes += 1
+            else:
+                prefill += n
         self._step_prefill += prefill
         self._step_decodes += decodes
 

@@ -424,6 +424,26 @@ def kv_memory(data: Json) -> list[str]:
     ]
 
 
+def speculation(data: Json) -> list[str]:
+    rows = [
+        [w["workload"], str(w["requests"]), _fmt(w["off_tokens_per_s"], ".1f"),
+         _fmt(w["spec_tokens_per_s"], ".1f"), _fmt(w["ratio"], ".2f", "x"),
+         _fmt(w["acceptance_rate"], ".2f"), _fmt(w["tokens_per_verification"], ".2f")]
+        for w in data.get("workloads", [])
+    ]  # fmt: skip
+    head = ["workload", "requests", "off tok/s", "auto tok/s", "auto/off", "acceptance",
+            "tokens/verification"]  # fmt: skip
+    return [
+        f"Decode tokens/s at batch 1, greedy, {data.get('max_tokens')} tokens per request, "
+        f"compute {data.get('compute_dtype')}, {data.get('threads')} thread(s); best of "
+        f"{data.get('reps')} interleaved rounds per side. Speculation `auto`: prompt-lookup "
+        "drafts with adaptive length.",
+        "",
+        *_table(head, rows),
+        *_targets(data),
+    ]
+
+
 #: schema -> (title, renderer), in the page's order.
 SECTIONS: dict[str, tuple[str, Renderer]] = {
     "pdserve.headline/1": ("Headline: disaggregated vs colocated", headline),
@@ -433,6 +453,7 @@ SECTIONS: dict[str, tuple[str, Renderer]] = {
     "accuracy_gate/v1": ("Accuracy gate: reduced precision against float32", accuracy),
     "pdserve.transfer_bench/1": ("KV transfer", transfer),
     "pdserve.kv_bench/1": ("KV memory: 8-bit caches and the offload tier", kv_memory),
+    "pdserve.spec_bench/1": ("Speculative decoding", speculation),
     "pdserve.router_bench/1": ("Router", router),
     "pdserve.gateway_bench/1": ("Gateway overhead", gateway),
     "pdserve.tracing_bench/1": ("Tracing cost", tracing),

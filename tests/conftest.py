@@ -70,3 +70,4 @@ def assert_no_leaks(engine: LLMEngine) -> None:
     assert s.running == s.waiting == s.held_requests == s.importing_requests == 0, s
     assert not engine.requests
     assert not engine.has_unfinished()
+    assert not engine.speculator.states  # no ended request's draft state left

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from engine.config import DEFAULT_MODEL_CACHE
 from engine.precision import DType, KvCacheDType, WeightQuant
+from engine.speculation import SpecMode
 from services.common.config import config_args
 from services.common.telemetry_config import TelemetryConfig, telemetry_args
 from services.common.tls import TlsConfig
@@ -68,6 +69,9 @@ class ClusterConfig:
     )
     kv_cache_dtype: KvCacheDType | None = field(
         default=None, metadata={"help": "workers' KV cache: auto, int8 or fp8_e4m3"}
+    )
+    speculative_decoding: SpecMode | None = field(
+        default=None, metadata={"help": "workers' speculative decoding: off, auto or on"}
     )
     model: str | None = field(
         default=None, metadata={"help": "HF-layout model dir (default: SmolLM2-135M-Instruct)"}
@@ -166,6 +170,7 @@ _GATEWAY_PASSTHROUGH = (
 _ZERO_ALLOWED = ("local_prefill_max_tokens",)  # 0 means something: the hop for every prompt
 _WORKER_PASSTHROUGH = (
     "heartbeat_ttl_s", "kv_lease_ttl_s", "dtype", "quantization", "kv_cache_dtype",
+    "speculative_decoding",
 )  # fmt: skip
 
 

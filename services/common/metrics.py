@@ -210,6 +210,26 @@ def _offload_metrics(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetr
     yield moved
 
 
+def _spec_metrics(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Speculative decoding (all 0 unless `--speculative-decoding` is on)."""
+    tokens = CounterMetricFamily(
+        "pdserve_spec_tokens", "Draft tokens verified, and of those kept", labels=["kind"]
+    )
+    tokens.add_metric(["drafted"], s.spec_drafted_total)
+    tokens.add_metric(["accepted"], s.spec_accepted_total)
+    yield tokens
+    yield CounterMetricFamily(
+        "pdserve_spec_verifications",
+        "Request-steps that verified draft tokens (each emits 1 + its kept drafts)",
+        value=s.spec_verifications_total,
+    )
+    yield GaugeMetricFamily(
+        "pdserve_spec_acceptance_rate",
+        "Kept / verified draft tokens since start",
+        value=s.spec_acceptance_rate,
+    )
+
+
 class EngineCollector(Collector):
     """Gauges and counters read from `EngineStats` at scrape time."""
 
@@ -266,6 +286,7 @@ class EngineCollector(Collector):
             "pdserve_preemptions", "Requests preempted by recompute", value=s.num_preemptions
         )
         yield from _offload_metrics(s)
+        yield from _spec_metrics(s)
 
 
 class MetricsServer:

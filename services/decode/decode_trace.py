@@ -127,4 +127,7 @@ class DecodeTrace:
                 "pdserve.output_tokens": out.num_output_tokens,
                 "pdserve.finish_reason": out.finish_reason.value if out.finish_reason else "",
             }
+            if out.spec_drafted:  # speculative decoding verified drafts for it
+                attrs["pdserve.spec.drafted_tokens"] = out.spec_drafted
+                attrs["pdserve.spec.accepted_tokens"] = out.spec_accepted
             chunk.phases.extend(self._tel.emit([stream], self._parent, attrs))

@@ -29,6 +29,7 @@ import ray
 
 from engine.config import EngineConfig
 from engine.precision import DType, KvCacheDType, WeightQuant
+from engine.speculation import SpecMode
 from kvtransfer.config import TransferConfig
 from services.cluster.local_cluster import ClusterConfig
 from services.common.config import config_with_args
@@ -187,6 +188,7 @@ class ClusterController:
                               dtype=c.dtype or DType.AUTO,
                               quantization=c.quantization or WeightQuant.NONE,
                               kv_cache_dtype=c.kv_cache_dtype or KvCacheDType.AUTO,
+                              speculative_decoding=c.speculative_decoding or SpecMode.OFF,
                               device="cuda" if pool.gpus > 0 else "cpu")  # fmt: skip
         transfer = TransferConfig(kv_backend=c.kv_backend)
         return ServiceSpec(name, "worker", (worker, engine, transfer, self.telemetry))

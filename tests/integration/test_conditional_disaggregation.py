@@ -2,7 +2,8 @@
 decision on at 512 uncached tokens): a short prompt is prefilled by the decode worker, a
 long one takes the prefill hop and its KV moves over NIXL, both streams equal one
 engine's greedy output, the gateway counts each choice by mode and reason, and nothing
-leaks."""
+leaks. The workers run speculative decoding (`on`): the decode worker verifies drafts
+through both paths and the streams are still the plain engine's, token for token."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ DECISIONS = "pdserve_disaggregation_decisions_total"
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = _cluster(num_prefill=1, num_decode=1, local_prefill_max_tokens=512)
+    c = _cluster(num_prefill=1, num_decode=1, local_prefill_max_tokens=512,
+                 speculative_decoding="on")  # fmt: skip
     yield c
     c.stop()
 
@@ -66,4 +68,8 @@ def test_short_prompts_prefill_locally_and_long_ones_take_the_hop(
     decisions = _decisions(cluster)
     assert decisions[f"{DECISIONS}{{mode=local,reason=short_prompt}}"] == 1
     assert decisions[f"{DECISIONS}{{mode=disaggregated,reason=long_prompt}}"] == 1
+    port = next(c.metrics_port for c in cluster.children if c.name == "decode-0")
+    assert port is not None
+    spec = scrape(port)
+    assert spec["pdserve_spec_tokens_total{kind=drafted}"] > 0  # it speculated
     assert_cluster_clean(probe)

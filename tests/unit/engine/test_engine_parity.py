@@ -1,4 +1,5 @@
-"""Greedy output equals HF transformers token for token, batched and one at a time."""
+"""Greedy output equals HF transformers token for token, batched and one at a time, and
+with speculative decoding on (every draft the n-gram finds verified, batched)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,18 @@ def test_batched_matches_transformers(
     for i, (g, r) in enumerate(zip(got, reference, strict=True)):
         assert g == _strip_eos(r), f"prompt {i} ({len(prompts[i])} tokens) diverged"
     assert_no_leaks(engine)
+
+
+def test_speculative_decoding_matches_transformers(
+    make_engine: EngineFactory, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    spec = make_engine(kv_cache_bytes=256 << 20, max_num_batched_tokens=512,
+                       speculative_decoding="on")  # fmt: skip
+    got = spec.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    for i, (g, r) in enumerate(zip(got, reference, strict=True)):
+        assert g == _strip_eos(r), f"prompt {i} ({len(prompts[i])} tokens) diverged"
+    assert spec.speculator.accepted_total > 0  # drafts were verified, and some kept
+    assert_no_leaks(spec)
 
 
 def test_one_at_a_time_matches_transformers(

@@ -18,7 +18,8 @@ from tests.unit.engine.scheduler_sim import Sim, assert_complete, make_req, make
 
 def _reserve(sim: Sim, rid: str, prompt: range, max_tokens: int) -> Request:
     req = make_req(rid, prompt, max_tokens)
-    sim.sched.reserve_import(req, token_for(req, 0))
+    req.output_token_ids.append(token_for(req, 0))  # the first token, as the engine does
+    sim.sched.reserve_import(req)
     sim.check_accounting()
     return req
 
@@ -120,8 +121,9 @@ def test_reserve_short_of_blocks_takes_nothing() -> None:
     sim.add(cached)
     sim.run()  # two free blocks cached; a 5-block prompt reuses them and needs 3 more
     req = make_req("imp", range(20), max_tokens=1)
+    req.output_token_ids.append(7)
     with pytest.raises(OutOfBlocksError):
-        sim.sched.reserve_import(req, 7)
+        sim.sched.reserve_import(req)
     assert req.block_ids == [] and "imp" not in sim.sched.requests
     assert sim.pool.stats().cached_free == 2
     sim.assert_no_leaks()
