@@ -118,13 +118,13 @@ class Scheduler:
         # Once a request of class c had to preempt itself, the pool is dry for class c:
         # only requests of a higher class (which may preempt lower ones) go on.
         floor = -1
-        for req in decodes:
+        for i, req in enumerate(decodes):
             if req.status is not RequestStatus.RUNNING or req.priority <= floor:
                 req.draft_token_ids = []
                 continue  # preempted for a request placed before it, or its class is dry
             if budget - batch.num_tokens <= 0:
-                for rest in decodes:
-                    rest.draft_token_ids = []
+                for unplaced in decodes[i:]:  # drafts only ride with a placed decode
+                    unplaced.draft_token_ids = []
                 return budget - batch.num_tokens
             if not self._place(batch, req, 1 + self._fit_drafts(req, budget - batch.num_tokens)):
                 floor = req.priority

@@ -244,3 +244,24 @@ def test_an_abort_mid_verification_frees_blocks_and_draft_state(
     while eng.has_unfinished():
         eng.step()
     assert_no_leaks(eng)
+
+
+def test_drafts_past_the_token_budget_wait_for_a_later_step(make_engine: EngineFactory) -> None:
+    """Three decodes of five tokens each (one plus four drafts, forced) do not fit an
+    8-token step: the decodes that do not fit run later, without their drafts, and the
+    output is unchanged."""
+    tight = make_engine(kv_cache_bytes=64 << 20, max_num_batched_tokens=8,
+                        speculative_decoding="on")  # fmt: skip
+    off = make_engine(kv_cache_bytes=64 << 20, max_num_batched_tokens=8)
+
+    def four_drafts(decodes: Sequence[Request]) -> None:
+        for req in decodes:
+            room = req.sampling.max_tokens - len(req.output_token_ids) - 1
+            req.draft_token_ids = [req.output_token_ids[-1]] * max(0, min(4, room))
+
+    tight.speculator.propose = four_drafts  # type: ignore[method-assign]
+    prompts = [[1, 17], [1, 42], [1, 99]]  # prefilled in one step: they decode together
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert tight.generate(prompts, params) == off.generate(prompts, params)
+    assert tight.speculator.drafted_total > 0
+    assert_no_leaks(tight)
