@@ -85,6 +85,17 @@ class BlockPool:
         )
 
     # -- mutations ---------------------------------------------------------------
+    def grow(self, block_ids: list[int], num_tokens: int, block_size: int) -> bool:
+        """Extend a block table (in place) to cover `num_tokens`; False, allocating
+        nothing, when the pool is short."""
+        need = -(-num_tokens // block_size) - len(block_ids)
+        if need <= 0:
+            return True
+        if need > self.num_free:
+            return False
+        block_ids.extend(self.allocate(need))
+        return True
+
     def allocate(self, n: int) -> list[int]:
         """Take `n` blocks with ref 1; raises OutOfBlocksError (and takes none) if short."""
         if n > self.num_free:

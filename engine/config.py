@@ -100,6 +100,17 @@ class EngineConfig:
         default=8,
         metadata={"help": "auto: no drafts in a step with more decodes than this"},
     )
+    spec_draft_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "speculative decoding's drafts from this model (HF-layout dir, or the "
+            "default model's name) instead of prompt lookup: a smaller model of the same "
+            "tokenizer, with its own KV pool"
+        },
+    )
+    spec_draft_kv_cache_bytes: int = field(
+        default=256 << 20, metadata={"help": "the draft model's KV pool budget in bytes"}
+    )
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 8:
@@ -131,6 +142,10 @@ class EngineConfig:
             _member(SpecMode, "speculative_decoding", self.speculative_decoding),
         )
         self.spec_config  # validates the speculation knobs  # noqa: B018
+        if self.spec_draft_kv_cache_bytes <= 0:
+            raise ValueError(
+                f"spec_draft_kv_cache_bytes must be > 0, got {self.spec_draft_kv_cache_bytes}"
+            )
         if self.linear_kernel not in KERNELS:
             raise ValueError(f"linear_kernel must be one of {KERNELS}, got {self.linear_kernel!r}")
 

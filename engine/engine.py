@@ -38,6 +38,7 @@ import torch
 from engine.attention import select_backend
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine.draft_model import DraftModel
 from engine.errors import InvalidRequestError
 from engine.fork import Forker, fork_id
 from engine.grammar import GrammarCompiler, MaskJob
@@ -59,7 +60,7 @@ from engine.sampler import new_generator, position_seed, sample
 from engine.sampling_params import MAX_FORKS, SamplingParams
 from engine.scheduled_batch import ScheduledBatch
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.speculation import Speculator, accepted
+from engine.speculation import SpecMode, Speculator, accepted
 from engine.stats import ClassCounts, EngineStats
 from engine.step_gate import StepGate
 from engine.step_meter import StepMeter, prefill_backlog
@@ -128,7 +129,7 @@ class LLMEngine:
             lambda spec: self.grammars().matcher(spec),
         )  # fmt: skip
         self._pending: list[RequestOutput] = []  # forks ended at an import's commit
-        self.speculator = Speculator(config.spec_config)
+        self.speculator = Speculator(config.spec_config, self._draft_model(config))
         self._last_stats = self._collect_stats()
         log.info(
             "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token), model %s",
@@ -139,6 +140,17 @@ class LLMEngine:
             self.layout.bytes_per_token,
             self.model_dir,
         )
+
+    def _draft_model(self, config: EngineConfig) -> DraftModel | None:
+        """The draft model speculation asks, when one is named and speculation is on."""
+        if config.spec_draft_model is None or config.speculative_decoding is SpecMode.OFF:
+            return None
+        cache = config.model_cache_dir.expanduser()
+        return DraftModel(
+            resolve_model_dir(config.spec_draft_model, cache, progress=False),
+            self.tokenizer, dtype=config.torch_dtype, device=config.torch_device,
+            block_size=config.block_size, kv_cache_bytes=config.spec_draft_kv_cache_bytes,
+        )  # fmt: skip
 
     @property
     def kv_blocks(self) -> torch.Tensor:

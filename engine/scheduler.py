@@ -221,13 +221,7 @@ class Scheduler:
     # -- blocks ------------------------------------------------------------------
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Make the block table cover `num_tokens`; False (allocating nothing) if short."""
-        need = -(-num_tokens // self.config.block_size) - len(req.block_ids)
-        if need <= 0:
-            return True
-        if need > self.pool.num_free:
-            return False
-        req.block_ids.extend(self.pool.allocate(need))
-        return True
+        return self.pool.grow(req.block_ids, num_tokens, self.config.block_size)
 
     def _claim_prefix(self, req: Request) -> list[int]:
         """Reuse cached blocks for the longest cached prefix (always computing >= 1 token)."""

@@ -29,7 +29,9 @@ Drafts come from the request's own tokens (prompt lookup, `NgramIndex`): the lon
 recent n-gram that ended the sequence is looked up where it last occurred before, and
 the tokens that followed it there are the draft. It costs a dictionary lookup per step,
 needs no second model, and wins where output repeats the prompt: summaries, edits,
-extraction, code, retrieval-augmented answers.
+extraction, code, retrieval-augmented answers. Or, with `--spec-draft-model`, from a
+smaller model of the same tokenizer (`draft_model.py`, a `DraftSource`): its greedy
+continuation, from its own paged KV pool.
 
 Requests that do not speculate: n > 1, structured output (a grammar's state would have
 to be rolled back over rejected drafts), log-probabilities asked (per-position scoring is
@@ -41,6 +43,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.request import Request
 
@@ -122,6 +125,14 @@ class SpecState:
     seen: int = field(default=0)  # tokens of prompt + output indexed so far
 
 
+class DraftSource(Protocol):
+    """Where drafts come from when not from prompt lookup: a draft model."""
+
+    def propose(self, reqs: Sequence[Request], lengths: Sequence[int]) -> list[list[int]]: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+
 def eligible(req: Request) -> bool:
     """Whether `req` may speculate at all (the module docstring says why not)."""
     p = req.sampling
@@ -154,8 +165,9 @@ class Speculator:
 
     EWMA = 0.3  # weight of the newest verification in `SpecState.recent`
 
-    def __init__(self, config: SpecConfig) -> None:
+    def __init__(self, config: SpecConfig, draft: DraftSource | None = None) -> None:
         self.config = config
+        self.draft = draft  # a draft model (`draft_model.py`); None: prompt lookup
         self.states: dict[str, SpecState] = {}
         self.drafted_total = 0  # draft tokens verified
         self.accepted_total = 0  # of those, kept
@@ -171,6 +183,7 @@ class Speculator:
         cfg = self.config
         if cfg.mode is SpecMode.AUTO and len(decodes) > cfg.max_batch:
             return
+        asked: list[tuple[Request, int]] = []
         for req in decodes:
             if not eligible(req):
                 continue
@@ -181,7 +194,14 @@ class Speculator:
             room = req.sampling.max_tokens - len(req.output_token_ids) - 1
             k = min(state.draft_len, room)
             if k > 0:
-                req.draft_token_ids = state.index.draft(k)
+                asked.append((req, k))
+        if self.draft is not None:
+            drafts = self.draft.propose([r for r, _ in asked], [k for _, k in asked])
+            for (req, _), tokens in zip(asked, drafts, strict=True):
+                req.draft_token_ids = tokens
+            return
+        for req, k in asked:
+            req.draft_token_ids = self.states[req.request_id].index.draft(k)
 
     def _state(self, req: Request) -> SpecState:
         state = self.states.get(req.request_id)
@@ -215,5 +235,7 @@ class Speculator:
             state.draft_len = 1
 
     def forget(self, request_id: str) -> None:
-        """A request ended: drop its state."""
+        """A request ended: drop its state (and its draft model's shadow)."""
         self.states.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.forget(request_id)

@@ -52,6 +52,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    def same_vocabulary(self, other: Tokenizer) -> bool:
+        """Whether `other` maps every token string to the same id (a draft model must)."""
+        return bool(self._tok.get_vocab(with_added_tokens=True) == other._tok.get_vocab(
+            with_added_tokens=True))  # fmt: skip
+
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
         bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None

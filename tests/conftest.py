@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.config import DEFAULT_MODEL_CACHE, EngineConfig
+from engine.draft_model import DraftModel
 from engine.engine import LLMEngine
 from engine.model_store import prepare_default_model
 
@@ -71,3 +72,6 @@ def assert_no_leaks(engine: LLMEngine) -> None:
     assert not engine.requests
     assert not engine.has_unfinished()
     assert not engine.speculator.states  # no ended request's draft state left
+    draft = engine.speculator.draft
+    if isinstance(draft, DraftModel):  # nor a draft model's shadow or block
+        assert not draft.shadows and draft.pool.stats().used == 0
