@@ -1,5 +1,5 @@
-"""Greedy output equals HF transformers token for token, batched and one at a time, and
-with speculative decoding on (every draft the n-gram finds verified, batched)."""
+"""Greedy output equals HF transformers token for token, batched and one at a time, also
+with speculative decoding on (every draft the n-gram finds verified)."""
 
 from __future__ import annotations
 
@@ -71,16 +71,26 @@ def test_batched_matches_transformers(
     assert_no_leaks(engine)
 
 
-def test_speculative_decoding_matches_transformers(
-    make_engine: EngineFactory, prompts: list[list[int]], reference: list[list[int]]
-) -> None:
-    spec = make_engine(kv_cache_bytes=256 << 20, max_num_batched_tokens=512,
+@pytest.fixture(scope="module")
+def speculating(make_engine: EngineFactory) -> LLMEngine:
+    return make_engine(kv_cache_bytes=256 << 20, max_num_batched_tokens=512,
                        speculative_decoding="on")  # fmt: skip
-    got = spec.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "alone"])
+def test_speculative_decoding_matches_transformers(
+    speculating: LLMEngine, prompts: list[list[int]], reference: list[list[int]], batched: bool
+) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    before = speculating.speculator.accepted_total
+    if batched:
+        got = speculating.generate(prompts, params)
+    else:
+        got = [speculating.generate([p], params)[0] for p in prompts]
     for i, (g, r) in enumerate(zip(got, reference, strict=True)):
         assert g == _strip_eos(r), f"prompt {i} ({len(prompts[i])} tokens) diverged"
-    assert spec.speculator.accepted_total > 0  # drafts were verified, and some kept
-    assert_no_leaks(spec)
+    assert speculating.speculator.accepted_total > before  # drafts verified, some kept
+    assert_no_leaks(speculating)
 
 
 def test_one_at_a_time_matches_transformers(
