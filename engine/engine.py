@@ -56,7 +56,7 @@ from engine.precision import kv_storage_dtype
 from engine.prefix_hash import hash_seed
 from engine.priority import Priority
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
-from engine.sampler import new_generator, position_seed, sample
+from engine.sampler import new_generator, sample
 from engine.sampling_params import MAX_FORKS, SamplingParams
 from engine.scheduled_batch import ScheduledBatch
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -445,7 +445,7 @@ class LLMEngine:
             for j in range(len(drafts) + 1):
                 output = req.output_token_ids + drafts[:j]
                 rows.append(RowContext(req.sampling, req.prompt_token_ids, output))
-                generators.append(self._draw_generator_at(req, len(output)))
+                generators.append(req.draw_generator_at(len(output)))
         samples = sample(
             logits, [r.params for r in rows], generators, contexts=rows, eos_ids=self._eos_ids
         )
@@ -459,15 +459,6 @@ class LLMEngine:
             req.spec_accepted += len(tokens) - 1
             outputs.append(self._keep(req, tokens))
         return outputs
-
-    @staticmethod
-    def _draw_generator_at(req: Request, position: int) -> torch.Generator | None:
-        """The generator of `req`'s draw at output `position`: a seeded request's own,
-        keyed on the position as `Request.draw_generator` keys it; an unseeded one's
-        shared generator, which just runs on."""
-        if req.generator is None or req.sampling.seed is None:
-            return req.generator
-        return new_generator(position_seed(req.sampling.seed, position))
 
     def _keep(self, req: Request, tokens: list[int]) -> RequestOutput:
         """Append a verification's tokens, each stop-checked in turn (one that ends the

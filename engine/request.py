@@ -38,7 +38,7 @@ from engine.errors import DeadlineExceededError
 from engine.grammar import Grammar
 from engine.logprobs import TokenLogprobs
 from engine.priority import Priority
-from engine.sampler import position_seed
+from engine.sampler import new_generator, position_seed
 from engine.sampling_params import SamplingParams
 
 
@@ -161,6 +161,14 @@ class Request:
             position = len(self.output_token_ids)
             self.generator.manual_seed(position_seed(self.sampling.seed, position))
         return self.generator
+
+    def draw_generator_at(self, position: int) -> torch.Generator | None:
+        """A generator for the draw at output `position` (speculative decoding samples
+        several positions in one step): a seeded request's is a new one keyed as
+        `draw_generator` keys it; an unseeded one's shared generator just runs on."""
+        if self.generator is None or self.sampling.seed is None:
+            return self.generator
+        return new_generator(position_seed(self.sampling.seed, position))
 
     def token_at(self, index: int) -> int:
         """The token at sequence position `index`: prompt, output, then this step's drafts."""

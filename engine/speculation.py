@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from engine.request import Request
@@ -113,16 +113,15 @@ class NgramIndex:
 
 @dataclass
 class SpecState:
-    """One request's drafting state: its index over prompt + output, its draft length
-    and acceptance, and (auto) how many steps it still sits out."""
+    """One request's drafting state: its index over prompt + output (kept up to date
+    only when drafts come from prompt lookup), its draft length and acceptance, and
+    (auto) how many steps it still sits out. Its counts of drafted and kept tokens are
+    the request's own (`Request.spec_drafted`, `spec_accepted`)."""
 
     index: NgramIndex
     draft_len: int
-    drafted: int = 0
-    accepted: int = 0
     recent: float = 1.0  # acceptance rate, exponentially weighted over its verifications
     paused: int = 0
-    seen: int = field(default=0)  # tokens of prompt + output indexed so far
 
 
 class DraftSource(Protocol):
@@ -209,9 +208,8 @@ class Speculator:
             index = NgramIndex(self.config.min_ngram, self.config.max_ngram)
             state = SpecState(index=index, draft_len=self.config.max_draft)
             self.states[req.request_id] = state
-        tokens = req.all_token_ids
-        state.index.extend(tokens[state.seen :])
-        state.seen = len(tokens)
+        if self.draft is None:  # a draft model needs no index
+            state.index.extend(req.all_token_ids[len(state.index.tokens) :])
         return state
 
     def record(self, req: Request, drafted: int, kept: int) -> None:
@@ -222,8 +220,6 @@ class Speculator:
         state = self.states.get(req.request_id)
         if state is None or self.config.mode is not SpecMode.AUTO:
             return
-        state.drafted += drafted
-        state.accepted += kept
         state.recent += self.EWMA * (kept / drafted - state.recent)
         if kept == drafted:
             state.draft_len = min(state.draft_len + 1, self.config.max_draft)
