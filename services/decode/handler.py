@@ -15,7 +15,10 @@ and as timings on the first and last chunks.
 An import that finds the KV pool full waits for room (`ImportRoom`: woken when a stream
 here finishes, bounded by the request's deadline and the KV lease), trying again each
 time, and then fails with DecodeFullError (RESOURCE_EXHAUSTED) so that the gateway can
-place the decode side elsewhere. The kv.transfer phase includes that wait. A start that
+place the decode side elsewhere. The kv.transfer phase includes that wait. An exporter
+that cannot be reached (it died or restarted) fails the import with NOT_FOUND, as a lease
+that ended does: this worker is fine, the KV is what is lost, and the gateway has this
+worker compute it instead of marking it down. A start that
 failed leaves nothing in the engine, so its stream's end sends no abort: the gateway may
 retry the same request id here at once, and a late abort would hit the retry.
 """
@@ -31,7 +34,7 @@ import grpc
 from engine.priority import Priority
 from engine.request import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
-from kvtransfer.errors import NoBlocksError
+from kvtransfer.errors import LeaseExpiredError, NoBlocksError, PeerUnavailableError
 from kvtransfer.importer import ImportResult, KvImporter
 from pdserve.v1 import worker_pb2
 from services.common import priority_proto, sampling
@@ -153,6 +156,10 @@ class DecodeHandler:
             ticket = self.room.ticket()  # before the try: a stream finishing during it counts
             try:
                 return await self._import(request, prompt, params, span, priority, deadline, resume)
+            except PeerUnavailableError as exc:
+                # The exporter is gone, not this worker: the KV is lost (NOT_FOUND), so
+                # the gateway has this worker compute it rather than count it down.
+                raise LeaseExpiredError(f"the KV's exporter cannot be reached: {exc}") from exc
             except NoBlocksError as exc:
                 if not await self.room.wait(ticket, until):
                     waited = time.monotonic() - start

@@ -73,7 +73,7 @@ class GatewayConfig:
         metadata={
             "help": "times one stream may move to another decode worker after tokens went "
             "out and its worker died or missed token_timeout_s (0 = never: the stream ends "
-            "with the worker's status)"
+            "with the worker's status, and KV lost at the hand-off is not prefilled again)"
         },
     )
 

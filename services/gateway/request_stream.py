@@ -15,7 +15,9 @@ charge). It moves the record through its states:
    RESOURCE_EXHAUSTED, or unreachable: UNAVAILABLE) is swapped for another, or tried
    again after a backoff when all were full, within that first-token deadline and the
    KV lease (`DecodeRetry`); the prefill worker's lease is still good, so the new
-   decode worker pulls from the same handle;
+   decode worker pulls from the same handle; an import that finds the KV gone
+   (NOT_FOUND: the lease ended, or its exporter cannot be reached) has the same decode
+   worker compute it instead, once per request (`_reprefill`, not a move);
 4. migration: when the decode worker dies or stalls (no token within its deadline)
    after tokens went out, the decode side is placed again, excluding it, and the new
    worker gets the prompt and every token streamed so far (`resume_token_ids`): it
@@ -264,9 +266,16 @@ class RequestStream:
                     self.config.first_token_timeout_s, handle, time.monotonic(), time.time()
                 )
 
-    def _why_not_migrate(self) -> MigrationOutcome | None:
-        """Why a lost stream may not move, or None if it may."""
-        if len(self.lost) + self.reprefills >= self.config.max_migrations:
+    def _why_not_migrate(self, *, reprefill: bool = False) -> MigrationOutcome | None:
+        """Why a lost stream may not move (or, `reprefill`, have its lost KV computed
+        again on the same decode worker), or None if it may."""
+        if self.config.max_migrations == 0:
+            return MigrationOutcome.LIMIT
+        # A re-prefill does not move the stream, so it does not use up a move: a stream
+        # whose hand-off lost the KV on a loaded host still survives its worker's death.
+        # It happens at most once: after it, the stream has tokens to resume, and a lost
+        # import is a moved stream's, recomputed within its move.
+        if not reprefill and len(self.lost) >= self.config.max_migrations:
             return MigrationOutcome.LIMIT
         if self.req.params.n > 1:
             return MigrationOutcome.FORKS  # each fork would resume on its own: not done
@@ -280,20 +289,28 @@ class RequestStream:
             "pdserve.migration.resumed_tokens": len(self.output),
         }  # fmt: skip
 
-    def _may_move(self, start: float, attrs: dict[str, str | int], lost: StreamError) -> None:
-        """Raises `lost` (the refusal traced and counted) when the stream may not move."""
-        refusal = self._why_not_migrate()
+    def _may_move(
+        self, start: float, attrs: dict[str, str | int], lost: StreamError, *, reprefill: bool
+    ) -> None:
+        """Raises `lost` (the refusal traced, counted and logged) when the stream may not
+        move, or not prefill again (`reprefill`)."""
+        refusal = self._why_not_migrate(reprefill=reprefill)
         if refusal is not None:
             self.tel.migrated(start, attrs, refusal)
+            log.warning(
+                "request %s: %s; the stream may not %s (%s): it ends with that status",
+                self.req.request_id, lost, "prefill again" if reprefill else "move",
+                refusal.value,
+            )  # fmt: skip
             raise lost
 
     def _reprefill(self, decision: RouteDecision, lost: KvLost) -> None:
         """The prefilled KV is gone: the same decode worker computes it again, resuming
-        after the tokens already sent (one of the request's `max_migrations` moves);
-        raises `lost` when the stream may not."""
+        after the tokens already sent (once at most, apart from the request's
+        `max_migrations` moves; 0 turns both off); raises `lost` when it may not."""
         start, attrs = time.monotonic(), self._move_attrs(decision.decode.worker_id, lost)
         attrs["pdserve.migration.to"] = decision.decode.worker_id
-        self._may_move(start, attrs, lost)
+        self._may_move(start, attrs, lost, reprefill=True)
         self.reprefills += 1
         self.tel.migrated(start, attrs, MigrationOutcome.REPREFILL)
         log.warning(
@@ -312,7 +329,7 @@ class RequestStream:
         start, attrs = time.monotonic(), self._move_attrs(worker, lost)
         if lost.code == grpc.StatusCode.UNAVAILABLE:
             self.record.report_down(worker)  # dead, not slow: every gateway skips it now
-        self._may_move(start, attrs, lost)
+        self._may_move(start, attrs, lost, reprefill=False)
         self.lost.append(worker)
         self.record.decode_lost()
         try:

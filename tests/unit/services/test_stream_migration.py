@@ -128,3 +128,26 @@ def test_a_moved_stream_without_the_prompts_kv_recomputes_it_in_the_same_move(
         await assert_nothing_held(gw, record)
 
     asyncio.run(scenario())
+
+
+def test_a_stream_whose_kv_was_prefilled_again_may_still_move(
+    client: redis.Redis, namespace: str, model_dir: Path
+) -> None:
+    """The hand-off lost the KV (the same decode worker prefilled it again, resuming after
+    token 1) and later that worker died: the re-prefill did not use up the one move, so
+    the stream moves and finishes."""
+
+    async def scenario() -> None:
+        gw = build_gateway(client, namespace, model_dir, decode_workers=2, max_migrations=1)
+        gw.cluster.lost_imports = {0}
+        gw.cluster.decode_deaths = [None, 2]  # the re-prefilled call dies after 2 tokens
+        reader, task, record = await start_request(gw)
+        await task
+        imported, again, moved = gw.cluster.decodes
+        assert again.address == imported.address and not again.request.HasField("kv_handle")
+        assert moved.address != again.address
+        assert list(moved.request.resume_token_ids) == ALL_TOKENS[:3]
+        assert [t for m in reader.received for t in m.token_ids] == ALL_TOKENS
+        await assert_nothing_held(gw, record)
+
+    asyncio.run(scenario())
