@@ -1,7 +1,9 @@
 """The shape of a Llama-family model, read once from an HF `config.json`.
 
 Lifecycle: `ModelSpec.from_dir(path)` at engine start; the spec then sizes the model's
-tensors, the KV pool and the layout fingerprint that peers compare before moving KV.
+tensors, the KV pool and the layout fingerprint that peers compare before moving KV. Its
+`fingerprint` is the directory's whole identity (`engine.model_identity`: config, weight
+bytes, tokenizer, chat template).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import xxhash
 
 from engine.errors import InvalidRequestError, ModelNotFoundError
+from engine.model_identity import ModelIdentity
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -49,6 +52,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     rope_scaling: RopeScaling | None
     fingerprint: str
+    identity: ModelIdentity | None = None  # the parts `fingerprint` folds (from_dir sets it)
 
     def with_weights(self, quantization: str) -> ModelSpec:
         """This spec for weights stored as `quantization` ("none" keeps it as it is): the
@@ -60,12 +64,16 @@ class ModelSpec:
         return dataclasses.replace(self, fingerprint=tagged)
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> ModelSpec:
+    def from_dir(cls, model_dir: Path, *, progress: bool = True) -> ModelSpec:
+        """The spec of an HF-layout directory, its fingerprint the directory's whole
+        `ModelIdentity` (the weights hashed once and cached; `progress` shows a bar for a
+        large first hash)."""
         path = model_dir / "config.json"
         if not path.is_file():
             raise ModelNotFoundError(f"{path} not found: --model must be an HF-layout directory")
-        raw = path.read_text()
-        return cls.from_config(json.loads(raw), _fingerprint(model_dir, raw))
+        identity = ModelIdentity.of_dir(model_dir, progress=progress)
+        spec = cls.from_config(json.loads(path.read_text()), identity.fingerprint)
+        return dataclasses.replace(spec, identity=identity)
 
     @classmethod
     def from_config(cls, cfg: dict[str, object], fingerprint: str) -> ModelSpec:
@@ -140,18 +148,3 @@ def _rope_scaling(cfg: dict[str, object]) -> RopeScaling | None:
         high_freq_factor=float(params["high_freq_factor"]),  # type: ignore[arg-type]
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),  # type: ignore[call-overload]
     )
-
-
-def _fingerprint(model_dir: Path, config_text: str) -> str:
-    """Identity of the weights: config plus every safetensors header (names, shapes, offsets).
-
-    Reading only headers keeps this cheap; two directories with the same fingerprint hold
-    KV-compatible models.
-    """
-    h = xxhash.xxh3_64(config_text.encode())
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with path.open("rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            h.update(f.read(min(header_len, 100_000_000)))
-        h.update(str(path.stat().st_size).encode())
-    return h.hexdigest()

@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -19,12 +20,30 @@ from tokenizers import Tokenizer as HfTokenizer
 from engine.errors import InvalidRequestError, ModelNotFoundError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
     content: str
+
+
+def read_tokenizer_config(model_dir: Path) -> dict[str, Any]:
+    """`tokenizer_config.json` of `model_dir` ({} without one)."""
+    path = model_dir / "tokenizer_config.json"
+    return dict(json.loads(path.read_text(encoding="utf-8"))) if path.is_file() else {}
+
+
+def read_chat_template(model_dir: Path) -> str | None:
+    """The chat template: `chat_template.jinja` where there is one (newer transformers
+    save it there, and it wins over the config's, as when transformers loads it), else
+    `tokenizer_config.json`'s `chat_template`; None without either."""
+    path = model_dir / CHAT_TEMPLATE_FILE
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    template = read_tokenizer_config(model_dir).get("chat_template")
+    return template if isinstance(template, str) else None
 
 
 class Tokenizer:
@@ -35,13 +54,12 @@ class Tokenizer:
         if not path.is_file():
             raise ModelNotFoundError(f"{path} not found")
         self._tok = HfTokenizer.from_file(str(path))
-        cfg_path = model_dir / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        cfg = read_tokenizer_config(model_dir)
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.add_bos = bool(cfg.get("add_bos_token", False))
-        self.chat_template: str | None = cfg.get("chat_template")
+        self.chat_template = read_chat_template(model_dir)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
         self._template = env.from_string(self.chat_template) if self.chat_template else None

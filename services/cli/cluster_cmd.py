@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from services.cli import ray_cmd
 from services.cli.completion import stream_completion
+from services.cli.rollout_cmd import describe_rollout
 from services.cluster.local_cluster import ClusterConfig, LocalCluster
 from services.common.config import add_config_args, config_from_args
 from services.common.telemetry_config import TelemetryConfig
@@ -118,6 +119,8 @@ def _status(args: argparse.Namespace) -> int:
                 f"{w.worker_id:<14}{w.role:<10}{w.address:<22}{used:>18}{w.held_blocks:>6}"
                 f"{w.running:>5}{w.waiting:>5}{w.active_leases:>7}{hit:>6.1f}{tier:>12}"
             )
+        for rollout in status.rollouts:
+            print(describe_rollout(rollout))
         return 0
 
     return asyncio.run(fetch())

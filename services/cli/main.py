@@ -12,7 +12,7 @@ import logging
 import sys
 
 from engine.errors import EngineError
-from services.cli import cluster_cmd, model_cmd, ray_cmd, run_cmd, serve_cmd
+from services.cli import cluster_cmd, model_cmd, ray_cmd, rollout_cmd, run_cmd, serve_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.register(sub)
     cluster_cmd.register(sub)
     ray_cmd.register(sub)
+    rollout_cmd.register(sub)
     return parser
 
 

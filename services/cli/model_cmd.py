@@ -48,4 +48,7 @@ def _info(args: argparse.Namespace) -> int:
         "fingerprint",
     ):
         print(f"{name}: {getattr(spec, name)}")
+    if spec.identity is not None:  # what the fingerprint folds, for telling copies apart
+        for part, digest in spec.identity.to_json().items():
+            print(f"identity.{part}: {digest}")
     return 0

@@ -29,6 +29,7 @@ from engine.config import DEFAULT_MODEL_CACHE
 from engine.precision import DType, KvCacheDType, WeightQuant
 from engine.speculation import SpecMode
 from services.common.config import config_args
+from services.common.model_config import extra_model_dirs
 from services.common.telemetry_config import TelemetryConfig, telemetry_args
 from services.common.tls import TlsConfig
 from services.router.embedded_redis import EmbeddedRedis
@@ -128,6 +129,20 @@ class ClusterConfig:
         default=1,
         metadata={"help": "gateway replicas sharing the workers and Redis (extras: any port)"},
     )
+    served_model_name: str = field(
+        default="",
+        metadata={
+            "help": "the name of --model for clients (`model`), given to the gateway and its "
+            "workers alike (empty: unnamed, in the base pool)"
+        },
+    )
+    extra_models: str = field(
+        default="",
+        metadata={
+            "help": "more models to serve, comma-separated NAME=MODEL_DIR: one mixed worker "
+            "each (placement redis), which clients reach with `model: NAME`"
+        },
+    )
     # One shell-quoted string (a flag and an env var are one string): any gateway flag
     # without a ClusterConfig field of its own, e.g. the admission knobs a benchmark sets.
     gateway_args: str = field(
@@ -151,6 +166,9 @@ class ClusterConfig:
             shlex.split(self.gateway_args)
         except ValueError as exc:
             raise ValueError(f"gateway_args: {exc}") from None
+        extra_model_dirs(self.extra_models)  # parses and checks the list
+        if self.extra_models and self.placement != "redis":
+            raise ValueError("extra_models needs placement redis: each model has its own pool")
         for name in _GATEWAY_PASSTHROUGH + _WORKER_PASSTHROUGH:
             value = getattr(self, name)
             if not isinstance(value, int | float):
@@ -166,11 +184,12 @@ class ClusterConfig:
 _GATEWAY_PASSTHROUGH = (
     "prefill_timeout_s", "first_token_timeout_s", "token_timeout_s", "heartbeat_ttl_s",
     "load_ttl_s", "api_keys_file", "tokens_per_minute", "local_prefill_max_tokens",
+    "extra_models", "served_model_name",
 )  # fmt: skip
 _ZERO_ALLOWED = ("local_prefill_max_tokens",)  # 0 means something: the hop for every prompt
 _WORKER_PASSTHROUGH = (
     "heartbeat_ttl_s", "kv_lease_ttl_s", "dtype", "quantization", "kv_cache_dtype",
-    "speculative_decoding",
+    "speculative_decoding", "served_model_name",
 )  # fmt: skip
 
 
@@ -286,12 +305,24 @@ class LocalCluster:
                 *self._pin_args(role, index), *self._common(), *self._redis_args(),
                 *self._passthrough(_WORKER_PASSTHROUGH)]  # fmt: skip
 
+    def _extra_model_args(self, name: str, model_dir: str) -> list[str]:
+        """The one mixed worker of an extra model: it registers in that model's pool (its
+        name comes last: a repeated flag's last value wins over the primary's name)."""
+        return ["worker", "--role", "mixed", "--worker-id", f"{name}-0",
+                "--model", model_dir, "--model-cache-dir", str(self.cfg.model_cache_dir),
+                "--num-threads", str(self.cfg.worker_threads),
+                "--kv-cache-bytes", str(self.cfg.worker_kv_cache_bytes),
+                "--kv-backend", self.cfg.kv_backend, *self._redis_args(),
+                *self._passthrough(_WORKER_PASSTHROUGH),
+                "--served-model-name", name]  # fmt: skip
+
     def _passthrough(self, names: tuple[str, ...]) -> list[str]:
-        """`--flag value` for each of `names` that is set (None keeps the child's default)."""
+        """`--flag value` for each of `names` that is set (None or "" keeps the child's
+        default)."""
         args: list[str] = []
         for name in names:
             value = getattr(self.cfg, name)
-            if value is not None:
+            if value is not None and value != "":
                 args += ["--" + name.replace("_", "-"), str(value)]
         return args
 
@@ -350,8 +381,12 @@ class LocalCluster:
                 self._launch(f"{decode_role}-{i}", self._worker_args(decode_role, i))
                 for i in range(self.cfg.num_decode)
             ]
+            extra = [
+                self._launch(f"{name}-0", self._extra_model_args(name, path))
+                for name, path in extra_model_dirs(self.cfg.extra_models).items()
+            ]
             deadline = time.monotonic() + self.cfg.startup_timeout_s
-            for child in prefill + decode:
+            for child in prefill + decode + extra:
                 child.address = self._await_ready(child, deadline)
             gateways = [
                 self._launch(gateway_name(i), self._gateway_args(prefill, decode, i))
@@ -386,6 +421,16 @@ class LocalCluster:
                 child.http_address = str(ready.get("http") or "")
                 child.metrics_port = ready.get("metrics_port")
                 return str(ready["ready"])
+
+    def add_worker(self, name: str, *extra_args: str) -> Child:
+        """Start one more mixed worker, `name` its id too, with the cluster's model, Redis
+        and worker flags plus `extra_args` (a repeated flag's last value wins, so
+        `--served-model-name m --model-version v2` puts it in that version's pool), and
+        wait until it is ready. `stop()` stops it with the rest."""
+        args = [*self._worker_args("mixed", 0), "--worker-id", name, *extra_args]
+        child = self._launch(name, args)
+        child.address = self._await_ready(child, time.monotonic() + self.cfg.startup_timeout_s)
+        return child
 
     def relaunch(self, name: str, *extra_args: str) -> Child:
         """Start an exited child (killed by a fault test, say) again with its original

@@ -114,6 +114,19 @@ class GatewayMetrics:
             ["source"],
             registry=registry,
         )
+        self.version_requests = Counter(
+            "pdserve_model_version_requests",
+            "Requests of a named model that reached a version, by model, version and "
+            "outcome (ok or error): a rollout's split as it happened",
+            ["model", "version", "outcome"],
+            registry=registry,
+        )
+        self.rollbacks = Counter(
+            "pdserve_rollout_rollbacks",
+            "Canary versions this gateway rolled back automatically, by model",
+            ["model"],
+            registry=registry,
+        )
         self.disaggregation = Counter(
             "pdserve_disaggregation_decisions",
             "Where each request's prompt was prefilled (disaggregated: a prefill worker; "

@@ -118,6 +118,22 @@ class NoWorkerError(ServiceError):
     """No eligible worker is left for this request (UNAVAILABLE, HTTP 503)."""
 
 
+class ModelMismatchError(NoWorkerError):
+    """The workers' model differs from the gateway's copy in a part the gateway uses (its
+    tokenizer, chat template or config): it could only send them wrong tokens
+    (UNAVAILABLE, HTTP 503: an operator's fix, and another gateway may be right)."""
+
+
+class RolloutConflict(ServiceError):
+    """A rollout is not in the phase a change needs: one runs already, or none does
+    (FAILED_PRECONDITION)."""
+
+
+class NoRolloutsError(ServiceError):
+    """The model cannot have a rollout: it is unnamed, or there is no Redis
+    (FAILED_PRECONDITION)."""
+
+
 class DecodeFullError(ServiceError):
     """A decode worker's KV pool had no room for a request's imported KV within the wait
     it allows (RESOURCE_EXHAUSTED): nothing is held there, and the prefill worker still
@@ -166,6 +182,8 @@ STATUS: Final[Mapping[type[BaseException], grpc.StatusCode]] = MappingProxyType(
         NoWorkerError: Code.UNAVAILABLE,
         DecodeFullError: Code.RESOURCE_EXHAUSTED,
         IncompatibleWorkerError: Code.FAILED_PRECONDITION,
+        RolloutConflict: Code.FAILED_PRECONDITION,
+        NoRolloutsError: Code.FAILED_PRECONDITION,
     }
 )
 

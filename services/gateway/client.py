@@ -99,6 +99,13 @@ class GatewayClient:
         )
         return response
 
+    async def rollout(self, request: gateway_pb2.RolloutRequest) -> gateway_pb2.RolloutStatus:
+        """Start, promote, abort or read a model's rollout (an admin key's call)."""
+        response: gateway_pb2.RolloutStatus = await self.stub.Rollout(
+            request, metadata=self.metadata
+        )
+        return response
+
     async def cluster_status(self) -> gateway_pb2.ClusterStatusResponse:
         response: gateway_pb2.ClusterStatusResponse = await self.stub.ClusterStatus(
             gateway_pb2.ClusterStatusRequest(), metadata=self.metadata

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.priority import Priority
+from services.common.model_config import check_model_name, extra_model_dirs
+from services.gateway.rollout_follower import RollbackPolicy
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,47 @@ class GatewayConfig:
         default="static",
         metadata={
             "help": "static (the worker lists) or redis (the router's registry, --redis-url)"
+        },
+    )
+    served_model_name: str = field(
+        default="",
+        metadata={
+            "help": "the name clients send as `model` for --model (empty: its path, or the "
+            "default model's name); when set, its workers register with the same "
+            "--served-model-name, in the pool namespace <namespace>/<name>"
+        },
+    )
+    extra_models: str = field(
+        default="",
+        metadata={
+            "help": "more models this gateway serves, comma-separated NAME=MODEL_DIR (with "
+            "placement redis): requests naming NAME get its tokenizer and limits and go to "
+            "the workers started with --served-model-name NAME"
+        },
+    )
+    rollout_refresh_s: float = field(
+        default=1.0,
+        metadata={"help": "how often the gateway re-reads its named models' rollouts in Redis"},
+    )
+    rollout_window_s: float = field(
+        default=60.0,
+        metadata={"help": "a canary is judged on the requests of the last this many seconds"},
+    )
+    rollout_min_requests: int = field(
+        default=20, metadata={"help": "canary requests in the window before it is judged"}
+    )
+    rollout_error_margin: float = field(
+        default=0.05,
+        metadata={
+            "help": "roll a canary back when its error rate passes the stable version's by "
+            "more than this (0.05: five points)"
+        },
+    )
+    rollout_latency_margin: float = field(
+        default=0.5,
+        metadata={
+            "help": "roll a canary back when its TTFT or ITL p90 passes the stable "
+            "version's by more than this share (0.5: 50% slower)"
         },
     )
     prefill_retries: int = field(
@@ -160,6 +203,12 @@ class GatewayConfig:
                      "ttft_budget_sheddable_s", "fair_share_half_life_s"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.rollout_refresh_s <= 0 or self.rollout_window_s <= 0:
+            raise ValueError("rollout_refresh_s and rollout_window_s must be > 0")
+        if self.rollout_min_requests < 1:
+            raise ValueError(f"rollout_min_requests must be >= 1, got {self.rollout_min_requests}")
+        if self.rollout_error_margin < 0 or self.rollout_latency_margin < 0:
+            raise ValueError("rollout_error_margin and rollout_latency_margin must be >= 0")
         if self.local_prefill_max_tokens < 0 or self.local_prefill_busy_s < 0:
             raise ValueError("local_prefill_max_tokens and local_prefill_busy_s must be >= 0")
         if self.max_migrations < 0:
@@ -168,8 +217,26 @@ class GatewayConfig:
             raise ValueError(f"waiting_room_size must be >= 0, got {self.waiting_room_size}")
         if self.placement not in ("static", "redis"):
             raise ValueError(f"placement must be static or redis, got {self.placement!r}")
+        check_model_name(self.served_model_name, "served_model_name")
+        extra = self.extra_model_dirs  # parses and checks the list
+        if extra and self.placement != "redis":
+            raise ValueError("extra_models needs placement redis: each model has its own pool")
+        if self.served_model_name in extra:
+            raise ValueError(f"extra_models: {self.served_model_name!r} names --model already")
         if self.placement == "static" and not self.decode_workers:
             raise ValueError("decode_workers: static placement needs at least one worker address")
+
+    @property
+    def rollback_policy(self) -> RollbackPolicy:
+        return RollbackPolicy(
+            self.rollout_window_s, self.rollout_min_requests, self.rollout_error_margin,
+            self.rollout_latency_margin,
+        )  # fmt: skip
+
+    @property
+    def extra_model_dirs(self) -> dict[str, str]:
+        """`extra_models` as name -> model directory, in order."""
+        return extra_model_dirs(self.extra_models)
 
     @property
     def http_bind_host(self) -> str:

@@ -51,6 +51,7 @@ from services.gateway import openai_schema as oa
 from services.gateway.auth import Principal
 from services.gateway.json_body import read_json
 from services.gateway.openai_answer import Answer, Choices, TokenText
+from services.gateway.served_model import ServedModel
 from services.gateway.service import REFUSAL_REASON_KEY, GatewayService
 from services.gateway.serving_routes import OPEN_PATHS, ServingRoutes
 
@@ -238,24 +239,26 @@ class HttpApi:
         await self._runner.cleanup()
 
     # -- routes ------------------------------------------------------------------------
-    def _card(self) -> oa.Json:
+    def _card(self, model: ServedModel) -> oa.Json:
         return {
-            "id": self.service.model_name,
+            "id": model.name,
             "object": "model",
             "created": self.started,
             "owned_by": "pdserve",
-            "max_model_len": self.service.max_model_len,
+            "max_model_len": model.max_model_len,
         }
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
-        return _json(200, {"object": "list", "data": [self._card()]})
+        cards = [self._card(m) for m in self.service.models]
+        return _json(200, {"object": "list", "data": cards})
 
     async def _model(self, request: web.Request) -> web.StreamResponse:
-        name = request.match_info["model"]
-        if name != self.service.model_name:
-            message = f"model: {name!r} is not served here (serving {self.service.model_name!r})"
-            return _json(404, oa.error_body(message, "not_found_error", "model", "model_not_found"))
-        return _json(200, self._card())
+        try:
+            model = self.service.models.get(request.match_info["model"])
+        except UnknownModelError as exc:
+            body = oa.error_body(str(exc), "not_found_error", "model", "model_not_found")
+            return _json(404, body)
+        return _json(200, self._card(model))
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, oa.parse_completion)
@@ -273,7 +276,11 @@ class HttpApi:
         except oa.SchemaError as exc:
             return _json(400, oa.error_body(str(exc), "invalid_request_error", exc.param))
         request_id = uuid.uuid4().hex
-        answer = self._answer(req, request_id)
+        try:
+            served = self.service.models.get(req.model)
+        except UnknownModelError as exc:
+            return _json(*_failure(exc, req))
+        answer = self._answer(req, request_id, served)
         generate = oa.to_generate_request(req, request_id)
         if asked is not None:
             generate.priority = priority_proto.to_proto(asked)
@@ -295,13 +302,13 @@ class HttpApi:
                 return _refusal_response(exc)
             return await self._sse(request, answer, first, messages, disconnect)
 
-    def _answer(self, req: oa.OpenAIRequest, request_id: str) -> Answer:
-        tokenizer = self.service.tokenizer
+    @staticmethod
+    def _answer(req: oa.OpenAIRequest, request_id: str, served: ServedModel) -> Answer:
+        tokenizer = served.tokenizer
         prompt = req.prompt
         if req.sampling.echo and req.prompt_token_ids:
             prompt = tokenizer.decode(list(req.prompt_token_ids), skip_special_tokens=False)
-        model = req.model or self.service.model_name
-        return Answer(req, model, request_id, TokenText(tokenizer), prompt)
+        return Answer(req, served.name, request_id, TokenText(tokenizer), prompt)
 
     async def _whole(
         self, answer: Answer, first: gateway_pb2.GenerateResponse, messages: Messages

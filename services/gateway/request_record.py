@@ -87,6 +87,7 @@ class Prepared:
     # retrying, may send the same), and a worker holding a live request under that id
     # refuses the second one and lets the first one stall; so each request gets its own.
     worker_request_id: str = ""
+    model: str = ""  # the served model's name (`ModelCatalog`; "": the primary)
 
     def __post_init__(self) -> None:
         if not self.worker_request_id:

@@ -12,6 +12,8 @@ finish for a few seconds.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import redis
 
@@ -31,14 +33,19 @@ from services.gateway.config import GatewayConfig
 from services.gateway.fair_share import FairShare
 from services.gateway.http_api import HttpApi
 from services.gateway.record_book import HeldCollector
+from services.gateway.rollout_admin import RolloutAdmin
+from services.gateway.rollout_follower import RolloutFollower
+from services.gateway.served_model import Backend
 from services.gateway.service import GatewayService
 from services.gateway.stream_telemetry import GatewayTelemetry
 from services.gateway.wire import add_servicer
 from services.gateway.worker_stubs import WorkerStubs
-from services.router.keyspace import Keyspace
+from services.router.identity_check import GATEWAY_PARTS
+from services.router.keyspace import Keyspace, pool_namespace
 from services.router.placement import Placement, StaticPlacement
 from services.router.redis_client import connect
 from services.router.redis_placement import RedisPlacement
+from services.router.rollout_store import RolloutStore
 from services.router.router_config import RouterConfig
 from services.router.worker_signal import SignalBoard
 
@@ -53,6 +60,47 @@ def build_placement(config: GatewayConfig, router: RouterConfig) -> Placement:
     return RedisPlacement.from_config(router)
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """One model the gateway serves: its name, directory and pool namespace."""
+
+    name: str
+    model_dir: Path
+    pool_namespace: str
+    named: bool  # served under a name of its own (so it may have versions)
+
+
+def model_sources(
+    config: GatewayConfig, model_cfg: ModelConfig, namespace: str
+) -> list[ModelSource]:
+    """The primary model (`--model`), then each of `--extra-models`, resolved."""
+    cache = model_cfg.model_cache_dir.expanduser()
+    primary = ModelSource(
+        config.served_model_name or model_cfg.model or DEFAULT_MODEL_NAME,
+        resolve_model_dir(model_cfg.model, cache, progress=False),
+        pool_namespace(namespace, config.served_model_name),
+        named=bool(config.served_model_name),
+    )
+    extras = []
+    for name, path in config.extra_model_dirs.items():
+        model_dir = resolve_model_dir(path, cache, progress=False)
+        extras.append(ModelSource(name, model_dir, pool_namespace(namespace, name), named=True))
+    return [primary, *extras]
+
+
+def build_placements(
+    config: GatewayConfig, router: RouterConfig, sources: list[ModelSource]
+) -> list[Placement]:
+    """One placement per model, each a router on its model's pool namespace, all on one
+    Redis (the primary's embedded server when --redis-url is empty)."""
+    placements: list[Placement] = []
+    for source in sources:
+        url = _redis_url(placements[0], router) if placements else router.redis_url
+        model_router = replace(router, namespace=source.pool_namespace, redis_url=url)
+        placements.append(build_placement(config, model_router))
+    return placements
+
+
 def build_service(
     config: GatewayConfig,
     model_cfg: ModelConfig,
@@ -60,23 +108,114 @@ def build_service(
     telemetry: Telemetry | None = None,
     tls: TlsConfig | None = None,
 ) -> GatewayService:
-    cache = model_cfg.model_cache_dir.expanduser()
-    model_dir = resolve_model_dir(model_cfg.model, cache, progress=False)
-    spec = ModelSpec.from_dir(model_dir)
-    placement = build_placement(config, router)
-    name = model_cfg.model or DEFAULT_MODEL_NAME
-    tel = GatewayTelemetry.on(telemetry, placement) if telemetry else None
-    client = shared_redis(placement, router)
+    sources = model_sources(config, model_cfg, router.namespace)
+    placements = build_placements(config, router, sources)
+    service: GatewayService | None = None
+
+    def every_placement() -> list[Placement]:
+        return [b.placement for m in service.models for b in m.backends()] if service else []
+
+    tel = GatewayTelemetry.on(telemetry, every_placement) if telemetry else None
+    client = shared_redis(placements[0], router)
     access = Access.from_config(config, client, router.namespace)
-    admission = build_admission(config, client, router, telemetry)
-    service = GatewayService(
-        config, placement, Tokenizer(model_dir), name, spec.max_position_embeddings,
-        spec.vocab_size, tel, access, WorkerStubs(tls or TlsConfig()), admission,
+    parts = VersionParts(
+        config, router, _redis_url(placements[0], router), client,
+        AdmissionMetrics(telemetry.registry if telemetry else None),
+        FairShare(client, router.namespace, config.fair_share_half_life_s) if client else None,
     )  # fmt: skip
+    stubs = WorkerStubs(tls or TlsConfig())
+    for source, placement in zip(sources, placements, strict=True):
+        spec = ModelSpec.from_dir(source.model_dir)
+        parts.expect(placement, spec)
+        tokenizer, vocab = Tokenizer(source.model_dir), spec.vocab_size
+        limit = spec.max_position_embeddings
+        admission = parts.admission(source.pool_namespace)
+        if service is None:
+            service = GatewayService(
+                config, placement, tokenizer, source.name, limit, vocab, tel, access, stubs,
+                admission,
+            )  # fmt: skip
+        else:
+            service.add_model(source.name, tokenizer, limit, vocab, placement, admission)
+    assert service is not None
+    if client is not None and isinstance(placements[0], RedisPlacement):
+        follow_rollouts(service, sources, parts, tel)
     if telemetry is not None:
         # pdserve_gateway_held{resource}: what live requests hold (a leak check wants 0s).
         telemetry.registry.register(HeldCollector(service.book))
     return service
+
+
+@dataclass(frozen=True)
+class VersionParts:
+    """What it takes to serve one version of a model: a router on its pool namespace
+    (on the gateway's one Redis), the identity check, and admission on its signals."""
+
+    config: GatewayConfig
+    router: RouterConfig
+    redis_url: str
+    client: redis.Redis | None
+    metrics: AdmissionMetrics  # one set for the gateway: a registry takes a name once
+    fair: FairShare | None  # the gateway's: a tenant's share is across models
+
+    def placement(self, pool_ns: str) -> Placement:
+        cfg = replace(self.router, namespace=pool_ns, redis_url=self.redis_url)
+        return build_placement(self.config, cfg)
+
+    @staticmethod
+    def expect(placement: Placement, spec: ModelSpec) -> None:
+        if isinstance(placement, RedisPlacement) and spec.identity is not None:
+            # Refuse to route while its workers' tokenizer, template or config is not ours.
+            placement.router.expect_identity(spec.identity, GATEWAY_PARTS, "this gateway")
+
+    def admission(self, pool_ns: str) -> Admission:
+        """Admission control on the signals of one version's workers in Redis (off
+        without a Redis)."""
+        if self.client is None or not self.config.admission_control:
+            return Admission(self.config, metrics=self.metrics)
+        board = SignalBoard(self.client, Keyspace(pool_ns))
+        return Admission(self.config, board, self.fair, self.metrics)
+
+
+def follow_rollouts(
+    service: GatewayService,
+    sources: list[ModelSource],
+    parts: VersionParts,
+    telemetry: GatewayTelemetry | None,
+) -> None:
+    """Give each named model its rollout follower (and the means to serve a version a
+    rollout names), read each rollout once before serving, and start following."""
+    assert parts.client is not None
+    namespace = parts.router.namespace
+    store = RolloutStore(parts.client, namespace)
+    service.rollouts = RolloutAdmin(service.models, store, namespace)
+    for source, model in zip(sources, service.models, strict=True):
+        if not source.named:
+            continue  # the unnamed model has one pool: nothing to roll out
+
+        def make(version: str, source: ModelSource = source) -> Backend:
+            pool = pool_namespace(namespace, source.name, version)
+            placement = parts.placement(pool)
+            parts.expect(placement, ModelSpec.from_dir(source.model_dir, progress=False))
+            return service.backend(version, placement, parts.admission(pool))
+
+        def rolled_back(reason: str, name: str = model.name) -> None:
+            if telemetry is not None:
+                telemetry.count_rollback(name)
+
+        model.make_backend = make
+        model.follower = RolloutFollower(
+            store, model.name, parts.config.rollback_policy, parts.config.rollout_refresh_s,
+            model.ensure_version, rolled_back,
+        )  # fmt: skip
+        model.follower.tick()
+        model.follower.start()
+
+
+def _redis_url(placement: Placement, router: RouterConfig) -> str:
+    """The Redis every model's router shares: the primary's (its embedded one, when
+    --redis-url is empty)."""
+    return placement.redis_url if isinstance(placement, RedisPlacement) else router.redis_url
 
 
 def shared_redis(placement: Placement, router: RouterConfig) -> redis.Redis | None:
@@ -87,21 +226,6 @@ def shared_redis(placement: Placement, router: RouterConfig) -> redis.Redis | No
     if router.redis_url:
         return connect(router.redis_url, router.redis_timeout_s)
     return None
-
-
-def build_admission(
-    config: GatewayConfig,
-    client: redis.Redis | None,
-    router: RouterConfig,
-    telemetry: Telemetry | None,
-) -> Admission:
-    """Admission control on the workers' signals in Redis (off without a Redis)."""
-    metrics = AdmissionMetrics(telemetry.registry if telemetry else None)
-    if client is None or not config.admission_control:
-        return Admission(config, metrics=metrics)
-    keys = Keyspace(router.namespace)
-    fair = FairShare(client, router.namespace, config.fair_share_half_life_s)
-    return Admission(config, SignalBoard(client, keys), fair, metrics)
 
 
 async def serve_gateway(
@@ -134,7 +258,9 @@ async def serve_gateway(
     await built.mark_not_serving()
     await asyncio.gather(built.server.stop(grace=DRAIN_S), *([http.stop()] if http else []))
     await service.close()
-    close = getattr(service.placement, "close", None)
-    if close is not None:
-        close()
+    backends = [b for m in service.models for b in m.backends()]
+    for backend in reversed(backends):  # the primary's base version owns an embedded Redis
+        close = getattr(backend.placement, "close", None)
+        if close is not None:
+            close()
     telemetry.close()

@@ -1,7 +1,9 @@
 """The Gateway gRPC service: validation, tokenization, admission, and streaming.
 
-Lifecycle of a call: check the model name and the input, tokenize (chat template for a
-message list), validate sampling against the context length and the operator's
+Lifecycle of a call: resolve the model the request names (`ModelCatalog`: the gateway's
+primary model, or one of its extra models, each with its own tokenizer, limits, workers
+and admission), check the input, tokenize with that model's tokenizer (chat template for
+a message list), validate sampling against the context length and the operator's
 `max_tokens_limit`, resolve the request's priority class against the caller's key (the
 key's default, or what the request asks for up to the key's highest: PERMISSION_DENIED
 above it), and start the clock on its total deadline (`request_deadline_s`); then open
@@ -27,17 +29,17 @@ from dataclasses import replace
 import grpc
 
 from engine.errors import InvalidRequestError
-from engine.grammar import GrammarCompiler
 from engine.tokenizer import ChatMessage, Tokenizer
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2
 from services.common import priority_proto, sampling
 from services.common.detokenizer import IncrementalDetokenizer
 from services.common.status import (
+    NoRolloutsError,
+    NoWorkerError,
     Overloaded,
     Refusal,
     ServiceError,
     StatusError,
-    UnknownModelError,
     abort_with,
     status_for,
 )
@@ -48,7 +50,10 @@ from services.gateway.config import GatewayConfig
 from services.gateway.prefill_site import SitePolicy
 from services.gateway.record_book import RecordBook, Resource
 from services.gateway.request_record import Keepers, Prepared, RequestRecord
-from services.gateway.request_stream import RequestStream
+from services.gateway.request_stream import RequestStream, StreamError
+from services.gateway.rollout_admin import RolloutAdmin
+from services.gateway.rollout_follower import OutcomeClock
+from services.gateway.served_model import Backend, ModelCatalog, ServedModel
 from services.gateway.stream_buffer import Disconnect, StreamBuffer
 from services.gateway.stream_telemetry import GatewayTelemetry
 from services.gateway.worker_stubs import WorkerStubs
@@ -76,20 +81,54 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.config = config
         self.access = access or Access.open()
         self.telemetry = telemetry or GatewayTelemetry.disabled()
-        self.placement = placement
-        self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
         self.stubs = stubs or WorkerStubs()
         self.book: RecordBook[RequestRecord] = RecordBook()
-        self.keepers = Keepers(placement, self.access, self.stubs, self.book)
-        self.admission = admission or Admission(config)
-        capacity = self.admission.capacity
-        self.sites = SitePolicy(
-            config.local_prefill_max_tokens, config.local_prefill_busy_s, capacity.queue_s
+        admission = admission or Admission(config)
+        primary = self._served(
+            model_name, tokenizer, max_model_len, vocab_size, placement, admission
         )
-        self._grammar_compiler: GrammarCompiler | None = None
+        self.models = ModelCatalog(primary)
+        # The primary model's parts, under the names the front doors and tests use.
+        self.placement, self.tokenizer = primary.placement, primary.tokenizer
+        self.model_name, self.max_model_len = primary.name, primary.max_model_len
+        self.vocab_size, self.keepers = primary.vocab_size, primary.keepers
+        self.admission, self.sites = primary.admission, primary.sites
+        self.rollouts: RolloutAdmin | None = None  # with Redis: `build_service` sets it
+
+    def _served(
+        self,
+        name: str,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        placement: Placement,
+        admission: Admission,
+    ) -> ServedModel:
+        base = self.backend("", placement, admission)
+        return ServedModel(name, tokenizer, max_model_len, vocab_size, base)
+
+    def backend(self, version: str, placement: Placement, admission: Admission) -> Backend:
+        """One version of a model, served with this gateway's keys, stubs and book."""
+        cfg = self.config
+        keepers = Keepers(placement, self.access, self.stubs, self.book)
+        queue_s = admission.capacity.queue_s
+        sites = SitePolicy(cfg.local_prefill_max_tokens, cfg.local_prefill_busy_s, queue_s)
+        return Backend(version, placement, admission, keepers, sites)
+
+    def add_model(
+        self,
+        name: str,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        placement: Placement,
+        admission: Admission,
+    ) -> ServedModel:
+        """Serve another model (before the gateway starts serving): requests that name it
+        use its tokenizer and limits, and go to its workers through `placement`."""
+        served = self._served(name, tokenizer, max_model_len, vocab_size, placement, admission)
+        self.models.add(served)
+        return served
 
     @property
     def active(self) -> int:
@@ -97,25 +136,27 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         return self.book.count(Resource.STREAM_SLOT)
 
     def usage(self) -> list[Usage]:
-        """The live requests' KV blocks on the workers, for the fair-share ledger."""
-        size = self.admission.capacity.decode.block_size
+        """The live requests' KV blocks on the workers, for the fair-share ledger (every
+        model's: a tenant's share is of the whole gateway)."""
         out = []
         for record in self.book.live():
+            size = self.models.get(record.req.model).admission.capacity.decode.block_size
             blocks = record.kv_blocks(size)
             if blocks:
                 out.append(Usage(record.req.priority, record.req.tenant, blocks))
         return out
 
     async def close(self) -> None:
-        await self.admission.close()
+        for model in self.models:
+            if model.follower is not None:
+                await model.follower.close()
+            for backend in model.backends():
+                await backend.admission.close()
         await self.stubs.close()
 
     # -- validation --------------------------------------------------------------
     def prepare(self, request: gateway_pb2.GenerateRequest) -> Prepared:
-        if request.model and request.model != self.model_name:
-            raise UnknownModelError(
-                f"model: {request.model!r} is not served here (serving {self.model_name!r})"
-            )
+        served = self.models.get(request.model)
         params = sampling.from_proto(request.sampling)
         if params.max_tokens > self.config.max_tokens_limit:
             raise InvalidRequestError(
@@ -123,59 +164,56 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 f"must be <= {self.config.max_tokens_limit} (this gateway's max_tokens_limit)",
                 params.max_tokens,
             )
-        prompt = self._tokens(request)
+        prompt = self._tokens(request, served)
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")
-        if len(prompt) >= self.max_model_len:
+        if len(prompt) >= served.max_model_len:
             raise InvalidRequestError(
-                "prompt", f"has {len(prompt)} tokens; must be < {self.max_model_len}"
+                "prompt", f"has {len(prompt)} tokens; must be < {served.max_model_len}"
             )
-        if len(prompt) + params.max_tokens > self.max_model_len:
+        if len(prompt) + params.max_tokens > served.max_model_len:
             raise InvalidRequestError(
                 "sampling.max_tokens",
-                f"prompt ({len(prompt)}) + max_tokens must be <= {self.max_model_len}",
+                f"prompt ({len(prompt)}) + max_tokens must be <= {served.max_model_len}",
                 params.max_tokens,
             )
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
+        if any(t >= served.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError(
-                "sampling.stop_token_ids", f"each id must be < {self.vocab_size}"
+                "sampling.stop_token_ids", f"each id must be < {served.vocab_size}"
             )
-        if any(t >= self.vocab_size for t, _ in params.logit_bias):
+        if any(t >= served.vocab_size for t, _ in params.logit_bias):
             raise InvalidRequestError(
-                "sampling.logit_bias", f"each token id must be < {self.vocab_size}"
+                "sampling.logit_bias", f"each token id must be < {served.vocab_size}"
             )
         if params.guided is not None:
             # Compile here too: a bad schema is a 400 before any worker is involved.
             try:
-                self._grammars().matcher(params.guided)
+                served.grammars().matcher(params.guided)
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"sampling.{exc.field}", exc.limit) from exc
         deadline = time.monotonic() + self.config.request_deadline_s
-        return Prepared(request.request_id or uuid.uuid4().hex, prompt, params, "", deadline)
+        rid = request.request_id or uuid.uuid4().hex
+        return Prepared(rid, prompt, params, "", deadline, model=served.name)
 
-    def _grammars(self) -> GrammarCompiler:
-        if self._grammar_compiler is None:  # built on first use: it indexes the vocabulary
-            self._grammar_compiler = GrammarCompiler.of(self.tokenizer, self.vocab_size)
-        return self._grammar_compiler
-
-    def _tokens(self, request: gateway_pb2.GenerateRequest) -> list[int]:
+    @staticmethod
+    def _tokens(request: gateway_pb2.GenerateRequest, served: ServedModel) -> list[int]:
         which = request.WhichOneof("input")
         if which == "prompt":
             if len(request.prompt) > MAX_PROMPT_CHARS:
                 raise InvalidRequestError("prompt", f"at most {MAX_PROMPT_CHARS} characters")
-            return self.tokenizer.encode(request.prompt)
+            return served.tokenizer.encode(request.prompt)
         if which == "messages":
             msgs = [ChatMessage(m.role, m.content) for m in request.messages.messages]
             if sum(len(m.content) for m in msgs) > MAX_PROMPT_CHARS:
                 raise InvalidRequestError(
                     "messages", f"at most {MAX_PROMPT_CHARS} characters in all"
                 )
-            return self.tokenizer.encode_chat(msgs)
+            return served.tokenizer.encode_chat(msgs)
         if which == "prompt_token_ids":
             ids = list(request.prompt_token_ids.ids)
-            if any(t >= self.vocab_size for t in ids):
+            if any(t >= served.vocab_size for t in ids):
                 raise InvalidRequestError(
-                    "prompt_token_ids", f"each id must be < the vocabulary size {self.vocab_size}"
+                    "prompt_token_ids", f"each id must be < the vocabulary size {served.vocab_size}"
                 )
             return ids
         raise InvalidRequestError("input", "set prompt, messages or prompt_token_ids")
@@ -212,34 +250,49 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         except Exception as exc:
             self.telemetry.count_refusal(exc)
             raise
-        record = RequestRecord(prepared, self.keepers)
+        served = self.models.get(prepared.model)
+        backend = served.pick(prepared.tenant)
+        record = RequestRecord(prepared, backend.keepers)
         buffer = StreamBuffer(record, self.config, prepared.deadline, disconnect)
+        timing = OutcomeClock()
         try:
-            await self._admit(record, principal)
+            await self._admit(record, principal, backend.admission)
             skip = prepared.params.skip_special_tokens
-            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip)
+            detok = IncrementalDetokenizer(served.tokenizer, skip_special_tokens=skip)
             relay = RequestStream(
-                record, self.config, self.stubs, detok, self.telemetry, self.sites
+                record, self.config, self.stubs, detok, self.telemetry, backend.sites
             )
+            timing.admitted()
             buffer.start(relay.run())
             while (msg := await buffer.next()) is not None:
+                timing.message(msg)
                 yield msg
+            timing.ended(ok=True)
+        except (StreamError, NoWorkerError):
+            if not buffer.gave_up_on_client:  # a slow client is no fault of the version's
+                timing.ended(ok=False)  # the version's failure: it counts against a canary
+            raise
         finally:
             buffer.stop()
             await record.close()
+            if served.follower is not None and timing.outcome is not None:
+                served.follower.observe(backend.version, timing.outcome)
+                self.telemetry.count_version(served.name, backend.version, timing.outcome.ok)
 
-    async def _admit(self, record: RequestRecord, principal: Principal) -> None:
-        """Quota first (a tenant over it is told at once), then admission control (which
-        may wait), then a stream slot."""
-        self.admission.start(self.usage)
+    async def _admit(
+        self, record: RequestRecord, principal: Principal, admission: Admission
+    ) -> None:
+        """Quota first (a tenant over it is told at once), then the model's admission
+        control (which may wait), then a stream slot."""
+        admission.start(self.usage)
         try:
             await record.charge(principal)
-            await record.admit(self.admission)
+            await record.admit(admission)
             record.take_slot(self.config.max_streams)
         except Refusal as exc:
             self.telemetry.count_refusal(exc)
             if not isinstance(exc, Overloaded):  # admission counts its own
-                self.admission.metrics.refused(record.req.priority, exc.reason)
+                admission.metrics.refused(record.req.priority, exc.reason)
             raise
 
     # -- RPCs --------------------------------------------------------------------
@@ -286,7 +339,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     ) -> gateway_pb2.ListModelsResponse:
         await self._authorize(context)
         return gateway_pb2.ListModelsResponse(
-            models=[gateway_pb2.ModelInfo(id=self.model_name, max_model_len=self.max_model_len)]
+            models=[
+                gateway_pb2.ModelInfo(id=m.name, max_model_len=m.max_model_len) for m in self.models
+            ]
         )
 
     async def ClusterStatus(
@@ -300,7 +355,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         reply = gateway_pb2.ClusterStatusResponse(
             active_streams=self.active, max_streams=self.config.max_streams
         )
-        for ref in self.placement.workers():
+        if self.rollouts is not None:
+            reply.rollouts.extend(await self.rollouts.statuses())
+        backends = [b for m in self.models for b in m.backends()]
+        for ref in [w for b in backends for w in b.placement.workers()]:
             try:
                 stats = await self.stubs[ref.address].Stats(worker_pb2.StatsRequest(), timeout=2.0)
             except grpc.aio.AioRpcError as exc:
@@ -311,6 +369,21 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 )
             reply.workers.append(stats)
         return reply
+
+    async def Rollout(
+        self, request: gateway_pb2.RolloutRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.RolloutStatus:
+        principal = await self._authorize(context)
+        try:
+            principal.require_admin("Rollout")
+            if self.rollouts is None:
+                raise NoRolloutsError("rollouts need Redis: start the gateway with placement redis")
+            return await self.rollouts.act(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (ServiceError, StatusError) as exc:
+            await abort_with(context, exc)
+        raise AssertionError("abort raises")  # keeps the type checker honest
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> Principal:
         try:

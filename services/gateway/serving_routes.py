@@ -20,10 +20,12 @@ from collections.abc import Mapping
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from engine.tokenizer import ChatMessage
+from engine.tokenizer import ChatMessage, Tokenizer
+from services.common.status import UnknownModelError
 from services.gateway.json_body import read_json
 from services.gateway.openai_sampling import SchemaError, get_bool
 from services.gateway.openai_schema import error_body
+from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService
 
 #: Paths answered without an API key.
@@ -66,11 +68,13 @@ class ServingRoutes:
         app.router.add_post("/detokenize", self.detokenize)
 
     async def health(self, request: web.Request) -> web.StreamResponse:
-        roles = {w.role for w in self.service.placement.workers()}
-        missing = missing_roles(roles)
-        if missing:
-            message = f"no live {' or '.join(missing)} worker: requests cannot be placed"
-            return _error(503, message, "service_unavailable_error")
+        """200 while every served model has the workers to place a request on."""
+        for model in self.service.models:
+            missing = missing_roles({w.role for w in model.stable().placement.workers()})
+            if missing:
+                whose = f" for model {model.name!r}" if len(self.service.models) > 1 else ""
+                message = f"no live {' or '.join(missing)} worker{whose}: requests cannot be placed"
+                return _error(503, message, "service_unavailable_error")
         return web.Response(status=200)
 
     async def version(self, request: web.Request) -> web.StreamResponse:
@@ -82,18 +86,18 @@ class ServingRoutes:
 
     async def tokenize(self, request: web.Request) -> web.StreamResponse:
         try:
-            obj = await self._body(request)
-            ids = self._tokens(obj)
+            obj, model = await self._body(request)
+            ids = self._tokens(obj, model.tokenizer)
         except SchemaError as exc:
             return _error(400, str(exc), "invalid_request_error", exc.param)
-        limit = self.service.max_model_len
+        limit = model.max_model_len
         return _json(200, {"count": len(ids), "max_model_len": limit, "tokens": ids})
 
     async def detokenize(self, request: web.Request) -> web.StreamResponse:
         try:
-            obj = await self._body(request)
+            obj, model = await self._body(request)
             ids = obj.get("tokens")
-            vocab = self.service.vocab_size
+            vocab = model.vocab_size
             ok = isinstance(ids, list) and all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
             )
@@ -102,19 +106,23 @@ class ServingRoutes:
         except SchemaError as exc:
             return _error(400, str(exc), "invalid_request_error", exc.param)
         assert isinstance(ids, list)
-        return _json(200, {"prompt": self.service.tokenizer.decode(ids, skip_special_tokens=False)})
+        return _json(200, {"prompt": model.tokenizer.decode(ids, skip_special_tokens=False)})
 
-    async def _body(self, request: web.Request) -> Mapping[str, object]:
+    async def _body(self, request: web.Request) -> tuple[Mapping[str, object], ServedModel]:
+        """The JSON body and the model it names (the primary when it names none)."""
         body = read_json(await request.read())
         if not isinstance(body, dict):
             raise SchemaError(None, "the request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.service.model_name:
-            raise SchemaError("model", f"{model!r} is not served here")
-        return body
+        name = body.get("model")
+        if name is not None and not isinstance(name, str):
+            raise SchemaError("model", "must be a string")
+        try:
+            return body, self.service.models.get(name or "")
+        except UnknownModelError:
+            raise SchemaError("model", f"{name!r} is not served here") from None
 
-    def _tokens(self, obj: Mapping[str, object]) -> list[int]:
-        tokenizer = self.service.tokenizer
+    @staticmethod
+    def _tokens(obj: Mapping[str, object], tokenizer: Tokenizer) -> list[int]:
         prompt, messages = obj.get("prompt"), obj.get("messages")
         if isinstance(prompt, str):
             return tokenizer.encode(prompt)

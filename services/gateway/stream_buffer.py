@@ -89,6 +89,11 @@ class StreamBuffer:
         self._last_word = False  # END or the relay's error is in the buffer
         self._pump: asyncio.Task[None] | None = None
 
+    @property
+    def gave_up_on_client(self) -> bool:
+        """Whether the stream ended because its client stopped reading."""
+        return self._given_up is not None
+
     def start(self, relay: Relay) -> None:
         self._pump = asyncio.ensure_future(self._run(relay))
         self._pump.add_done_callback(self._pump_ended)

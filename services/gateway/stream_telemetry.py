@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 from opentelemetry.trace import Span, SpanKind
@@ -30,6 +30,7 @@ from services.gateway.prefill_site import SiteChoice
 from services.router.metrics import RouterCollector
 from services.router.placement import Placement, RouteDecision
 from services.router.redis_placement import RedisPlacement
+from services.router.router import RouterStats, total
 
 
 class MigrationOutcome(enum.Enum):
@@ -62,14 +63,19 @@ class GatewayTelemetry:
         return cls(Tracing.disabled("pdserve-gateway"), None)
 
     @classmethod
-    def on(cls, telemetry: Telemetry, placement: Placement) -> GatewayTelemetry:
-        """Register the gateway's metrics (and the embedded router's counters, when the
-        placement is the Redis router) on the process's registry."""
+    def on(
+        cls, telemetry: Telemetry, placements: Callable[[], Iterable[Placement]]
+    ) -> GatewayTelemetry:
+        """Register the gateway's metrics, and the counters of its embedded routers (one
+        per model version: `placements` lists them at scrape time, summed), on the
+        process's registry."""
         cfg = telemetry.config
         metrics = GatewayMetrics(telemetry.registry, cfg.slo_ttft_s, cfg.slo_itl_s)
-        if isinstance(placement, RedisPlacement):
-            router = placement.router
-            telemetry.registry.register(RouterCollector(lambda: router.stats))
+
+        def routed() -> RouterStats:
+            return total(p.router.stats for p in placements() if isinstance(p, RedisPlacement))
+
+        telemetry.registry.register(RouterCollector(routed))
         return cls(telemetry.tracing, metrics)
 
     def stream(
@@ -80,6 +86,16 @@ class GatewayTelemetry:
         priority: Priority = Priority.STANDARD,
     ) -> StreamTelemetry:
         return StreamTelemetry(self, request_id, tenant, prompt_tokens, priority)
+
+    def count_version(self, model: str, version: str, ok: bool) -> None:
+        """A request of a named model ended on `version` (a rollout's split)."""
+        if self.metrics is not None:
+            outcome = "ok" if ok else "error"
+            self.metrics.version_requests.labels(model, version or "-", outcome).inc()
+
+    def count_rollback(self, model: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rollbacks.labels(model).inc()
 
     def count_error(self, code: grpc.StatusCode) -> None:
         """A request refused before it had a stream (bad input, stream cap)."""

@@ -69,6 +69,12 @@ class ClusterController:
     def __init__(
         self, cluster: ClusterConfig, ray_cfg: RayConfig, telemetry: TelemetryConfig
     ) -> None:
+        if cluster.extra_models or cluster.served_model_name:
+            # Each model's pool would need its own actors, scaling and autoscaler: not yet.
+            raise ValueError(
+                "extra_models and served_model_name are not supported with --ray yet: run "
+                "them locally"
+            )
         self.cluster = cluster
         self.ray_cfg = ray_cfg
         # Every service picks its own metrics port: several may share a node.

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.model_config import check_model_name
 from services.common.role import Role
 
 
@@ -79,6 +80,21 @@ class Keyspace:
     @property
     def signal_prefix(self) -> str:
         return f"{self.namespace}:signal:"
+
+
+def pool_namespace(namespace: str, served_model_name: str = "", version: str = "") -> str:
+    """The namespace one served model's workers register and are placed in: `namespace`
+    itself for the unnamed model (a single-model cluster, as before models had names),
+    else `namespace/name`, or `namespace/name@version` for a version of it. Each has its
+    own registry, pools, load, cache model and signals, so models never share a worker
+    or a placement; tenants' quotas and fair shares stay on `namespace`."""
+    check_model_name(served_model_name, "served_model_name")
+    check_model_name(version, "model_version")
+    if not served_model_name:
+        if version:
+            raise ValueError("model_version needs served_model_name (a version of what?)")
+        return namespace
+    return f"{namespace}/{served_model_name}" + (f"@{version}" if version else "")
 
 
 def lease_id(role: str, token: str, worker_id: str) -> str:

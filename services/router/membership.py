@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from engine.model_identity import ModelIdentity
 from services.common.role import Role
 from services.router.placement import WorkerRef
 from services.router.registry import WorkerInfo
@@ -33,6 +34,7 @@ class MembershipView:
     rings: dict[str, HashRing] = field(default_factory=dict)  # role -> non-draining ring
     local_only: frozenset[str] = frozenset()  # pools kept from before Redis lost its data
     model: str = ""  # model fingerprint the workers share ("" if none known)
+    identity: ModelIdentity | None = None  # its parts, as a worker published them
 
     def serving_roles(self) -> tuple[str, ...]:
         """("prefill", "decode") when both pools have workers, else ("mixed",), else ()."""
@@ -127,6 +129,7 @@ class Membership:
                 if ring is None or ring.members != serving:
                     ring = HashRing(serving, self.virtual_nodes)
                 rings[role] = ring
-            models = [w.model for pool in pools.values() for w in pool.values()]
-            model = models[0] if models else ""
-            self._view = MembershipView(pools, rings, frozenset(local_only), model)
+            infos = [w for pool in pools.values() for w in pool.values()]
+            model = infos[0].model if infos else ""
+            identity = next((w.identity for w in infos if w.identity is not None), None)
+            self._view = MembershipView(pools, rings, frozenset(local_only), model, identity)

@@ -7,8 +7,9 @@
 -- ARGV[1]  op: register | deregister | drain | down | list
 -- ARGV[2]  worker key prefix "ns:worker:" (a worker's key is prefix .. id; single Redis)
 --
--- register  ARGV[3..11] = id, role, model, layout, address, capacity, draining, ttl_ms,
---                         incarnation (the worker process's start token)
+-- register  ARGV[3..12] = id, role, model, layout, address, capacity, draining, ttl_ms,
+--                         incarnation (the worker process's start token), identity (the
+--                         JSON of the model's identity parts; '' if unknown)
 --   -> {'ok', created (1 new, 0 renewed)} | {'identity', model, layout} | {'role', role}
 --   Creates or renews the worker's PX lease. The identity is set by the first live
 --   worker and lives as long as the longest worker lease, so it resets only once every
@@ -20,7 +21,8 @@
 -- down       ARGV[3] = id, ARGV[4] = ms -> 1 if registered: no placements on it until
 --   Redis time + ms (`down_until`; a call to it failed: the routers' shared breaker)
 -- list       ARGV[3] = role or '' for all
---   -> flat {id, role, model, layout, address, capacity, draining, ...}; prunes expired ids
+--   -> flat {id, role, model, layout, address, capacity, draining, identity, ...};
+--   prunes expired ids
 
 -- Redis < 7 replicates scripts by effects only if asked; TIME below needs that.
 if redis.replicate_commands then redis.replicate_commands() end
@@ -64,7 +66,8 @@ if op == 'register' then
   local draining = ARGV[9]
   if old[2] == '1' then draining = '1' end
   redis.call('HSET', key, 'role', role, 'model', model, 'layout', layout,
-             'address', ARGV[7], 'capacity', ARGV[8], 'draining', draining)
+             'address', ARGV[7], 'capacity', ARGV[8], 'draining', draining,
+             'identity', ARGV[12] or '')
   if not old[1] or old[3] ~= ARGV[11] then
     redis.call('HSET', key, 'joined', now_ms(), 'incarnation', ARGV[11])
     redis.call('HDEL', key, 'down_until')
@@ -102,10 +105,10 @@ elseif op == 'list' then
   for _, role in ipairs({'prefill', 'decode', 'mixed'}) do
     if ARGV[3] == '' or ARGV[3] == role then
       for _, id in ipairs(live_members(pools[role])) do
-        local f = redis.call('HMGET', prefix .. id,
-                             'role', 'model', 'layout', 'address', 'capacity', 'draining')
+        local f = redis.call('HMGET', prefix .. id, 'role', 'model', 'layout', 'address',
+                             'capacity', 'draining', 'identity')
         out[#out + 1] = id
-        for i = 1, 6 do out[#out + 1] = f[i] or '' end
+        for i = 1, 7 do out[#out + 1] = f[i] or '' end
       end
     end
   end

@@ -9,19 +9,23 @@ would. To leave, a worker calls `set_draining(id)` (routers stop
 sending it requests), finishes its streams, then `deregister`s; a worker that dies just
 stops heartbeating and expires. All workers must share one model and KV layout (the
 cluster's identity): the first live worker sets it unless the config pins it, and a worker
-that differs is refused at registration, not at its first KV transfer.
+that differs is refused at registration, not at its first KV transfer. A worker also
+publishes its model's identity parts (`engine.model_identity`), so a gateway can name what
+differs between its own copy of the model and the workers' (the tokenizer, say).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from dataclasses import dataclass
 from importlib import resources
 
 import redis
 
+from engine.model_identity import ModelIdentity
 from services.common.role import Role
 from services.common.status import IncompatibleWorkerError as IncompatibleWorkerError
 from services.router.keyspace import Keyspace
@@ -40,6 +44,7 @@ class WorkerInfo:
     capacity: int = 0  # KV blocks it can hold (informational)
     draining: bool = False
     incarnation: str = ""  # its process's start token: a new one restarts its slow start
+    identity: ModelIdentity | None = None  # the parts `model` folds (None: not published)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
@@ -87,7 +92,7 @@ class Registry:
         res = self._call(
             "register", info.worker_id, info.role, info.model, info.layout_fingerprint,
             info.address, info.capacity, "1" if info.draining else "0",
-            max(1, round(self.ttl_s * 1000)), info.incarnation,
+            max(1, round(self.ttl_s * 1000)), info.incarnation, _identity_text(info.identity),
         )  # fmt: skip
         assert isinstance(res, list)
         status = str(res[0])
@@ -143,19 +148,35 @@ class Registry:
         assert isinstance(res, list)
         flat = [str(x) for x in res]
         out = []
-        for i in range(0, len(flat), 7):
-            wid, r, model, layout, address, capacity, draining = flat[i : i + 7]
-            out.append(
-                WorkerInfo(
-                    wid, Role.parse(r), model, layout, address, int(capacity or 0), draining == "1"
-                )
-            )
+        for i in range(0, len(flat), 8):
+            wid, r, model, layout, address, capacity, draining, identity = flat[i : i + 8]
+            info = WorkerInfo(
+                wid, Role.parse(r), model, layout, address, int(capacity or 0),
+                draining == "1", identity=_parse_identity(identity),
+            )  # fmt: skip
+            out.append(info)
         return sorted(out, key=lambda w: (w.role, w.worker_id))
 
     def identity(self) -> tuple[str, str] | None:
         """(model, layout) of the live workers, or None if none is registered."""
         model, layout = self.client.hmget(self.keys.identity, ["model", "layout"])
         return None if model is None else (str(model), str(layout))
+
+
+def _identity_text(identity: ModelIdentity | None) -> str:
+    return "" if identity is None else json.dumps(identity.to_json(), sort_keys=True)
+
+
+def _parse_identity(text: str) -> ModelIdentity | None:
+    """A registration's identity; None if it has none or it does not parse (a worker of
+    another version: the model fingerprint still guards KV and cache keys)."""
+    if not text:
+        return None
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        return None
+    return ModelIdentity.from_json(raw) if isinstance(raw, dict) else None
 
 
 async def keep_registered(

@@ -23,6 +23,9 @@ script honours on every router at once, long before the worker's heartbeat lease
 lapse; a restarted worker's registration clears it. Slow start: the script also ramps a
 newly joined worker's share of the bound (`slow_start_s`; router.md).
 
+Identity: a gateway's router checks the workers' published model identity against its
+own copy (`expect_identity`, `IdentityCheck`) and refuses to place while they differ.
+
 Fail-open: if Redis errors, the router places with `LocalLoad` on the last known
 membership, logs once per outage, counts each such decision in `stats.fail_open`, and
 tries Redis again after `redis_retry_s`. If Redis comes back empty (restarted), pools it
@@ -35,11 +38,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import astuple, dataclass, replace
 
 import redis
 
+from engine.model_identity import IdentityPart, ModelIdentity
+from services.router.identity_check import IdentityCheck
 from services.router.keyspace import Keyspace
 from services.router.load import LoadLedger, Placed, PlaceRequest, new_token
 from services.router.local_load import LocalLoad
@@ -64,6 +69,12 @@ class RouterStats:
     release_failures: int = 0  # lease releases Redis did not get at once (kept, sent again)
     owed_releases: int = 0  # a gauge: kept releases not sent yet (`ReleaseBacklog`)
     marked_down: int = 0  # workers reported down (`report_down`)
+
+
+def total(stats: Iterable[RouterStats]) -> RouterStats:
+    """Several routers' counters added up (a gateway has one router per model)."""
+    sums = [sum(column) for column in zip(*(astuple(s) for s in stats), strict=True)]
+    return RouterStats(*sums) if sums else RouterStats()
 
 
 @dataclass(frozen=True)
@@ -106,6 +117,7 @@ class Router:
         self._redis_down_until = float("-inf")
         self._redis_down = False
         self._down: dict[str, float] = {}  # worker id -> until (clock): the local breaker
+        self._identity: IdentityCheck | None = None
 
     # -- public API -------------------------------------------------------------------
 
@@ -122,6 +134,13 @@ class Router:
         """Every worker last known to be registered, draining ones included."""
         self._maybe_refresh(self._clock())
         return self.membership.view().refs()
+
+    def expect_identity(
+        self, identity: ModelIdentity, parts: Sequence[IdentityPart], who: str
+    ) -> None:
+        """From now on, refuse to place (ModelMismatchError) while the registered workers'
+        model differs from `identity` in any of `parts`; `who` names the caller."""
+        self._identity = IdentityCheck(identity, parts, who)
 
     def refresh(self) -> bool:
         """Re-read the registry now; False (and fail-open) if Redis is unreachable."""
@@ -167,6 +186,8 @@ class Router:
         now = self._clock()
         self._maybe_refresh(now)
         view = self.membership.view()
+        if self._identity is not None:
+            self._identity.check(view)
         excluded = frozenset(exclude)
         placed = self._place(view, prompt_token_ids, tenant, excluded, now, decode_only)
         if any(p is None for p in placed) and now >= self._redis_down_until:

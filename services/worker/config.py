@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.role import Role
+from services.router.keyspace import pool_namespace
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,19 @@ class WorkerConfig:
         metadata={"help": "register with the router's Redis at this URL (empty: no registry)"},
     )
     namespace: str = field(default="pdserve", metadata={"help": "the cluster's Redis key prefix"})
+    served_model_name: str = field(
+        default="",
+        metadata={
+            "help": "the name clients send as `model` for this worker's model, when the "
+            "cluster serves several (the gateway's --served-model-name or --extra-models); "
+            "the worker then registers in the pool namespace <namespace>/<name> (empty: the "
+            "cluster's one unnamed model, in <namespace>)"
+        },
+    )
+    model_version: str = field(
+        default="",
+        metadata={"help": "a version of the served model (pool <namespace>/<name>@<version>)"},
+    )
     heartbeat_ttl_s: float = field(
         default=10.0, metadata={"help": "registration lease; renewed every third of it"}
     )
@@ -38,12 +52,18 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
+        pool_namespace(self.namespace, self.served_model_name, self.model_version)  # checks
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if not self.signal_interval_s > 0:
             raise ValueError(f"signal_interval_s must be > 0, got {self.signal_interval_s}")
         if self.cpu_cores and not all(c.strip().isdigit() for c in self.cpu_cores.split(",")):
             raise ValueError(f"cpu_cores must be comma-separated core ids, got {self.cpu_cores!r}")
+
+    @property
+    def pool_namespace(self) -> str:
+        """Where this worker registers: its served model's (and version's) namespace."""
+        return pool_namespace(self.namespace, self.served_model_name, self.model_version)
 
     @property
     def cpu_core_ids(self) -> set[int]:

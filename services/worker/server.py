@@ -219,9 +219,10 @@ async def _register(
         worker_id=config.worker_id, role=config.role, model=engine.spec.fingerprint,
         layout_fingerprint=engine.layout.fingerprint(), address=address,
         capacity=engine.pool.num_blocks, incarnation=uuid.uuid4().hex[:12],
+        identity=engine.spec.identity,
     )  # fmt: skip
     registration = WorkerRegistration(
-        config.redis_url, config.namespace, config.heartbeat_ttl_s, info
+        config.redis_url, config.pool_namespace, config.heartbeat_ttl_s, info
     )
     await registration.start()
     return registration
@@ -234,7 +235,7 @@ def _publish_signal(
     client), so the gateway's readers find it through the pool the worker is in."""
     if registration is None:
         return None
-    keys = Keyspace(config.namespace)
+    keys = Keyspace(config.pool_namespace)
     ttl_s = signal_ttl_s(config.signal_interval_s)
     board = SignalBoard(registration.registry.client, keys, ttl_s=ttl_s)
     return SignalPublisher(

@@ -94,7 +94,9 @@ def _info(stdout: str) -> dict[str, str]:
 
 def _expected_info(model_dir: Path) -> dict[str, str]:
     spec = ModelSpec.from_dir(model_dir)
-    return {"path": str(model_dir), **{f: str(getattr(spec, f)) for f in INFO_FIELDS}}
+    assert spec.identity is not None
+    parts = {f"identity.{k}": v for k, v in spec.identity.to_json().items()}
+    return {"path": str(model_dir), **{f: str(getattr(spec, f)) for f in INFO_FIELDS}, **parts}
 
 
 def test_model_info_describes_the_default_model() -> None:

@@ -1,12 +1,26 @@
 from pdserve.v1 import common_pb2 as _common_pb2
 from pdserve.v1 import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class RolloutAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLLOUT_ACTION_UNSPECIFIED: _ClassVar[RolloutAction]
+    ROLLOUT_ACTION_STATUS: _ClassVar[RolloutAction]
+    ROLLOUT_ACTION_START: _ClassVar[RolloutAction]
+    ROLLOUT_ACTION_PROMOTE: _ClassVar[RolloutAction]
+    ROLLOUT_ACTION_ABORT: _ClassVar[RolloutAction]
+ROLLOUT_ACTION_UNSPECIFIED: RolloutAction
+ROLLOUT_ACTION_STATUS: RolloutAction
+ROLLOUT_ACTION_START: RolloutAction
+ROLLOUT_ACTION_PROMOTE: RolloutAction
+ROLLOUT_ACTION_ABORT: RolloutAction
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -101,11 +115,63 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("workers", "active_streams", "max_streams")
+    __slots__ = ("workers", "active_streams", "max_streams", "rollouts")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
     MAX_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[_worker_pb2.WorkerStats]
     active_streams: int
     max_streams: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[_worker_pb2.WorkerStats, _Mapping]]] = ..., active_streams: _Optional[int] = ..., max_streams: _Optional[int] = ...) -> None: ...
+    rollouts: _containers.RepeatedCompositeFieldContainer[RolloutStatus]
+    def __init__(self, workers: _Optional[_Iterable[_Union[_worker_pb2.WorkerStats, _Mapping]]] = ..., active_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., rollouts: _Optional[_Iterable[_Union[RolloutStatus, _Mapping]]] = ...) -> None: ...
+
+class RolloutRequest(_message.Message):
+    __slots__ = ("model", "action", "version", "weight", "sticky")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    STICKY_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    action: RolloutAction
+    version: str
+    weight: float
+    sticky: bool
+    def __init__(self, model: _Optional[str] = ..., action: _Optional[_Union[RolloutAction, str]] = ..., version: _Optional[str] = ..., weight: _Optional[float] = ..., sticky: _Optional[bool] = ...) -> None: ...
+
+class RolloutWindow(_message.Message):
+    __slots__ = ("requests", "errors", "ttft_p90_s", "itl_p90_s")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P90_S_FIELD_NUMBER: _ClassVar[int]
+    ITL_P90_S_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    errors: int
+    ttft_p90_s: float
+    itl_p90_s: float
+    def __init__(self, requests: _Optional[int] = ..., errors: _Optional[int] = ..., ttft_p90_s: _Optional[float] = ..., itl_p90_s: _Optional[float] = ...) -> None: ...
+
+class RolloutStatus(_message.Message):
+    __slots__ = ("model", "stable", "canary", "weight", "sticky", "phase", "reason", "started_ms", "stable_window", "canary_window")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STABLE_FIELD_NUMBER: _ClassVar[int]
+    CANARY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    STICKY_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    STARTED_MS_FIELD_NUMBER: _ClassVar[int]
+    STABLE_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    CANARY_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    stable: str
+    canary: str
+    weight: float
+    sticky: bool
+    phase: str
+    reason: str
+    started_ms: int
+    stable_window: RolloutWindow
+    canary_window: RolloutWindow
+    def __init__(self, model: _Optional[str] = ..., stable: _Optional[str] = ..., canary: _Optional[str] = ..., weight: _Optional[float] = ..., sticky: _Optional[bool] = ..., phase: _Optional[str] = ..., reason: _Optional[str] = ..., started_ms: _Optional[int] = ..., stable_window: _Optional[_Union[RolloutWindow, _Mapping]] = ..., canary_window: _Optional[_Union[RolloutWindow, _Mapping]] = ...) -> None: ...

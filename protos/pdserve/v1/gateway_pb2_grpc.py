@@ -54,6 +54,11 @@ class GatewayStub:
                 request_serializer=pdserve_dot_v1_dot_gateway__pb2.ClusterStatusRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_gateway__pb2.ClusterStatusResponse.FromString,
                 _registered_method=True)
+        self.Rollout = channel.unary_unary(
+                '/pdserve.v1.Gateway/Rollout',
+                request_serializer=pdserve_dot_v1_dot_gateway__pb2.RolloutRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_gateway__pb2.RolloutStatus.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -85,6 +90,13 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rollout(self, request, context):
+        """Start, promote, abort or read a model's rollout (admin key required).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +119,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.ClusterStatus,
                     request_deserializer=pdserve_dot_v1_dot_gateway__pb2.ClusterStatusRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_gateway__pb2.ClusterStatusResponse.SerializeToString,
+            ),
+            'Rollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollout,
+                    request_deserializer=pdserve_dot_v1_dot_gateway__pb2.RolloutRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_gateway__pb2.RolloutStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +234,33 @@ class Gateway:
             '/pdserve.v1.Gateway/ClusterStatus',
             pdserve_dot_v1_dot_gateway__pb2.ClusterStatusRequest.SerializeToString,
             pdserve_dot_v1_dot_gateway__pb2.ClusterStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Gateway/Rollout',
+            pdserve_dot_v1_dot_gateway__pb2.RolloutRequest.SerializeToString,
+            pdserve_dot_v1_dot_gateway__pb2.RolloutStatus.FromString,
             options,
             channel_credentials,
             insecure,

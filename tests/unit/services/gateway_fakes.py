@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import redis
 
+from engine.model_identity import ModelIdentity
 from engine.model_spec import ModelSpec
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2
@@ -35,6 +36,7 @@ from services.gateway.request_record import RequestRecord, RequestState
 from services.gateway.service import GatewayService
 from services.gateway.stream_buffer import Disconnect
 from services.gateway.worker_stubs import WorkerStubs
+from services.router.identity_check import GATEWAY_PARTS
 from services.router.keyspace import Keyspace
 from services.router.redis_placement import RedisPlacement
 from services.router.registry import Registry, WorkerInfo
@@ -172,6 +174,8 @@ class FakeWorker:
             cluster.prefills
         ) in cluster.unreachable_prefills:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused")
+        if self.address in cluster.broken:
+            raise rpc_error(grpc.StatusCode.INTERNAL, "the model raised")
         finished = request.sampling.max_tokens == 1
         if not finished:
             cluster.leases.add(request.request_id)  # exported: held until pulled or aborted
@@ -216,6 +220,7 @@ class FakeCluster:
     import_fails: bool = False
     lost_imports: set[int] = field(default_factory=set)  # Decode calls (0-based): NOT_FOUND
     unreachable_prefills: set[int] = field(default_factory=set)  # Prefill calls (1-based)
+    broken: set[str] = field(default_factory=set)  # addresses whose Prefill fails: INTERNAL
     decode_refusals: list[grpc.StatusCode] = field(default_factory=list)  # next calls', in order
     decode_deaths: list[int | None] = field(default_factory=list)  # next calls': dies at read
     torn_down: bool = False  # the decode call's second read is cancelled from outside
@@ -279,21 +284,26 @@ def build_gateway(
     prefill_workers: int = 1,
     decode_workers: int = 1,
     tokens_per_minute: int = 100_000,
+    worker_identity: ModelIdentity | None = None,
     **config: Any,
 ) -> Gateway:
+    """`worker_identity`: the model identity the fake workers publish (None: none)."""
     registry = Registry(client, Keyspace(namespace))
-    for i in range(prefill_workers):
-        registry.register(WorkerInfo(f"p{i}", "prefill", "m", "l", f"p{i}:1"))  # type: ignore[arg-type]
-    for i in range(decode_workers):
-        registry.register(WorkerInfo(f"d{i}", "decode", "m", "l", f"d{i}:1"))  # type: ignore[arg-type]
+    for role, n in (("prefill", prefill_workers), ("decode", decode_workers)):
+        for i in range(n):
+            wid = f"{role[0]}{i}"
+            info = WorkerInfo(wid, role, "m", "l", f"{wid}:1", identity=worker_identity)  # type: ignore[arg-type]
+            registry.register(info)
+    spec = ModelSpec.from_dir(model_dir)
     router = Router(client, RouterConfig(namespace=namespace))
+    assert spec.identity is not None
+    router.expect_identity(spec.identity, GATEWAY_PARTS, "this gateway")  # as build_service
     router.refresh()
     route_gate, charge_gate = ThreadGate(), ThreadGate()
     router.route = route_gate.wrap(router.route)  # type: ignore[method-assign]
     quota = TokenQuota(client, namespace)
     quota.admit = charge_gate.wrap(quota.admit)  # type: ignore[method-assign]
     cluster = FakeCluster()
-    spec = ModelSpec.from_dir(model_dir)
     config.setdefault("local_prefill_max_tokens", 0)  # the prefill hop, unless asked
     service = GatewayService(
         GatewayConfig(placement="redis", **config),

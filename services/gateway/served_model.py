@@ -1,0 +1,140 @@
+"""The models one gateway serves, by the name clients send as `model`, and the versions
+of each that take its requests.
+
+Lifecycle: the gateway is built with its primary model (`--model`, named by
+`--served-model-name`, or by its path or the default model's name), and `ModelCatalog.add`
+adds each of `--extra-models` at start. Every model has its own tokenizer and limits, and
+one `Backend` per version that serves it: a placement on the pool namespace the
+version's workers register in (`services.router.keyspace.pool_namespace`), and an
+admission controller that reads the load signals of those workers alone. A model starts
+with its unversioned backend; a named model's `RolloutFollower` has the backends of the
+versions a rollout names made as it sees them (`ensure_version`), and `pick(tenant)`
+returns the backend a request goes to.
+
+What belongs to the gateway as a whole is shared: keys and quotas, worker stubs, the
+record book and the stream cap. `ModelCatalog.get(name)` resolves a request's `model`
+field (empty: the primary) or raises UnknownModelError listing what is served.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from engine.grammar import GrammarCompiler
+from engine.tokenizer import Tokenizer
+from services.common.status import UnknownModelError
+from services.gateway.admission import Admission
+from services.gateway.prefill_site import SitePolicy
+from services.gateway.request_record import Keepers
+from services.gateway.rollout_follower import RolloutFollower
+from services.router.placement import Placement
+
+
+@dataclass
+class Backend:
+    """One version of a model: where its requests are placed and admitted."""
+
+    version: str  # "" for the unversioned pool
+    placement: Placement
+    admission: Admission
+    keepers: Keepers  # the gateway's, with this version's placement
+    sites: SitePolicy  # conditional disaggregation, on this version's pools
+
+
+@dataclass
+class ServedModel:
+    name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    vocab_size: int
+    base: Backend  # the version the gateway started with
+    # Makes the backend of another version (a rollout's); None: this model has one.
+    make_backend: Callable[[str], Backend] | None = None
+    follower: RolloutFollower | None = None
+    versions: dict[str, Backend] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _grammars: GrammarCompiler | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.versions.setdefault(self.base.version, self.base)
+
+    # The base version's parts, as the gateway's single-model callers knew them.
+    @property
+    def placement(self) -> Placement:
+        return self.base.placement
+
+    @property
+    def admission(self) -> Admission:
+        return self.base.admission
+
+    @property
+    def keepers(self) -> Keepers:
+        return self.base.keepers
+
+    @property
+    def sites(self) -> SitePolicy:
+        return self.base.sites
+
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler, built on first use (it indexes the vocabulary)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler.of(self.tokenizer, self.vocab_size)
+        return self._grammars
+
+    def ensure_version(self, version: str) -> Backend:
+        """The backend of `version`, made on first call (Redis I/O: off the event loop)."""
+        with self._lock:
+            backend = self.versions.get(version)
+        if backend is not None:
+            return backend
+        if self.make_backend is None:
+            raise ValueError(f"model {self.name!r} has no versions")
+        made = self.make_backend(version)
+        with self._lock:
+            return self.versions.setdefault(version, made)
+
+    def pick(self, tenant: str) -> Backend:
+        """The backend a request of `tenant` goes to: the rollout's choice once its
+        backend exists, else the base version's."""
+        if self.follower is None:
+            return self.base
+        return self.versions.get(self.follower.pick(tenant), self.base)
+
+    def stable(self) -> Backend:
+        """The backend of the version that takes what a rollout does not split off."""
+        if self.follower is None:
+            return self.base
+        return self.versions.get(self.follower.rollout.stable, self.base)
+
+    def backends(self) -> list[Backend]:
+        with self._lock:
+            return list(self.versions.values())
+
+
+class ModelCatalog:
+    def __init__(self, primary: ServedModel) -> None:
+        self.primary = primary
+        self._by_name = {primary.name: primary}
+
+    def add(self, model: ServedModel) -> None:
+        if model.name in self._by_name:
+            raise ValueError(f"extra_models: the model name {model.name!r} is served already")
+        self._by_name[model.name] = model
+
+    def get(self, name: str) -> ServedModel:
+        """The model a request's `model` field names ("" or None: the primary)."""
+        if not name:
+            return self.primary
+        model = self._by_name.get(name)
+        if model is None:
+            served = ", ".join(repr(n) for n in self._by_name)
+            raise UnknownModelError(f"model: {name!r} is not served here (serving {served})")
+        return model
+
+    def __iter__(self) -> Iterator[ServedModel]:
+        return iter(self._by_name.values())
+
+    def __len__(self) -> int:
+        return len(self._by_name)

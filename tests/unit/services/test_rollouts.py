@@ -1,0 +1,213 @@
+"""Rollouts through the gateway, on real Redis and routers in front of fake workers: a
+named model's canary version takes its share of requests on its own workers; a canary
+whose requests fail is rolled back automatically and the stable version takes
+everything again; promote moves every new request to the new version and drains the
+old one's workers, while a request already running there finishes; the admin API
+refuses what it cannot do. Nothing is held afterwards in any version's pools."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from pdserve.v1 import gateway_pb2
+from services.common.status import NoRolloutsError, RolloutConflict
+from services.gateway.access import Access
+from services.gateway.admission import Admission
+from services.gateway.auth import ApiKeys
+from services.gateway.client import build_request
+from services.gateway.record_book import Resource
+from services.gateway.request_stream import StreamError
+from services.gateway.rollout_admin import RolloutAdmin
+from services.gateway.rollout_follower import RollbackPolicy, RolloutFollower
+from services.gateway.served_model import Backend
+from services.router.keyspace import Keyspace, pool_namespace
+from services.router.redis_placement import RedisPlacement
+from services.router.registry import Registry, WorkerInfo
+from services.router.rollout_store import RolloutPhase, RolloutStore
+from services.router.router import Router
+from services.router.router_config import RouterConfig
+from tests.unit.services.gateway_fakes import PROMPT, Gateway, build_gateway
+
+MODEL = "m"  # what build_gateway names its model
+POLICY = RollbackPolicy(window_s=60.0, min_requests=10, error_margin=0.05, latency_margin=0.5)
+Action = gateway_pb2.RolloutAction
+
+
+class Rollouts:
+    """A gateway whose primary model is named `MODEL` (its workers in its pool), with the
+    follower and admin `build_service` gives a named model; `add_version` registers a
+    version's prefill and decode workers."""
+
+    def __init__(self, client: redis.Redis, base: str, model_dir: Path) -> None:
+        self.client = client
+        self.base = base
+        self.gw: Gateway = build_gateway(client, pool_namespace(base, MODEL), model_dir)
+        self.routers: list[Router] = [self.gw.router]
+        self.store = RolloutStore(client, base)
+        model = self.gw.service.models.primary
+        model.make_backend = self._backend
+        model.follower = RolloutFollower(self.store, MODEL, POLICY, 1.0, model.ensure_version)
+        self.follower = model.follower
+        self.gw.service.rollouts = RolloutAdmin(self.gw.service.models, self.store, base)
+
+    def _backend(self, version: str) -> Backend:
+        router = Router(
+            self.client, RouterConfig(namespace=pool_namespace(self.base, MODEL, version))
+        )
+        router.refresh()
+        self.routers.append(router)
+        return self.gw.service.backend(
+            version, RedisPlacement(router), Admission(self.gw.service.config)
+        )
+
+    def add_version(self, version: str) -> None:
+        registry = Registry(self.client, Keyspace(pool_namespace(self.base, MODEL, version)))
+        for role in ("prefill", "decode"):
+            wid = f"{version}{role[0]}0"
+            registry.register(WorkerInfo(wid, role, "m2", "l2", f"{wid}:1"))  # type: ignore[arg-type]
+
+    async def act(
+        self, action: int, version: str = "", weight: float = 0.0
+    ) -> gateway_pb2.RolloutStatus:
+        assert self.gw.service.rollouts is not None
+        request = gateway_pb2.RolloutRequest(
+            model=MODEL, action=action, version=version, weight=weight
+        )  # type: ignore[arg-type]
+        return await self.gw.service.rollouts.act(request)
+
+    async def run(self, n: int) -> list[str]:
+        """`n` requests one after another; the prefill worker each went to (or the error)."""
+        out = []
+        for _ in range(n):
+            before = len(self.gw.cluster.prefills)
+            request = build_request(prompt=PROMPT, max_tokens=4, model=MODEL)
+            try:
+                async for _msg in self.gw.service.stream(request):
+                    pass
+                out.append(self.gw.cluster.prefills[before])
+            except StreamError as exc:
+                out.append(exc.code.name)
+        return out
+
+    async def check_clean(self) -> None:
+        await self.gw.service.stubs.cleanups.close(timeout_s=10.0)
+        assert self.gw.service.book.counts() == dict.fromkeys(Resource, 0)
+        for router in self.routers:
+            counts = {r: router.ledger.snapshot(r).counts for r in ("prefill", "decode")}
+            assert counts == {"prefill": {}, "decode": {}}
+
+
+@pytest.fixture
+def rollouts(client: redis.Redis, namespace: str, model_dir: Path) -> Iterator[Rollouts]:
+    r = Rollouts(client, namespace, model_dir)
+    r.add_version("v2")
+    yield r
+
+
+def test_a_canary_takes_its_share_on_its_own_workers(rollouts: Rollouts) -> None:
+    async def scenario() -> None:
+        status = await rollouts.act(Action.ROLLOUT_ACTION_START, "v2", 0.2)
+        assert (status.phase, status.canary, status.weight) == ("running", "v2", 0.2)
+        n = 300
+        went = await rollouts.run(n)
+        assert set(went) == {"p0:1", "v2p0:1"}
+        canary = went.count("v2p0:1")
+        assert abs(canary - 0.2 * n) < 4.5 * math.sqrt(n * 0.2 * 0.8), canary
+        await asyncio.to_thread(rollouts.follower.tick)  # the outcomes go to Redis
+        status = await rollouts.act(Action.ROLLOUT_ACTION_STATUS)
+        assert status.canary_window.requests == canary and status.canary_window.errors == 0
+        assert status.stable_window.requests == n - canary
+        await rollouts.check_clean()
+
+    asyncio.run(scenario())
+
+
+def test_a_failing_canary_is_rolled_back(rollouts: Rollouts) -> None:
+    async def scenario() -> None:
+        rollouts.gw.cluster.broken.add("v2p0:1")
+        await rollouts.act(Action.ROLLOUT_ACTION_START, "v2", 0.5)
+        went = await rollouts.run(40)
+        assert "INTERNAL" in went and "p0:1" in went
+        rolled = await asyncio.to_thread(rollouts.follower.tick)
+        assert rolled.phase is RolloutPhase.ROLLED_BACK
+        assert rolled.reason.startswith("automatic: error rate 100.0%")
+        assert set(await rollouts.run(20)) == {"p0:1"}  # the stable version takes all
+        await rollouts.check_clean()
+
+    asyncio.run(scenario())
+
+
+def test_promote_moves_new_requests_and_drains_the_old_version(rollouts: Rollouts) -> None:
+    async def scenario() -> None:
+        gw = rollouts.gw
+        gate = gw.cluster.gates["next_token"]
+        gate.hold()
+        running = asyncio.create_task(rollouts.run(1))  # on the stable version, held
+        await asyncio.wait_for(gate.arrived.wait(), 10)
+        await rollouts.act(Action.ROLLOUT_ACTION_START, "v2", 0.5)
+        status = await rollouts.act(Action.ROLLOUT_ACTION_PROMOTE)
+        assert (status.phase, status.stable) == ("promoted", "v2")
+        old = Registry(rollouts.client, Keyspace(pool_namespace(rollouts.base, MODEL)))
+        assert all(w.draining for w in old.list())
+        gate.proceed.set()
+        assert await running == ["p0:1"]  # the running request finished where it was
+        assert set(await rollouts.run(10)) == {"v2p0:1"}
+        await rollouts.check_clean()
+
+    asyncio.run(scenario())
+
+
+def test_the_admin_api_refuses_what_it_cannot_do(rollouts: Rollouts) -> None:
+    async def scenario() -> None:
+        with pytest.raises(RolloutConflict, match="no rollout running"):
+            await rollouts.act(Action.ROLLOUT_ACTION_PROMOTE)
+        with pytest.raises(ValueError, match="weight must be in"):
+            await rollouts.act(Action.ROLLOUT_ACTION_START, "v2", 1.5)
+        with pytest.raises(ValueError, match="name one of"):
+            await rollouts.act(Action.ROLLOUT_ACTION_UNSPECIFIED)
+        rollouts.gw.service.models.primary.follower = None  # as for the unnamed model
+        with pytest.raises(NoRolloutsError, match="no versions to roll out"):
+            await rollouts.act(Action.ROLLOUT_ACTION_STATUS)
+
+    asyncio.run(scenario())
+
+
+class _Context:
+    """The servicer context of a call made with `key`'s metadata."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.aborted: tuple[grpc.StatusCode, str] | None = None
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.key}"),)
+
+    async def abort(self, code: grpc.StatusCode, details: str, *_: object) -> None:
+        self.aborted = (code, details)
+        raise grpc.aio.AbortError()
+
+
+def test_the_rollout_rpc_needs_an_admin_key(rollouts: Rollouts, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("ops ops-key-0123456789 admin\nacme acme-key-0123456789\n")
+    rollouts.gw.service.access = Access(ApiKeys.from_file(keys), None)
+    request = gateway_pb2.RolloutRequest(model=MODEL, action=Action.ROLLOUT_ACTION_STATUS)
+
+    async def scenario() -> None:
+        denied = _Context("acme-key-0123456789")
+        with pytest.raises(grpc.aio.AbortError):
+            await rollouts.gw.service.Rollout(request, denied)  # type: ignore[arg-type]
+        assert denied.aborted is not None
+        assert denied.aborted[0] is grpc.StatusCode.PERMISSION_DENIED
+        assert "Rollout needs an admin key" in denied.aborted[1]
+        status = await rollouts.gw.service.Rollout(request, _Context("ops-key-0123456789"))  # type: ignore[arg-type]
+        assert status.model == MODEL and status.phase == "none"
+
+    asyncio.run(scenario())
