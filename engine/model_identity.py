@@ -6,12 +6,13 @@ Lifecycle: `ModelIdentity.of_dir(model_dir)` once at engine or gateway start (th
 `ModelSpec.from_dir`). The identity has four parts (`IdentityPart`), each a 128-bit
 digest:
 
-- config: the text of `config.json`;
+- config: `config.json`, less the keys that only say who saved it (`CONFIG_NOISE`);
 - weights: the bytes of every `*.safetensors` file, in name order. They are read in
   large chunks, with a progress bar past `PROGRESS_MIN_BYTES`. Each file's digest is
   cached in `.pdserve-identity.json` inside the model directory, or in the user's cache
   directory when the model directory is read-only. A file is hashed again only when its
-  size or modification time changed (one `stat` per file), so a restart costs nothing;
+  size, modification time or inode changed (one `stat` per file), or when it had not
+  settled when it was hashed, so a restart costs nothing;
 - tokenizer: `tokenizer.json` and `tokenizer_config.json` without its chat template;
 - chat_template: the template the `Tokenizer` renders.
 
@@ -34,6 +35,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +48,12 @@ from engine.tokenizer import read_chat_template, read_tokenizer_config
 log = logging.getLogger(__name__)
 
 CACHE_NAME = ".pdserve-identity.json"  # per-file weight digests, beside the weights
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+#: config.json keys that say who saved the file, not what the model is.
+CONFIG_NOISE = ("transformers_version", "_name_or_path")
+#: A digest is trusted later only if its file had not changed for this long when it was
+#: hashed: a change within one tick of the file system's clock keeps the same mtime.
+SETTLED_NS = 2_000_000_000
 CHUNK_BYTES = 16 << 20
 PROGRESS_MIN_BYTES = 1 << 30  # hashing less than this is too quick for a progress bar
 
@@ -86,8 +93,15 @@ class ModelIdentity:
         return [p for p in parts if self.digest(p) != other.digest(p)]
 
     @classmethod
-    def of_dir(cls, model_dir: Path, *, progress: bool = True) -> ModelIdentity:
-        config = (model_dir / "config.json").read_bytes()
+    def of_dir(
+        cls, model_dir: Path, *, progress: bool = True, hash_weights: bool = True
+    ) -> ModelIdentity:
+        """The identity of `model_dir`. `hash_weights=False` leaves the weights part
+        empty: for a process that never reads them (the gateway), whose first start
+        should not read every byte of a large model."""
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        for key in CONFIG_NOISE:
+            config.pop(key, None)
         tokenizer_cfg = read_tokenizer_config(model_dir)
         tokenizer_cfg.pop("chat_template", None)
         tokenizer = xxhash.xxh3_128()
@@ -96,8 +110,8 @@ class ModelIdentity:
         tokenizer.update(json.dumps(tokenizer_cfg, sort_keys=True).encode())
         template = read_chat_template(model_dir) or ""
         return cls(
-            config=xxhash.xxh3_128_hexdigest(config),
-            weights=WeightDigests(model_dir).digest(progress=progress),
+            config=xxhash.xxh3_128_hexdigest(json.dumps(config, sort_keys=True).encode()),
+            weights=WeightDigests(model_dir).digest(progress=progress) if hash_weights else "",
             tokenizer=tokenizer.hexdigest(),
             chat_template=xxhash.xxh3_128_hexdigest(template.encode()),
         )
@@ -132,7 +146,9 @@ class WeightDigests:
             disable=not progress or total < PROGRESS_MIN_BYTES,
         ) as bar:  # fmt: skip
             for f in todo:
-                digests[f.name] = _stamp(f) | {"digest": _hash_file(f, bar.update)}
+                stamp = _stamp(f)
+                digest = _hash_file(f, bar.update)
+                digests[f.name] = stamp | {"digest": digest, "hashed_ns": time.time_ns()}
         if todo:
             self._save_cache(digests)
         whole = xxhash.xxh3_128()
@@ -158,6 +174,7 @@ class WeightDigests:
         read-only system only costs the next start a re-hash."""
         text = json.dumps({"version": CACHE_VERSION, "files": files}, indent=1, sort_keys=True)
         for path in self._cache_paths():
+            tmp = ""
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fd, tmp = tempfile.mkstemp(prefix=".identity-", dir=path.parent)
@@ -167,6 +184,9 @@ class WeightDigests:
                 return
             except OSError as exc:
                 log.debug("cannot cache weight digests at %s: %s", path, exc)
+                if tmp:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
         log.warning("could not cache the weight digests of %s anywhere", self.model_dir)
 
 
@@ -177,10 +197,13 @@ def _stamp(path: Path) -> dict[str, object]:
 
 
 def _current(entry: dict[str, object] | None, path: Path) -> bool:
-    """Whether the cached `entry` still describes `path` (same size and mtime)."""
+    """Whether the cached `entry` still describes `path`: the same size, mtime and inode,
+    and the file had settled when it was hashed (else a rewrite in the same clock tick
+    could pass for it)."""
     if not entry or not entry.get("digest"):
         return False
-    return all(entry.get(k) == v for k, v in _stamp(path).items())
+    settled = int(str(entry.get("hashed_ns", 0))) - int(str(entry.get("mtime_ns", 0)))
+    return settled > SETTLED_NS and all(entry.get(k) == v for k, v in _stamp(path).items())
 
 
 def _hash_file(path: Path, advance: Callable[[int], object]) -> str:

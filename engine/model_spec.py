@@ -52,7 +52,9 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     rope_scaling: RopeScaling | None
     fingerprint: str
-    identity: ModelIdentity | None = None  # the parts `fingerprint` folds (from_dir sets it)
+    # The parts `fingerprint` folds (from_dir sets it); `fingerprint` stands for it in
+    # comparisons.
+    identity: ModelIdentity | None = dataclasses.field(default=None, compare=False)
 
     def with_weights(self, quantization: str) -> ModelSpec:
         """This spec for weights stored as `quantization` ("none" keeps it as it is): the
@@ -64,14 +66,17 @@ class ModelSpec:
         return dataclasses.replace(self, fingerprint=tagged)
 
     @classmethod
-    def from_dir(cls, model_dir: Path, *, progress: bool = True) -> ModelSpec:
+    def from_dir(
+        cls, model_dir: Path, *, progress: bool = True, hash_weights: bool = True
+    ) -> ModelSpec:
         """The spec of an HF-layout directory, its fingerprint the directory's whole
         `ModelIdentity` (the weights hashed once and cached; `progress` shows a bar for a
-        large first hash)."""
+        large first hash). `hash_weights=False`, for a process that never reads the
+        weights, leaves them out: its fingerprint is then not a worker's."""
         path = model_dir / "config.json"
         if not path.is_file():
             raise ModelNotFoundError(f"{path} not found: --model must be an HF-layout directory")
-        identity = ModelIdentity.of_dir(model_dir, progress=progress)
+        identity = ModelIdentity.of_dir(model_dir, progress=progress, hash_weights=hash_weights)
         spec = cls.from_config(json.loads(path.read_text()), identity.fingerprint)
         return dataclasses.replace(spec, identity=identity)
 

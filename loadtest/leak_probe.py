@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
+import redis
 
 from kvtransfer.config import TransferConfig
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -168,20 +169,35 @@ async def worker_stats(
 
 
 def _redis_state(url: str, namespace: str) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-    """(live load leases per pool, leases ever purged as expired per pool, tokens per
-    quota window). The snapshot purges expired leases first, so they are counted."""
+    """(live load leases per pool role, leases ever purged as expired per pool role, tokens
+    per quota window), the roles' counts summed over the base namespace and every model's
+    and version's pool namespace under it (`<namespace>/<name>[@<version>]`). The
+    snapshots purge expired leases first, so they are counted."""
     client = connect(url, 2.0)
     try:
-        keys = Keyspace(namespace)
-        ledger = LoadLedger(client, keys)
-        snaps = {role: ledger.snapshot(role) for role in ROLES}
+        live, expired = dict.fromkeys(ROLES, 0), dict.fromkeys(ROLES, 0)
+        for pool in _pool_namespaces(client, namespace):
+            ledger = LoadLedger(client, Keyspace(pool))
+            for role in ROLES:
+                snap = ledger.snapshot(role)
+                live[role] += snap.total
+                expired[role] += snap.expired
         windows = list(client.scan_iter(match=f"{namespace}:quota:*", count=1000))
         values = client.mget(windows) if windows else []
         quota = {str(k): int(v) for k, v in zip(windows, values, strict=True) if v is not None}
-        return ({r: s.total for r, s in snaps.items()}, {r: s.expired for r, s in snaps.items()},
-                quota)  # fmt: skip
+        return live, expired, quota
     finally:
         client.close()
+
+
+def _pool_namespaces(client: redis.Redis, namespace: str) -> set[str]:
+    """`namespace` and each pool namespace under it that ever held a load lease."""
+    pools = {namespace}
+    for key in client.scan_iter(match=f"{namespace}/*", count=1000):
+        for marker in (":count:", ":expired:", ":load:"):
+            if marker in str(key):
+                pools.add(str(key).split(marker, 1)[0])
+    return pools
 
 
 def _tenant(window_key: str, namespace: str) -> str:

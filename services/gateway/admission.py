@@ -95,6 +95,7 @@ class Admission:
         """Start ticking; `usage` lists the live requests' KV use (for the ledger)."""
         self._usage = usage
         if self._task is None and self.enabled:
+            self._fair_at = time.monotonic()  # charges count from the first tick, not build
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:

@@ -5,9 +5,11 @@ Lifecycle of one action (the caller is an admin; the RPC checks): resolve the mo
 named one: the unnamed model has no versions to roll out), change the rollout in Redis
 (`RolloutStore`), and tick the model's follower at once so that this gateway acts on it
 from its next request (the others follow within `rollout_refresh_s`). START first makes
-sure the canary's backend exists. PROMOTE then drains the old stable version's workers
-in the registry: routers stop placing there at once, the streams they run finish, and
-the workers stay up for the operator to stop (or to roll back to by hand).
+sure the canary's backend exists (after checking the start, so a refused one makes
+none). PROMOTE then drains the old stable version's workers in the registry, once every
+gateway has had time to follow (`drain_after_s`: two rollout refreshes and a membership
+refresh): routers stop placing there, the streams they run finish, and the workers stay
+up, draining, for the operator to stop.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import asyncio
 import logging
 
 from pdserve.v1 import gateway_pb2
-from services.common.status import NoRolloutsError
+from services.common.model_config import check_model_name
+from services.common.status import NoRolloutsError, RolloutConflict
+from services.gateway.model_catalog import ModelCatalog
 from services.gateway.rollout_follower import RolloutFollower, error_rate, itls, p90, ttfts
-from services.gateway.served_model import ModelCatalog, ServedModel
+from services.gateway.served_model import ServedModel
 from services.router.keyspace import Keyspace, pool_namespace
 from services.router.registry import Registry
 from services.router.rollout_store import Outcome, Rollout, RolloutStore
@@ -29,10 +33,14 @@ Action = gateway_pb2.RolloutAction
 
 
 class RolloutAdmin:
-    def __init__(self, catalog: ModelCatalog, store: RolloutStore, namespace: str) -> None:
+    def __init__(
+        self, catalog: ModelCatalog, store: RolloutStore, namespace: str, drain_after_s: float
+    ) -> None:
         self.catalog = catalog
         self.store = store
         self.namespace = namespace
+        self.drain_after_s = drain_after_s  # how long every gateway needs to follow
+        self._drains: set[asyncio.Task[None]] = set()
 
     async def act(self, request: gateway_pb2.RolloutRequest) -> gateway_pb2.RolloutStatus:
         """Carry out `request`; raises UnknownModelError, NoRolloutsError, RolloutConflict
@@ -40,19 +48,13 @@ class RolloutAdmin:
         model = self.catalog.get(request.model or "")
         follower = self._follower(model)
         if request.action == Action.ROLLOUT_ACTION_START:
-            await asyncio.to_thread(model.ensure_version, request.version)
-            await asyncio.to_thread(
-                self.store.start, model.name, request.version, request.weight,
-                sticky=request.sticky,
-            )  # fmt: skip
+            await asyncio.to_thread(self._start, model, request)
         elif request.action == Action.ROLLOUT_ACTION_PROMOTE:
             old = await asyncio.to_thread(self.store.read, model.name)
             await asyncio.to_thread(self.store.promote, model.name)
-            drained = await asyncio.to_thread(self._drain, model.name, old.stable)
-            log.info(
-                "model %s: %r promoted; %d workers of %r draining", model.name, old.canary,
-                drained, old.stable,
-            )  # fmt: skip
+            drain = asyncio.create_task(self._drain_later(model.name, old))
+            self._drains.add(drain)
+            drain.add_done_callback(self._drains.discard)
         elif request.action == Action.ROLLOUT_ACTION_ABORT:
             await asyncio.to_thread(self.store.abort, model.name)
         elif request.action != Action.ROLLOUT_ACTION_STATUS:
@@ -67,6 +69,40 @@ class RolloutAdmin:
                 "(--served-model-name or --extra-models) with --placement redis"
             )
         return model.follower
+
+    def _start(self, model: ServedModel, request: gateway_pb2.RolloutRequest) -> None:
+        """Check the start, make the canary's backend, then start (Redis I/O)."""
+        if not 0 < request.weight < 1:
+            raise ValueError(f"weight must be in (0, 1), got {request.weight}")
+        current = self.store.read(model.name)
+        if current.running:  # before a backend is made for nothing
+            raise RolloutConflict(
+                f"model {model.name!r} has a rollout of {current.canary!r} running: promote "
+                "or abort it first"
+            )
+        model.ensure_version(check_model_name(request.version, "version"))
+        self.store.start(model.name, request.version, request.weight, sticky=request.sticky)
+
+    async def _drain_later(self, model: str, old: Rollout) -> None:
+        """Drain the old stable version once every gateway has followed the promote:
+        until then some still send it their stable share."""
+        await asyncio.sleep(self.drain_after_s)
+        try:
+            drained = await asyncio.to_thread(self._drain, model, old.stable)
+        except Exception as exc:  # Redis away: the operator drains or stops them by hand
+            log.warning("model %s: could not drain version %r: %s", model, old.stable, exc)
+            return
+        log.info(
+            "model %s: %r promoted; %d workers of %r draining", model, old.canary, drained,
+            old.stable,
+        )  # fmt: skip
+
+    async def close(self) -> None:
+        """The gateway stops: drains still waiting are dropped (the operator drains or
+        stops that version by hand)."""
+        for task in list(self._drains):
+            task.cancel()
+        self._drains.clear()
 
     def _drain(self, model: str, version: str) -> int:
         """Mark every worker of `model`'s `version` draining; returns how many."""

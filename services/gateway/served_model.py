@@ -1,46 +1,28 @@
-"""The models one gateway serves, by the name clients send as `model`, and the versions
-of each that take its requests.
+"""One model a gateway serves, by the name clients send as `model`, and the versions of
+it that take its requests.
 
-Lifecycle: the gateway is built with its primary model (`--model`, named by
-`--served-model-name`, or by its path or the default model's name), and `ModelCatalog.add`
-adds each of `--extra-models` at start. Every model has its own tokenizer and limits, and
-one `Backend` per version that serves it: a placement on the pool namespace the
-version's workers register in (`services.router.keyspace.pool_namespace`), and an
-admission controller that reads the load signals of those workers alone. A model starts
-with its unversioned backend; a named model's `RolloutFollower` has the backends of the
-versions a rollout names made as it sees them (`ensure_version`), and `pick(tenant)`
-returns the backend a request goes to.
-
-What belongs to the gateway as a whole is shared: keys and quotas, worker stubs, the
-record book and the stream cap. `ModelCatalog.get(name)` resolves a request's `model`
-field (empty: the primary) or raises UnknownModelError listing what is served.
+Lifecycle: built at gateway start (`ModelCatalog` holds them all), with its own tokenizer
+and limits and one `Backend` per version that serves it. A model starts with its
+unversioned backend; a named model's `RolloutFollower` has the backends of the versions a
+rollout names made as it sees them (`ensure_version`), and `pick(tenant)` returns the
+backend a request goes to. What belongs to the gateway as a whole is shared: keys and
+quotas, worker stubs, the record book and the stream cap.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.grammar import GrammarCompiler
 from engine.tokenizer import Tokenizer
-from services.common.status import UnknownModelError
 from services.gateway.admission import Admission
+from services.gateway.model_backend import Backend
 from services.gateway.prefill_site import SitePolicy
 from services.gateway.request_record import Keepers
 from services.gateway.rollout_follower import RolloutFollower
 from services.router.placement import Placement
-
-
-@dataclass
-class Backend:
-    """One version of a model: where its requests are placed and admitted."""
-
-    version: str  # "" for the unversioned pool
-    placement: Placement
-    admission: Admission
-    keepers: Keepers  # the gateway's, with this version's placement
-    sites: SitePolicy  # conditional disaggregation, on this version's pools
 
 
 @dataclass
@@ -111,30 +93,3 @@ class ServedModel:
     def backends(self) -> list[Backend]:
         with self._lock:
             return list(self.versions.values())
-
-
-class ModelCatalog:
-    def __init__(self, primary: ServedModel) -> None:
-        self.primary = primary
-        self._by_name = {primary.name: primary}
-
-    def add(self, model: ServedModel) -> None:
-        if model.name in self._by_name:
-            raise ValueError(f"extra_models: the model name {model.name!r} is served already")
-        self._by_name[model.name] = model
-
-    def get(self, name: str) -> ServedModel:
-        """The model a request's `model` field names ("" or None: the primary)."""
-        if not name:
-            return self.primary
-        model = self._by_name.get(name)
-        if model is None:
-            served = ", ".join(repr(n) for n in self._by_name)
-            raise UnknownModelError(f"model: {name!r} is not served here (serving {served})")
-        return model
-
-    def __iter__(self) -> Iterator[ServedModel]:
-        return iter(self._by_name.values())
-
-    def __len__(self) -> int:
-        return len(self._by_name)

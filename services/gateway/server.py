@@ -12,6 +12,7 @@ finish for a few seconds.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -32,10 +33,10 @@ from services.gateway.admission_metrics import AdmissionMetrics
 from services.gateway.config import GatewayConfig
 from services.gateway.fair_share import FairShare
 from services.gateway.http_api import HttpApi
+from services.gateway.model_backend import Backend
 from services.gateway.record_book import HeldCollector
 from services.gateway.rollout_admin import RolloutAdmin
 from services.gateway.rollout_follower import RolloutFollower
-from services.gateway.served_model import Backend
 from services.gateway.service import GatewayService
 from services.gateway.stream_telemetry import GatewayTelemetry
 from services.gateway.wire import add_servicer
@@ -48,6 +49,8 @@ from services.router.redis_placement import RedisPlacement
 from services.router.rollout_store import RolloutStore
 from services.router.router_config import RouterConfig
 from services.router.worker_signal import SignalBoard
+
+log = logging.getLogger(__name__)
 
 DRAIN_S = 5.0
 
@@ -125,7 +128,7 @@ def build_service(
     )  # fmt: skip
     stubs = WorkerStubs(tls or TlsConfig())
     for source, placement in zip(sources, placements, strict=True):
-        spec = ModelSpec.from_dir(source.model_dir)
+        spec = ModelSpec.from_dir(source.model_dir, hash_weights=False)  # tokenizer side only
         parts.expect(placement, spec)
         tokenizer, vocab = Tokenizer(source.model_dir), spec.vocab_size
         limit = spec.max_position_embeddings
@@ -188,7 +191,10 @@ def follow_rollouts(
     assert parts.client is not None
     namespace = parts.router.namespace
     store = RolloutStore(parts.client, namespace)
-    service.rollouts = RolloutAdmin(service.models, store, namespace)
+    # Every gateway follows a promote within two of its refreshes, and their routers
+    # see the drained workers within a membership refresh.
+    drain_after_s = 2 * parts.config.rollout_refresh_s + parts.router.membership_refresh_s
+    service.rollouts = RolloutAdmin(service.models, store, namespace, drain_after_s)
     for source, model in zip(sources, service.models, strict=True):
         if not source.named:
             continue  # the unnamed model has one pool: nothing to roll out
@@ -196,7 +202,7 @@ def follow_rollouts(
         def make(version: str, source: ModelSource = source) -> Backend:
             pool = pool_namespace(namespace, source.name, version)
             placement = parts.placement(pool)
-            parts.expect(placement, ModelSpec.from_dir(source.model_dir, progress=False))
+            parts.expect(placement, ModelSpec.from_dir(source.model_dir, hash_weights=False))
             return service.backend(version, placement, parts.admission(pool))
 
         def rolled_back(reason: str, name: str = model.name) -> None:
@@ -208,7 +214,10 @@ def follow_rollouts(
             store, model.name, parts.config.rollback_policy, parts.config.rollout_refresh_s,
             model.ensure_version, rolled_back,
         )  # fmt: skip
-        model.follower.tick()
+        try:
+            model.follower.tick()
+        except Exception as exc:  # Redis away at start: the loop tries again
+            log.warning("model %s: rollout state unreadable at start: %s", model.name, exc)
         model.follower.start()
 
 

@@ -27,6 +27,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
 
 import grpc
+import redis
 
 from engine.errors import InvalidRequestError
 from engine.tokenizer import ChatMessage, Tokenizer
@@ -47,13 +48,15 @@ from services.gateway.access import Access
 from services.gateway.admission import Admission, Usage
 from services.gateway.auth import ANONYMOUS, AuthError, Principal
 from services.gateway.config import GatewayConfig
+from services.gateway.model_backend import Backend
+from services.gateway.model_catalog import ModelCatalog
 from services.gateway.prefill_site import SitePolicy
 from services.gateway.record_book import RecordBook, Resource
 from services.gateway.request_record import Keepers, Prepared, RequestRecord
 from services.gateway.request_stream import RequestStream, StreamError
 from services.gateway.rollout_admin import RolloutAdmin
 from services.gateway.rollout_follower import OutcomeClock
-from services.gateway.served_model import Backend, ModelCatalog, ServedModel
+from services.gateway.served_model import ServedModel
 from services.gateway.stream_buffer import Disconnect, StreamBuffer
 from services.gateway.stream_telemetry import GatewayTelemetry
 from services.gateway.worker_stubs import WorkerStubs
@@ -135,11 +138,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         """Streams running: the stream slots live request records hold."""
         return self.book.count(Resource.STREAM_SLOT)
 
-    def usage(self) -> list[Usage]:
-        """The live requests' KV blocks on the workers, for the fair-share ledger (every
-        model's: a tenant's share is of the whole gateway)."""
+    def usage(self, backend: Backend | None = None) -> list[Usage]:
+        """The live requests' KV blocks on the workers, for the fair-share ledger: those
+        placed through `backend` (each backend's admission charges its own requests to
+        the one shared ledger), or every one."""
         out = []
         for record in self.book.live():
+            if backend is not None and record.keepers is not backend.keepers:
+                continue
             size = self.models.get(record.req.model).admission.capacity.decode.block_size
             blocks = record.kv_blocks(size)
             if blocks:
@@ -147,6 +153,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         return out
 
     async def close(self) -> None:
+        if self.rollouts is not None:
+            await self.rollouts.close()
         for model in self.models:
             if model.follower is not None:
                 await model.follower.close()
@@ -256,16 +264,15 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         buffer = StreamBuffer(record, self.config, prepared.deadline, disconnect)
         timing = OutcomeClock()
         try:
-            await self._admit(record, principal, backend.admission)
+            await self._admit(record, principal, backend)
             skip = prepared.params.skip_special_tokens
             detok = IncrementalDetokenizer(served.tokenizer, skip_special_tokens=skip)
             relay = RequestStream(
                 record, self.config, self.stubs, detok, self.telemetry, backend.sites
             )
             timing.admitted()
-            buffer.start(relay.run())
+            buffer.start(relay.run(), timing.message)
             while (msg := await buffer.next()) is not None:
-                timing.message(msg)
                 yield msg
             timing.ended(ok=True)
         except (StreamError, NoWorkerError):
@@ -279,12 +286,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 served.follower.observe(backend.version, timing.outcome)
                 self.telemetry.count_version(served.name, backend.version, timing.outcome.ok)
 
-    async def _admit(
-        self, record: RequestRecord, principal: Principal, admission: Admission
-    ) -> None:
-        """Quota first (a tenant over it is told at once), then the model's admission
-        control (which may wait), then a stream slot."""
-        admission.start(self.usage)
+    async def _admit(self, record: RequestRecord, principal: Principal, backend: Backend) -> None:
+        """Quota first (a tenant over it is told at once), then the admission control of
+        the model version's pools (which may wait), then a stream slot."""
+        admission = backend.admission
+        admission.start(lambda: self.usage(backend))
         try:
             await record.charge(principal)
             await record.admit(admission)
@@ -381,6 +387,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             return await self.rollouts.act(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except redis.RedisError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"rollout state unreachable: {exc}")
         except (ServiceError, StatusError) as exc:
             await abort_with(context, exc)
         raise AssertionError("abort raises")  # keeps the type checker honest

@@ -94,7 +94,14 @@ class StreamBuffer:
         """Whether the stream ended because its client stopped reading."""
         return self._given_up is not None
 
-    def start(self, relay: Relay) -> None:
+    def start(
+        self,
+        relay: Relay,
+        on_message: Callable[[gateway_pb2.GenerateResponse], None] = lambda msg: None,
+    ) -> None:
+        """Pump `relay` into the buffer; `on_message` sees each message as it comes from
+        the relay (not when the client reads it)."""
+        self._on_message = on_message
         self._pump = asyncio.ensure_future(self._run(relay))
         self._pump.add_done_callback(self._pump_ended)
 
@@ -151,6 +158,7 @@ class StreamBuffer:
                 async for msg in messages:
                     if self._stopped:
                         raise asyncio.CancelledError  # closes the relay on the way out
+                    self._on_message(msg)
                     self._add(msg)
             self._add(END)
         except Exception as exc:

@@ -2,8 +2,8 @@
 in the parts the caller uses.
 
 Lifecycle: `Router.expect_identity(identity, parts)` once at gateway start; afterwards
-`IdentityCheck.check(view)` runs on every placement, and compares only when the
-membership view changed (a view is immutable, so the last verdict holds for it). A view
+`IdentityCheck.check(view)` runs on every placement, and compares (and logs a mismatch)
+only when the workers' published identity changed. A view
 whose workers published no identity (none registered yet, or workers of an older
 release) passes: the model fingerprint still keeps KV and cache keys apart.
 """
@@ -31,14 +31,14 @@ class IdentityCheck:
         self.parts = tuple(parts)
         self.who = who
         self._lock = threading.Lock()
-        self._checked: MembershipView | None = None
+        self._checked: ModelIdentity | None = None
         self._error: str | None = None
 
     def check(self, view: MembershipView) -> None:
         """Raises ModelMismatchError naming the parts that differ."""
         with self._lock:
-            if view is not self._checked:
-                self._checked, self._error = view, self._verdict(view)
+            if view.identity != self._checked:  # a new view mostly has the same identity
+                self._checked, self._error = view.identity, self._verdict(view)
                 if self._error:
                     log.error("%s", self._error)
             error = self._error
@@ -53,6 +53,6 @@ class IdentityCheck:
             return None
         return (
             f"model: {describe_difference(differ, self.who, 'the workers')}; it would send "
-            "them tokens their model does not read the same way: start both from the same "
-            "model directory"
+            "them tokens their model does not read the same way: give the gateway the "
+            "workers' tokenizer, chat template and config"
         )

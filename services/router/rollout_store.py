@@ -194,12 +194,14 @@ class RolloutStore:
         pipe.execute()
 
     def window(self, model: str, version: str, since_ms: int) -> list[Outcome]:
-        """The version's outcomes recorded at or after `since_ms`, newest first."""
+        """The version's outcomes stamped at or after `since_ms` (of the last
+        `MAX_OUTCOMES`)."""
         raw = self.client.lrange(self._outcomes(model, version), 0, MAX_OUTCOMES - 1)
         out = []
         for item in raw:
             outcome = Outcome.decode(str(item))
-            if outcome.at_ms < since_ms:
-                break  # newest first: the rest are older still
-            out.append(outcome)
+            # Gateways' clocks differ, so the list is only roughly newest first: skip the
+            # old ones rather than stop at the first.
+            if outcome.at_ms >= since_ms:
+                out.append(outcome)
         return out

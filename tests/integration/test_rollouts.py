@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -24,6 +24,7 @@ from pdserve.v1 import gateway_pb2
 from services.cluster.local_cluster import LocalCluster
 from services.gateway.client import GatewayClient, build_request
 from services.router.keyspace import Keyspace, pool_namespace
+from services.router.load import LoadLedger
 from services.router.redis_client import connect
 from services.router.registry import Registry
 from tests.conftest import MODEL_CACHE
@@ -38,7 +39,11 @@ Ends = list[tuple[str, grpc.StatusCode]]  # per request: its decode worker, its 
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path) -> Iterator[LocalCluster]:
-    gateway = f"--rollout-min-requests {MIN_REQUESTS} --rollout-refresh-s 0.2"
+    # Errors decide here: the latency of a few requests on a loaded host would be noise.
+    gateway = (
+        f"--rollout-min-requests {MIN_REQUESTS} --rollout-refresh-s 0.2 "
+        "--rollout-latency-margin 100"
+    )
     c = _cluster(num_prefill=0, num_decode=1, placement="redis", http_port=-1,
                  extra_models=f"{MODEL}={model_dir}", gateway_args=gateway)  # fmt: skip
     try:
@@ -74,6 +79,13 @@ async def _one(client: GatewayClient, max_tokens: int = 2) -> tuple[str, grpc.St
     except grpc.aio.AioRpcError as exc:
         return worker, exc.code()
     return worker, grpc.StatusCode.OK
+
+
+def _until(done: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < end, "not within the time allowed"
+        time.sleep(0.1)
 
 
 class _Held:
@@ -161,6 +173,12 @@ def test_a_canary_takes_its_share_and_promote_drains_the_old_version(
     assert {w for w, _ in running} == {"smol-0"}  # finished where they started
     assert {w for w, _ in after} == {"smol-v2-0"}
     assert cluster.redis is not None
-    old = Registry(connect(cluster.redis.url, 2.0), Keyspace(pool_namespace("pdserve", MODEL)))
-    assert [(w.worker_id, w.draining) for w in old.list()] == [("smol-0", True)]
-    assert_cluster_clean(probe)
+    client = connect(cluster.redis.url, 2.0)
+    pools = {v: Keyspace(pool_namespace("pdserve", MODEL, v)) for v in ("", "v2", "v3")}
+    # The old version drains once every gateway has had time to follow the promote.
+    old = Registry(client, pools[""])
+    _until(lambda: [(w.worker_id, w.draining) for w in old.list()] == [("smol-0", True)])
+    assert_cluster_clean(probe)  # every worker's blocks and leases, the base pools' load
+    for pool in pools.values():  # and the model's own pools' load
+        ledger = LoadLedger(client, pool)
+        _until(lambda ledger=ledger: ledger.snapshot("mixed").counts == {})

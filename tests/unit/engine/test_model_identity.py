@@ -6,7 +6,9 @@ digests are cached per file and a file is hashed again only once it changed."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -14,16 +16,22 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import model_identity
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
 from engine.kv_cache import KvLayout
 from engine.model_identity import CACHE_NAME, IdentityPart, ModelIdentity
 from engine.model_spec import ModelSpec
 from engine.prefix_hash import hash_seed
 from engine.tokenizer import Tokenizer
+from kvtransfer.config import TransferConfig
 from kvtransfer.errors import LayoutMismatchError
+from kvtransfer.exporter import KvExporter
+from kvtransfer.importer import handshake
 from kvtransfer.layout import check_layout, layout_to_proto
 from tests.tiny_models import write_tiny_model
 
 CPU = torch.device("cpu")
+TCP = TransferConfig(kv_backend="tcp", kv_transfer_timeout_s=10.0)
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
 
 
@@ -102,16 +110,48 @@ class Hashes:
         monkeypatch.setattr(model_identity, "_hash_file", counted)
 
 
+def _settle(model_dir: Path) -> None:
+    """Date the weights a minute back, as files that have not changed lately are."""
+    weights = model_dir / "model.safetensors"
+    past = time.time() - 60
+    os.utime(weights, (past, past))
+
+
 def test_weight_digests_are_cached_until_a_file_changes(
     base: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hashes = Hashes(monkeypatch)
+    _settle(base)
     first = ModelIdentity.of_dir(base)
     assert hashes.files == ["model.safetensors"] and (base / CACHE_NAME).is_file()
     assert ModelIdentity.of_dir(base) == first and hashes.files == ["model.safetensors"]
     _perturb(base)  # rewritten: a new modification time
     assert ModelIdentity.of_dir(base).weights != first.weights
     assert hashes.files == ["model.safetensors"] * 2
+
+
+def test_a_file_hashed_before_it_settled_is_hashed_again(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Just written when hashed: a rewrite within the same clock tick could keep its
+    size, mtime and inode, so the digest is not trusted until the file has settled."""
+    hashes = Hashes(monkeypatch)
+    first = ModelIdentity.of_dir(base)  # the tiny model was written a moment ago
+    assert ModelIdentity.of_dir(base) == first and len(hashes.files) == 2
+
+
+def test_who_saved_the_config_is_not_part_of_it_and_a_gateway_skips_the_weights(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    resaved = _copy(base, "resaved")
+    config = json.loads((resaved / "config.json").read_text())
+    config["transformers_version"] = "0.0.1"
+    (resaved / "config.json").write_text(json.dumps(config, indent=4))
+    assert ModelIdentity.of_dir(resaved) == ModelIdentity.of_dir(base)
+    hashes = Hashes(monkeypatch)
+    light = ModelIdentity.of_dir(base, hash_weights=False)
+    assert light.weights == "" and hashes.files == []
+    assert light.differences(ModelIdentity.of_dir(base)) == [IdentityPart.WEIGHTS]
 
 
 def test_a_stale_cache_entry_is_not_trusted(base: Path) -> None:
@@ -134,6 +174,27 @@ def test_an_unwritable_model_directory_caches_in_the_user_cache(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     hashes = Hashes(monkeypatch)
     (base / CACHE_NAME).mkdir()
+    _settle(base)
     first = ModelIdentity.of_dir(base)
     assert ModelIdentity.of_dir(base) == first and len(hashes.files) == 1
     assert list((tmp_path / "xdg" / "pdserve" / "identity").glob("*.json"))
+
+
+def test_engines_of_two_fine_tunes_refuse_each_others_kv(base: Path) -> None:
+    """Real engines on the two copies: the tuned one's importer is refused at the
+    handshake by the base one's exporter (the KV layout fingerprints differ in the
+    model's), and the prefix-cache seeds the engines hash blocks with differ."""
+    tuned = _copy(base, "tuned")
+    _perturb(tuned)
+    engines = [
+        LLMEngine(EngineConfig(model=str(d), dtype="float32", num_kv_blocks=16))
+        for d in (base, tuned)
+    ]  # fmt: skip
+    exporter = KvExporter.for_engine(engines[0], TCP, engine_id="base").start()
+    try:
+        with pytest.raises(LayoutMismatchError, match="layout"):
+            handshake(exporter.address, engines[1].layout, "tuned", time.monotonic() + 10)
+        handshake(exporter.address, engines[0].layout, "base-too", time.monotonic() + 10)
+    finally:
+        exporter.close()
+    assert engines[0].hash_seed_for("") != engines[1].hash_seed_for("")

@@ -1,6 +1,8 @@
 """The flags `pdserve up` gives its workers for precision: none unless asked, so each
 worker keeps its own default (its PDSERVE_DTYPE env, which the test suite pins to
-float32); when asked, the same dtype, quantization and KV cache dtype for every worker."""
+float32); when asked, the same dtype, quantization and KV cache dtype for every worker.
+And the model names: the primary's to the gateway and its workers, each extra model's to
+its own worker."""
 
 from __future__ import annotations
 
@@ -27,3 +29,22 @@ def test_set_precision_reaches_every_worker() -> None:
         assert _flag(args, "--dtype") == "bfloat16"
         assert _flag(args, "--quantization") == "int8"
         assert _flag(args, "--kv-cache-dtype") == "fp8_e4m3"
+
+
+def _last(args: list[str], name: str) -> str | None:
+    """A repeated flag's last value: the one argparse keeps."""
+    values = [args[i + 1] for i, a in enumerate(args) if a == name]
+    return values[-1] if values else None
+
+
+def test_model_names_reach_the_gateway_and_the_right_workers() -> None:
+    cfg = ClusterConfig(gateway_port=0, placement="redis", served_model_name="smol",
+                        extra_models="tiny=/models/tiny")  # fmt: skip
+    cluster = LocalCluster(cfg)
+    assert _last(cluster._worker_args("decode", 0), "--served-model-name") == "smol"
+    extra = cluster._extra_model_args("tiny", "/models/tiny")
+    assert _last(extra, "--served-model-name") == "tiny"  # its own, after the primary's
+    assert _last(extra, "--model") == "/models/tiny" and _last(extra, "--role") == "mixed"
+    gateway = cluster._gateway_args([], [], 0)
+    assert _last(gateway, "--served-model-name") == "smol"
+    assert _last(gateway, "--extra-models") == "tiny=/models/tiny"

@@ -22,18 +22,18 @@ from services.gateway.access import Access
 from services.gateway.admission import Admission
 from services.gateway.auth import ApiKeys
 from services.gateway.client import build_request
+from services.gateway.model_backend import Backend
 from services.gateway.record_book import Resource
 from services.gateway.request_stream import StreamError
 from services.gateway.rollout_admin import RolloutAdmin
 from services.gateway.rollout_follower import RollbackPolicy, RolloutFollower
-from services.gateway.served_model import Backend
 from services.router.keyspace import Keyspace, pool_namespace
 from services.router.redis_placement import RedisPlacement
 from services.router.registry import Registry, WorkerInfo
 from services.router.rollout_store import RolloutPhase, RolloutStore
 from services.router.router import Router
 from services.router.router_config import RouterConfig
-from tests.unit.services.gateway_fakes import PROMPT, Gateway, build_gateway
+from tests.unit.services.gateway_fakes import PROMPT, Gateway, build_gateway, until
 
 MODEL = "m"  # what build_gateway names its model
 POLICY = RollbackPolicy(window_s=60.0, min_requests=10, error_margin=0.05, latency_margin=0.5)
@@ -55,7 +55,9 @@ class Rollouts:
         model.make_backend = self._backend
         model.follower = RolloutFollower(self.store, MODEL, POLICY, 1.0, model.ensure_version)
         self.follower = model.follower
-        self.gw.service.rollouts = RolloutAdmin(self.gw.service.models, self.store, base)
+        self.gw.service.rollouts = RolloutAdmin(
+            self.gw.service.models, self.store, base, drain_after_s=0.2
+        )
 
     def _backend(self, version: str) -> Backend:
         router = Router(
@@ -133,7 +135,7 @@ def test_a_failing_canary_is_rolled_back(rollouts: Rollouts) -> None:
     async def scenario() -> None:
         rollouts.gw.cluster.broken.add("v2p0:1")
         await rollouts.act(Action.ROLLOUT_ACTION_START, "v2", 0.5)
-        went = await rollouts.run(40)
+        went = await rollouts.run(60)  # fewer than 10 of them to the canary: p < 1e-6
         assert "INTERNAL" in went and "p0:1" in went
         rolled = await asyncio.to_thread(rollouts.follower.tick)
         assert rolled.phase is RolloutPhase.ROLLED_BACK
@@ -155,7 +157,8 @@ def test_promote_moves_new_requests_and_drains_the_old_version(rollouts: Rollout
         status = await rollouts.act(Action.ROLLOUT_ACTION_PROMOTE)
         assert (status.phase, status.stable) == ("promoted", "v2")
         old = Registry(rollouts.client, Keyspace(pool_namespace(rollouts.base, MODEL)))
-        assert all(w.draining for w in old.list())
+        assert not any(w.draining for w in old.list())  # until every gateway follows
+        await until(lambda: all(w.draining for w in old.list()), timeout=5.0)
         gate.proceed.set()
         assert await running == ["p0:1"]  # the running request finished where it was
         assert set(await rollouts.run(10)) == {"v2p0:1"}
