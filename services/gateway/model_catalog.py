@@ -1,8 +1,8 @@
 """The models one gateway serves, by name.
 
-Lifecycle: made with the primary model (`--model`, named by `--served-model-name`, or by
-its path or the default model's name); `add` adds each of `--extra-models` at start, and
-the catalog does not change after. `get(name)` resolves a request's `model` field (empty:
+Lifecycle: `add` adds the primary model first (`--model`, named by `--served-model-name`,
+or by its path or the default model's name), then each of `--extra-models`, at start; the
+catalog does not change after. `get(name)` resolves a request's `model` field (empty:
 the primary) or raises UnknownModelError listing what is served.
 """
 
@@ -15,9 +15,12 @@ from services.gateway.served_model import ServedModel
 
 
 class ModelCatalog:
-    def __init__(self, primary: ServedModel) -> None:
-        self.primary = primary
-        self._by_name = {primary.name: primary}
+    def __init__(self) -> None:
+        self._by_name: dict[str, ServedModel] = {}  # in the order added: the primary first
+
+    @property
+    def primary(self) -> ServedModel:
+        return next(iter(self._by_name.values()))
 
     def add(self, model: ServedModel) -> None:
         if model.name in self._by_name:

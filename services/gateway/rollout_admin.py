@@ -18,14 +18,13 @@ import asyncio
 import logging
 
 from pdserve.v1 import gateway_pb2
-from services.common.model_config import check_model_name
-from services.common.status import NoRolloutsError, RolloutConflict
+from services.common.status import NoRolloutsError
 from services.gateway.model_catalog import ModelCatalog
 from services.gateway.rollout_follower import RolloutFollower, error_rate, itls, p90, ttfts
 from services.gateway.served_model import ServedModel
 from services.router.keyspace import Keyspace, pool_namespace
 from services.router.registry import Registry
-from services.router.rollout_store import Outcome, Rollout, RolloutStore
+from services.router.rollout_store import Outcome, Rollout, RolloutStore, check_start
 
 log = logging.getLogger(__name__)
 
@@ -71,16 +70,10 @@ class RolloutAdmin:
         return model.follower
 
     def _start(self, model: ServedModel, request: gateway_pb2.RolloutRequest) -> None:
-        """Check the start, make the canary's backend, then start (Redis I/O)."""
-        if not 0 < request.weight < 1:
-            raise ValueError(f"weight must be in (0, 1), got {request.weight}")
-        current = self.store.read(model.name)
-        if current.running:  # before a backend is made for nothing
-            raise RolloutConflict(
-                f"model {model.name!r} has a rollout of {current.canary!r} running: promote "
-                "or abort it first"
-            )
-        model.ensure_version(check_model_name(request.version, "version"))
+        """Check the start before the canary's backend is made (a refused start makes
+        none), then start (Redis I/O; the store checks again under its WATCH)."""
+        check_start(self.store.read(model.name), request.version, request.weight)
+        model.ensure_version(request.version)
         self.store.start(model.name, request.version, request.weight, sticky=request.sticky)
 
     async def _drain_later(self, model: str, old: Rollout) -> None:

@@ -12,6 +12,7 @@ finish for a few seconds.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -65,12 +66,17 @@ def build_placement(config: GatewayConfig, router: RouterConfig) -> Placement:
 
 @dataclass(frozen=True)
 class ModelSource:
-    """One model the gateway serves: its name, directory and pool namespace."""
+    """One model the gateway serves: its name, directory, spec and pool namespace."""
 
     name: str
     model_dir: Path
     pool_namespace: str
     named: bool  # served under a name of its own (so it may have versions)
+
+    @functools.cached_property
+    def spec(self) -> ModelSpec:
+        # The tokenizer side only: a gateway never reads (or hashes) the weights.
+        return ModelSpec.from_dir(self.model_dir, hash_weights=False)
 
 
 def model_sources(
@@ -91,19 +97,6 @@ def model_sources(
     return [primary, *extras]
 
 
-def build_placements(
-    config: GatewayConfig, router: RouterConfig, sources: list[ModelSource]
-) -> list[Placement]:
-    """One placement per model, each a router on its model's pool namespace, all on one
-    Redis (the primary's embedded server when --redis-url is empty)."""
-    placements: list[Placement] = []
-    for source in sources:
-        url = _redis_url(placements[0], router) if placements else router.redis_url
-        model_router = replace(router, namespace=source.pool_namespace, redis_url=url)
-        placements.append(build_placement(config, model_router))
-    return placements
-
-
 def build_service(
     config: GatewayConfig,
     model_cfg: ModelConfig,
@@ -112,23 +105,25 @@ def build_service(
     tls: TlsConfig | None = None,
 ) -> GatewayService:
     sources = model_sources(config, model_cfg, router.namespace)
-    placements = build_placements(config, router, sources)
+    # The primary's placement first: it may start the embedded Redis the others share.
+    first = build_placement(config, replace(router, namespace=sources[0].pool_namespace))
+    client = shared_redis(first, router)
+    parts = VersionParts(
+        config, router, _redis_url(first, router), client,
+        AdmissionMetrics(telemetry.registry if telemetry else None),
+        FairShare(client, router.namespace, config.fair_share_half_life_s) if client else None,
+    )  # fmt: skip
+    placements = [first, *(parts.placement(s.pool_namespace) for s in sources[1:])]
     service: GatewayService | None = None
 
     def every_placement() -> list[Placement]:
         return [b.placement for m in service.models for b in m.backends()] if service else []
 
     tel = GatewayTelemetry.on(telemetry, every_placement) if telemetry else None
-    client = shared_redis(placements[0], router)
     access = Access.from_config(config, client, router.namespace)
-    parts = VersionParts(
-        config, router, _redis_url(placements[0], router), client,
-        AdmissionMetrics(telemetry.registry if telemetry else None),
-        FairShare(client, router.namespace, config.fair_share_half_life_s) if client else None,
-    )  # fmt: skip
     stubs = WorkerStubs(tls or TlsConfig())
     for source, placement in zip(sources, placements, strict=True):
-        spec = ModelSpec.from_dir(source.model_dir, hash_weights=False)  # tokenizer side only
+        spec = source.spec
         parts.expect(placement, spec)
         tokenizer, vocab = Tokenizer(source.model_dir), spec.vocab_size
         limit = spec.max_position_embeddings
@@ -141,7 +136,7 @@ def build_service(
         else:
             service.add_model(source.name, tokenizer, limit, vocab, placement, admission)
     assert service is not None
-    if client is not None and isinstance(placements[0], RedisPlacement):
+    if client is not None and isinstance(first, RedisPlacement):
         follow_rollouts(service, sources, parts, tel)
     if telemetry is not None:
         # pdserve_gateway_held{resource}: what live requests hold (a leak check wants 0s).
@@ -202,7 +197,7 @@ def follow_rollouts(
         def make(version: str, source: ModelSource = source) -> Backend:
             pool = pool_namespace(namespace, source.name, version)
             placement = parts.placement(pool)
-            parts.expect(placement, ModelSpec.from_dir(source.model_dir, hash_weights=False))
+            parts.expect(placement, source.spec)
             return service.backend(version, placement, parts.admission(pool))
 
         def rolled_back(reason: str, name: str = model.name) -> None:

@@ -86,29 +86,17 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.telemetry = telemetry or GatewayTelemetry.disabled()
         self.stubs = stubs or WorkerStubs()
         self.book: RecordBook[RequestRecord] = RecordBook()
-        admission = admission or Admission(config)
-        primary = self._served(
-            model_name, tokenizer, max_model_len, vocab_size, placement, admission
-        )
-        self.models = ModelCatalog(primary)
+        self.models = ModelCatalog()
+        primary = self.add_model(
+            model_name, tokenizer, max_model_len, vocab_size, placement,
+            admission or Admission(config),
+        )  # fmt: skip
         # The primary model's parts, under the names the front doors and tests use.
         self.placement, self.tokenizer = primary.placement, primary.tokenizer
         self.model_name, self.max_model_len = primary.name, primary.max_model_len
         self.vocab_size, self.keepers = primary.vocab_size, primary.keepers
         self.admission, self.sites = primary.admission, primary.sites
         self.rollouts: RolloutAdmin | None = None  # with Redis: `build_service` sets it
-
-    def _served(
-        self,
-        name: str,
-        tokenizer: Tokenizer,
-        max_model_len: int,
-        vocab_size: int,
-        placement: Placement,
-        admission: Admission,
-    ) -> ServedModel:
-        base = self.backend("", placement, admission)
-        return ServedModel(name, tokenizer, max_model_len, vocab_size, base)
 
     def backend(self, version: str, placement: Placement, admission: Admission) -> Backend:
         """One version of a model, served with this gateway's keys, stubs and book."""
@@ -127,9 +115,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         placement: Placement,
         admission: Admission,
     ) -> ServedModel:
-        """Serve another model (before the gateway starts serving): requests that name it
-        use its tokenizer and limits, and go to its workers through `placement`."""
-        served = self._served(name, tokenizer, max_model_len, vocab_size, placement, admission)
+        """Serve a model (before the gateway starts serving; the first is the primary):
+        requests that name it use its tokenizer and limits, and go to its workers through
+        `placement`."""
+        base = self.backend("", placement, admission)
+        served = ServedModel(name, tokenizer, max_model_len, vocab_size, base)
         self.models.add(served)
         return served
 
@@ -138,15 +128,15 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         """Streams running: the stream slots live request records hold."""
         return self.book.count(Resource.STREAM_SLOT)
 
-    def usage(self, backend: Backend | None = None) -> list[Usage]:
-        """The live requests' KV blocks on the workers, for the fair-share ledger: those
-        placed through `backend` (each backend's admission charges its own requests to
-        the one shared ledger), or every one."""
+    def usage(self, backend: Backend) -> list[Usage]:
+        """The KV blocks of the live requests placed through `backend`, for the
+        fair-share ledger (each backend's admission charges its own requests to the one
+        shared ledger)."""
+        size = backend.admission.capacity.decode.block_size
         out = []
         for record in self.book.live():
-            if backend is not None and record.keepers is not backend.keepers:
+            if record.keepers is not backend.keepers:
                 continue
-            size = self.models.get(record.req.model).admission.capacity.decode.block_size
             blocks = record.kv_blocks(size)
             if blocks:
                 out.append(Usage(record.req.priority, record.req.tenant, blocks))

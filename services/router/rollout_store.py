@@ -101,6 +101,22 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def check_start(current: Rollout, canary: str, weight: float) -> None:
+    """Whether a rollout of `canary` at `weight` may start over `current`: RolloutConflict
+    while one runs, ValueError for a weight outside (0, 1), a bad version name, or a
+    canary that is the stable version."""
+    if not 0 < weight < 1:
+        raise ValueError(f"weight must be in (0, 1), got {weight}")
+    check_model_name(canary, "version")
+    if current.running:
+        raise RolloutConflict(
+            f"model {current.model!r} has a rollout of {current.canary!r} running: promote "
+            "or abort it first"
+        )
+    if canary == current.stable:
+        raise ValueError(f"version {canary!r} is the stable version of {current.model!r} already")
+
+
 class RolloutStore:
     """Rollouts of one cluster (`namespace`: its base namespace, where quotas live)."""
 
@@ -119,21 +135,11 @@ class RolloutStore:
         return Rollout.from_hash(model, {str(k): str(v) for k, v in raw.items()})
 
     def start(self, model: str, canary: str, weight: float, *, sticky: bool = False) -> Rollout:
-        """Split `weight` of `model`'s requests off to version `canary`; RolloutConflict
-        while another rollout runs, ValueError for a weight outside (0, 1) or a canary
-        that is the stable version."""
-        if not 0 < weight < 1:
-            raise ValueError(f"weight must be in (0, 1), got {weight}")
-        check_model_name(canary, "version")
+        """Split `weight` of `model`'s requests off to version `canary`; refused as
+        `check_start` says."""
 
         def change(old: Rollout) -> Rollout:
-            if old.running:
-                raise RolloutConflict(
-                    f"model {model!r} has a rollout of {old.canary!r} running: promote or "
-                    "abort it first"
-                )
-            if canary == old.stable:
-                raise ValueError(f"version {canary!r} is the stable version of {model!r} already")
+            check_start(old, canary, weight)
             t = now_ms()
             return Rollout(model, old.stable, canary, weight, sticky, RolloutPhase.RUNNING,
                            "", t, t)  # fmt: skip
