@@ -57,6 +57,8 @@ bench: model
 	$(BIN)/python -m loadtest.tracing_bench --out bench-results/tracing.json
 	# per-step cost of structured output and logit processing at batch 16 (about 1 minute)
 	$(BIN)/python -m loadtest.structured_bench --out bench-results/structured.json
+	# a batch mixing 4 LoRA adapters against the same batch on the base model (about 2 minutes)
+	$(BIN)/python -m loadtest.lora_bench --out bench-results/lora.json
 	# 2,000 requests, 10% cancelled, then leak and RSS accounting (about 3 minutes)
 	$(BIN)/python -m loadtest.soak --out bench-results/soak.json
 	# the headline, short (about 15 minutes: 4-probe capacity searches per deployment, on

@@ -111,6 +111,17 @@ class EngineConfig:
     spec_draft_kv_cache_bytes: int = field(
         default=256 << 20, metadata={"help": "the draft model's KV pool budget in bytes"}
     )
+    lora_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "directory of PEFT LoRA adapters (one subdirectory each, named as "
+            "requests name them: model 'base:adapter'); none: no adapters"
+        },
+    )
+    max_loras: int = field(
+        default=8, metadata={"help": "LoRA adapters resident at once (least recently used out)"}
+    )
+    max_lora_rank: int = field(default=64, metadata={"help": "largest LoRA rank accepted"})
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 8:
@@ -146,6 +157,8 @@ class EngineConfig:
             raise ValueError(
                 f"spec_draft_kv_cache_bytes must be > 0, got {self.spec_draft_kv_cache_bytes}"
             )
+        if self.max_loras <= 0 or self.max_lora_rank <= 0:
+            raise ValueError("max_loras and max_lora_rank must be > 0")
         if self.linear_kernel not in KERNELS:
             raise ValueError(f"linear_kernel must be one of {KERNELS}, got {self.linear_kernel!r}")
 

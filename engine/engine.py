@@ -26,12 +26,14 @@ prefilled here, or `cancel_import` frees them; these wait at most for the step i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -49,6 +51,8 @@ from engine.linear_kernel import pick_linear_kernel
 from engine.llama import LlamaModel
 from engine.logits_processing import RowContext
 from engine.logprobs import TokenLogprobs, token_logprobs
+from engine.lora import AdapterRef, LoraAdapter, LoraTarget
+from engine.lora_set import LoraSet
 from engine.model_runner import ModelRunner
 from engine.model_spec import ModelSpec
 from engine.model_store import resolve_model_dir
@@ -97,6 +101,8 @@ class LLMEngine:
             SchedulerConfig(config.block_size, config.max_num_seqs, config.max_num_batched_tokens),
             self.pool,
         )
+        self.loras = self._lora_set(config)
+        self.scheduler.on_retire = self._let_go
         self.offload: OffloadTier | None = None
         if config.kv_offload_bytes:
             self.offload = OffloadTier(self.kv_cache, config.kv_offload_bytes)
@@ -126,7 +132,7 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None
         self._forker = Forker(
             self.scheduler, self.pool, self.kv_cache, config.block_size,
-            lambda spec: self.grammars().matcher(spec),
+            lambda spec: self.grammars().matcher(spec), self.loras.retain,
         )  # fmt: skip
         self._pending: list[RequestOutput] = []  # forks ended at an import's commit
         self.speculator = Speculator(config.spec_config, self._draft_model(config))
@@ -152,6 +158,21 @@ class LLMEngine:
             block_size=config.block_size, kv_cache_bytes=config.spec_draft_kv_cache_bytes,
         )  # fmt: skip
 
+    def _lora_set(self, config: EngineConfig) -> LoraSet:
+        """The adapters of `--lora-dir`, read onto this model's projections."""
+        target = LoraTarget(
+            self.spec, config.torch_dtype, config.torch_device, config.max_lora_rank,
+            dict(self.model.folded_gains),
+        )  # fmt: skip
+        directory = None if config.lora_dir is None else Path(config.lora_dir).expanduser()
+        return LoraSet(directory, config.max_loras, target)
+
+    def _let_go(self, req: Request) -> None:
+        """A request left the scheduler: its adapter is no longer held for it."""
+        if req.lora is not None:
+            self.loras.release(req.lora)
+            req.lora = None
+
     @property
     def kv_blocks(self) -> torch.Tensor:
         """The pool as [num_blocks, bytes_per_block] bytes: what KV transfer moves."""
@@ -163,8 +184,8 @@ class LLMEngine:
         return self.scheduler.requests
 
     # -- request intake ----------------------------------------------------------
-    def hash_seed_for(self, cache_salt: str = "") -> int:
-        return hash_seed(self.spec.fingerprint, cache_salt)
+    def hash_seed_for(self, cache_salt: str = "", lora: LoraAdapter | None = None) -> int:
+        return hash_seed(self.spec.fingerprint, cache_salt, "" if lora is None else lora.digest)
 
     def validate(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
         """Raise InvalidRequestError naming the field and limit; changes nothing."""
@@ -205,22 +226,50 @@ class LLMEngine:
         priority: Priority = Priority.STANDARD,
         deadline: float | None = None,
         resume_token_ids: Sequence[int] = (),
+        adapter: AdapterRef | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Thread-safe, never blocks on a step.
         `priority` orders admission and preemption; past `deadline` (time.monotonic()
         seconds) a preempted request ends with FinishReason.DEADLINE, not recomputed.
         `resume_token_ids` are output tokens another engine already produced (a stream
         migrated after its worker died): the request continues after them as if this
-        engine had made them (`_resume`)."""
+        engine had made them (`_resume`). `adapter` names a LoRA adapter of `--lora-dir`
+        (UnknownAdapterError, AdapterFormatError, AdaptersBusyError, or
+        AdapterMismatchError when its digest is not the one asked for)."""
         self.validate(prompt_token_ids, sampling)
         req = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, hold_kv)
-        req.priority, req.deadline = _priority(priority), deadline
-        if resume_token_ids:
-            self._resume(req, resume_token_ids)
-        self._claim_id(req.request_id)
-        with self._inbox_lock:
-            self._inbox_add.append(req)
+        with self._holding_adapter(req, adapter):
+            req.priority, req.deadline = _priority(priority), deadline
+            if resume_token_ids:
+                self._resume(req, resume_token_ids)
+            self._claim_id(req.request_id)
+            with self._inbox_lock:
+                self._inbox_add.append(req)
         return req.request_id
+
+    def load_adapter(self, adapter: AdapterRef) -> None:
+        """Make `adapter` resident ahead of its request (from any thread; raises what
+        `add_request` would for it). A worker calls it off its event loop, so that reading
+        an adapter from disk never blocks the loop's other streams; the request then
+        finds it resident (unless evicted meanwhile: then it is read again)."""
+        self.loras.release(self.loras.acquire(adapter.name, adapter.digest))
+
+    @contextlib.contextmanager
+    def _holding_adapter(self, req: Request, adapter: AdapterRef | None) -> Iterator[None]:
+        """Give `req` its adapter (and the hash seed that goes with it) for the block;
+        if the block raises, the adapter is let go again."""
+        if adapter is None:
+            yield
+            return
+        lora = self.loras.acquire(adapter.name, adapter.digest)
+        try:
+            req.lora = lora
+            req.hash_seed = self.hash_seed_for(req.hash_salt, lora)
+            yield
+        except BaseException:
+            req.lora = None
+            self.loras.release(lora)
+            raise
 
     def _check_ids(self, field: str, ids: Sequence[int]) -> None:
         """InvalidRequestError naming `field` unless every id is in the vocabulary."""
@@ -276,6 +325,7 @@ class LLMEngine:
             prompt_token_ids=list(prompt),
             sampling=sampling,
             hash_seed=self.hash_seed_for(cache_salt),
+            hash_salt=cache_salt,
             hold_kv=hold_kv,
             generator=None if sampling.greedy else new_generator(sampling.seed),
             grammar=grammar,
@@ -322,6 +372,7 @@ class LLMEngine:
         deadline: float | None = None,
         fork_token_ids: Sequence[int] = (),
         resume_token_ids: Sequence[int] = (),
+        adapter: AdapterRef | None = None,
     ) -> ImportSlot:
         """Reserve blocks for a prompt whose KV comes from elsewhere (reusing cached prefix
         blocks); OutOfBlocksError if short, InvalidRequestError for a bad request. With
@@ -330,12 +381,28 @@ class LLMEngine:
         `resume_token_ids`: a migrated stream's tokens so far (`_resume`); they replace
         `first_token_id` (the exporter's own draw, which an unseeded sample may not
         repeat), and the first step after the commit computes their KV after the
-        imported prompt's."""
+        imported prompt's. `adapter` as for `add_request`: its digest is the exporter's,
+        so KV computed with another copy of the adapter is refused."""
         self.validate(prompt_token_ids, sampling)
         vocab = self.spec.vocab_size
         if not 0 <= first_token_id < vocab:
             raise InvalidRequestError("first_token_id", f"must be in [0, {vocab})")
         req = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, False)
+        with self._holding_adapter(req, adapter):
+            return self._reserve(
+                req, first_token_id, priority, deadline, fork_token_ids, resume_token_ids
+            )
+
+    def _reserve(
+        self,
+        req: Request,
+        first_token_id: int,
+        priority: Priority,
+        deadline: float | None,
+        fork_token_ids: Sequence[int],
+        resume_token_ids: Sequence[int],
+    ) -> ImportSlot:
+        sampling, request_id = req.sampling, req.request_id
         req.priority, req.deadline = _priority(priority), deadline
         if resume_token_ids:
             self._resume(req, resume_token_ids)
@@ -640,6 +707,7 @@ class LLMEngine:
         sched = self.scheduler
         held_blocks, importing_blocks = sched.handoff_blocks()
         m = self._meter
+        lora = self.loras.counts()
         return EngineStats(
             total_blocks=p.total,
             free_blocks=p.free,
@@ -670,6 +738,10 @@ class LLMEngine:
             spec_drafted_total=self.speculator.drafted_total,
             spec_accepted_total=self.speculator.accepted_total,
             spec_verifications_total=self.speculator.verifications_total,
+            lora_resident=lora.resident,
+            lora_held=len(self.loras.held()),
+            lora_loads_total=lora.loads,
+            lora_evictions_total=lora.evictions,
             **self._offload_stats(),
         )
 
@@ -687,11 +759,19 @@ class LLMEngine:
 
     # -- convenience for tests, benchmarks and the CLI ----------------------------
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams]
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams],
+        adapters: Sequence[str | None] | None = None,
     ) -> list[list[int]]:
-        """Run prompts to completion together; returns each one's output token ids."""
+        """Run prompts to completion together; returns each one's output token ids.
+        `adapters` names each prompt's LoRA adapter (None: the base model)."""
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else sampling
-        ids = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        names = adapters if adapters is not None else [None] * len(prompts)
+        ids = [
+            self.add_request(p, s, adapter=None if a is None else AdapterRef(a))
+            for p, s, a in zip(prompts, params, names, strict=True)
+        ]
         out: dict[str, list[int]] = {rid: [] for rid in ids}
         while self.has_unfinished():
             for o in self.step():

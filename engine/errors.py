@@ -42,3 +42,23 @@ class UnknownRequestError(EngineError, KeyError):
 class DeadlineExceededError(EngineError, TimeoutError):
     """A request's deadline passed before it finished and the engine ended it (raised by
     `RequestOutput.raise_for_deadline` for an output that ended with DEADLINE)."""
+
+
+class UnknownAdapterError(EngineError, LookupError):
+    """A request named a LoRA adapter this engine does not have (or has no adapter
+    directory at all)."""
+
+
+class AdapterFormatError(EngineError, ValueError):
+    """A LoRA adapter cannot be served: its files are missing, unreadable, of another
+    base model or use a feature the engine does not run (the message names which)."""
+
+
+class AdapterMismatchError(AdapterFormatError):
+    """Two parties disagree on an adapter's identity (its digest): a KV hand-off between
+    them, or a request routed for another copy of the adapter, is refused."""
+
+
+class AdaptersBusyError(EngineError):
+    """Every resident adapter slot (`max_loras`) is held by live requests of other
+    adapters, so a new adapter cannot be loaded now; retry shortly or elsewhere."""

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from engine.block_pool import BlockPool
 from engine.grammar import Grammar
 from engine.kv_cache import KvCache
+from engine.lora import LoraAdapter
 from engine.request import Request
 from engine.sampler import new_generator
 from engine.sampling_params import GuidedSpec
@@ -41,12 +42,14 @@ class Forker:
         kv_cache: KvCache,
         block_size: int,
         grammar: Callable[[GuidedSpec], Grammar],
+        retain: Callable[[LoraAdapter], None],
     ) -> None:
         self.scheduler = scheduler
         self.pool = pool
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.grammar = grammar
+        self.retain = retain  # a spawned fork holds its parent's adapter too
 
     def sampled_only(self, parent: Request, index: int) -> Request:
         """Fork `index` as a row to sample its first token from, nothing more (prefill)."""
@@ -56,6 +59,7 @@ class Forker:
             sampling=sampling, hash_seed=parent.hash_seed, priority=parent.priority,
             deadline=parent.deadline, group_id=parent.group, index=index,
             generator=None if sampling.greedy else new_generator(sampling.seed),
+            hash_salt=parent.hash_salt, lora=parent.lora,
         )  # fmt: skip
         if sampling.guided is not None:
             child.grammar = self.grammar(sampling.guided)
@@ -74,6 +78,8 @@ class Forker:
         # Queued holding its blocks (as an import is), it is admitted to decode next
         # step; without them it recomputes its prompt through the prefix cache.
         self._share_blocks(parent, child)
+        if child.lora is not None:
+            self.retain(child.lora)
         self.scheduler.add(child)
         return child
 

@@ -33,6 +33,7 @@ class HeldKv:
     block_hashes: list[int]
     first_token_id: int
     fork_token_ids: list[int] = field(default_factory=list)  # n > 1: forks 1..n-1's
+    adapter_digest: str = ""  # the LoRA adapter the KV was computed with ("": none)
 
     @classmethod
     def of(cls, req: Request) -> HeldKv:
@@ -43,6 +44,7 @@ class HeldKv:
             block_hashes=list(req.block_hashes),
             first_token_id=req.output_token_ids[0],
             fork_token_ids=list(req.fork_token_ids),
+            adapter_digest="" if req.lora is None else req.lora.digest,
         )
 
 

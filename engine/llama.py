@@ -22,6 +22,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.errors import ModelNotFoundError
 from engine.kv_cache import KvCache, KvWrite
 from engine.linear_kernel import LinearKernel, LinearWeight, TorchLinear
+from engine.lora_batch import LoraBatch
 from engine.model_spec import ModelSpec, RopeScaling
 
 
@@ -75,6 +76,9 @@ class LlamaModel:
         self.kernel = kernel or TorchLinear()
         self.weights: dict[str, torch.Tensor] = {}  # embeddings, norms, biases
         self.linears: dict[str, LinearWeight] = {}  # the layers' projections, prepared
+        # The RMSNorm gains folded into each projection after them (int8): LoRA's A
+        # matrices get the same gains (`engine/lora.py`). Empty when nothing is folded.
+        self.folded_gains: dict[str, torch.Tensor] = {}
         inv = rope_inv_freq(spec)
         pos = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(pos, inv)
@@ -156,6 +160,7 @@ class LlamaModel:
         pairs.append(("norm", "lm_head"))
         for norm, proj in pairs:
             gain = weights[norm]
+            self.folded_gains[proj] = gain
             projections[proj] = projections[proj] * gain[None, :]
             weights[norm] = torch.ones_like(gain)
 
@@ -175,17 +180,19 @@ class LlamaModel:
         kv_cache: KvCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """Run the flat batch; writes K/V by `meta.kv_write`; returns [T, hidden]."""
+        """Run the flat batch; writes K/V by `meta.kv_write`; returns [T, hidden].
+        `lora` adds each row's adapter to the layers' projections (None: base model)."""
         w = self.weights
         x = F.embedding(input_ids, w["embed"])
         cos = self._cos[positions].unsqueeze(1)
         sin = self._sin[positions].unsqueeze(1)
         for i in range(self.spec.num_layers):
             h = _rms_norm(x, w[f"{i}.in_norm"], self.spec.rms_norm_eps)
-            x = x + self._attention(i, h, cos, sin, kv_cache, meta, backend)
+            x = x + self._attention(i, h, cos, sin, kv_cache, meta, backend, lora)
             h = _rms_norm(x, w[f"{i}.post_norm"], self.spec.rms_norm_eps)
-            x = x + self._mlp(i, h)
+            x = x + self._mlp(i, h, lora)
         return _rms_norm(x, w["norm"], self.spec.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -200,10 +207,11 @@ class LlamaModel:
         kv_cache: KvCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        lora: LoraBatch | None,
     ) -> torch.Tensor:
         s = self.spec
         t = h.shape[0]
-        qkv = self.kernel.apply(h, self.linears[f"{i}.qkv"], self.weights.get(f"{i}.qkv_b"))
+        qkv = self._project(f"{i}.qkv", h, lora)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         # Rotate q and k as one tensor of heads + kv_heads: half the small ops per layer.
         qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
@@ -213,11 +221,15 @@ class LlamaModel:
         assert isinstance(meta.kv_write, KvWrite), "ModelRunner plans the step's KV writes"
         kv_cache.write(i, k, v.view(t, s.num_kv_heads, s.head_dim), meta.kv_write)
         out = backend.attend(q, kv_cache.layer(i), meta)
-        o_bias = self.weights.get(f"{i}.o_b")
-        return self.kernel.apply(out.reshape(t, q_size), self.linears[f"{i}.o"], o_bias)
+        return self._project(f"{i}.o", out.reshape(t, q_size), lora)
 
-    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        w = self.weights
-        gate_up = self.kernel.apply(h, self.linears[f"{i}.gate_up"], w.get(f"{i}.gate_up_b"))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.kernel.apply(F.silu(gate) * up, self.linears[f"{i}.down"], w.get(f"{i}.down_b"))
+    def _mlp(self, i: int, h: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        gate, up = self._project(f"{i}.gate_up", h, lora).chunk(2, dim=-1)
+        return self._project(f"{i}.down", F.silu(gate) * up, lora)
+
+    def _project(self, key: str, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        """Projection `key` ("<layer>.qkv" ...) of x, with its bias and the rows' LoRA."""
+        y = self.kernel.apply(x, self.linears[key], self.weights.get(f"{key}_b"))
+        if lora is not None:
+            lora.add(key, x, y)
+        return y

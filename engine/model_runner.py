@@ -7,7 +7,8 @@ computed this step (a mid-prompt chunk samples nothing), and for a decode verify
 tokens (`engine/speculation.py`) one row per position of its chunk. A request that asked for
 `prompt_logprobs` also gets the log-probability of each next prompt token its chunk's
 positions predict, appended to `Request.prompt_logprobs` here (positions it already has,
-after a preemption, are not computed again).
+after a preemption, are not computed again). Rows of requests with a LoRA adapter get
+their adapter's deltas in the same forward pass (`engine/lora_batch.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.kv_cache import KvCache
 from engine.llama import LlamaModel
 from engine.logprobs import token_logprobs
+from engine.lora_batch import LoraBatch, LoraStacks
 from engine.request import Request
 from engine.scheduled_batch import ScheduledBatch
 
@@ -53,6 +55,7 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = model.device
+        self.lora_stacks = LoraStacks()
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
@@ -85,12 +88,16 @@ class ModelRunner:
         meta = self._metadata(items, slots, qlens, seqlens, len(batch.decodes))
         meta.plan = self.backend.plan(meta, self.block_size, self.device)
         meta.kv_write = self.kv_cache.plan_write(meta.slot_mapping)
+        lora = LoraBatch.of(
+            [req.lora for req, _ in items], qlens, self.lora_stacks, self.model.dtype, self.device
+        )
         hidden = self.model.forward(
             torch.tensor(ids, device=self.device),
             torch.tensor(pos, device=self.device),
             self.kv_cache,
             meta,
             self.backend,
+            lora,
         )
         for req, row, n in scored:
             self._score_prompt(req, hidden, row, n)

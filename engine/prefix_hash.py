@@ -6,7 +6,8 @@ Lifecycle: a caller derives a seed once per (model, tenant) with `hash_seed`, th
 because each block's hash is seeded with the previous block's hash:
 `h_i = XXH3-64(tokens of block i, seed=h_{i-1})`, `h_{-1} = seed`. Only full blocks are
 hashed; a trailing partial block never gets a hash (its KV is still being written).
-Tenants never share keys: the tenant salt is folded into the seed.
+Tenants never share keys: the tenant salt is folded into the seed, and so is a LoRA
+adapter's digest (requests of one adapter share blocks, never with another adapter's).
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import xxhash
 PREFIX_HASH_VERSION = 1
 
 
-def hash_seed(model_fingerprint: str, tenant_salt: str = "") -> int:
-    """Seed for a (model, tenant) pair: different models or tenants never share hashes."""
+def hash_seed(model_fingerprint: str, tenant_salt: str = "", adapter_digest: str = "") -> int:
+    """Seed for a (model, tenant, LoRA adapter) triple: different models, tenants or
+    adapters never share hashes (the base model's seed has no adapter part)."""
     material = f"pdserve-prefix-v{PREFIX_HASH_VERSION}\0{model_fingerprint}\0{tenant_salt}"
+    if adapter_digest:
+        material += f"\0lora:{adapter_digest}"
     return xxhash.xxh3_64_intdigest(material.encode())
 
 

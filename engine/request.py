@@ -37,6 +37,7 @@ import torch
 from engine.errors import DeadlineExceededError
 from engine.grammar import Grammar
 from engine.logprobs import TokenLogprobs
+from engine.lora import LoraAdapter
 from engine.priority import Priority
 from engine.sampler import new_generator, position_seed
 from engine.sampling_params import SamplingParams
@@ -92,6 +93,7 @@ class Request:
     sampling: SamplingParams
     hash_seed: int
     hold_kv: bool = False
+    hash_salt: str = ""  # the tenant's cache salt `hash_seed` was derived from
     priority: Priority = Priority.STANDARD
     deadline: float | None = None  # time.monotonic() seconds; None: no deadline
     # Phase timestamps (time.monotonic()) for queue vs compute telemetry: `arrival_time`
@@ -127,6 +129,9 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     spec_drafted: int = 0  # draft tokens this request verified, and kept, on this engine
     spec_accepted: int = 0
+    # Its LoRA adapter (None: the base model), held in the engine's `LoraSet` from when
+    # the request is added until the scheduler retires it; folded into `hash_seed`.
+    lora: LoraAdapter | None = field(default=None, repr=False, compare=False)
 
     @property
     def group(self) -> str:

@@ -30,6 +30,7 @@ Hand-off states (see `engine/request.py`), outside the step's queues and never s
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
@@ -76,6 +77,8 @@ class Scheduler:
         #: The prefix cache's second tier (None: evicted blocks are gone).
         self.tier: OffloadTier | None = None
         self.offload_hit_tokens = 0
+        #: Called once for each request that leaves (the engine lets go of its adapter).
+        self.on_retire: Callable[[Request], None] | None = None
 
     # -- queue -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -384,6 +387,8 @@ class Scheduler:
         req.status = RequestStatus.finished_with(reason)
         if self.requests.get(req.request_id) is req:
             del self.requests[req.request_id]
+        if self.on_retire is not None:
+            self.on_retire(req)
 
     # -- hand-off ----------------------------------------------------------------
     def release_held(self, request_id: str) -> bool:

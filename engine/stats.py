@@ -83,6 +83,12 @@ class EngineStats:
     spec_drafted_total: int = 0
     spec_accepted_total: int = 0
     spec_verifications_total: int = 0
+    # LoRA adapters (--lora-dir): resident now (least recently used first), how many of
+    # them live requests hold, and loads from disk and evictions since start.
+    lora_resident: tuple[str, ...] = ()
+    lora_held: int = 0
+    lora_loads_total: int = 0
+    lora_evictions_total: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -18,6 +18,7 @@ import torch
 
 from engine.kv_cache import KvLayout
 from engine.kv_handoff import HeldKv, ImportSlot
+from engine.lora import AdapterRef
 from engine.priority import Priority
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
@@ -73,12 +74,14 @@ class ImportPort(Protocol):
         deadline: float | None = None,
         fork_token_ids: Sequence[int] = (),
         resume_token_ids: Sequence[int] = (),
+        adapter: AdapterRef | None = None,
     ) -> ImportSlot:
         """Reserve blocks for the prompt (forks 1..n-1 start from `fork_token_ids` at the
         commit; a migrated stream goes on after `resume_token_ids`), for a request of
-        class `priority` that must be done by `deadline` (monotonic seconds); raises
-        OutOfBlocksError when short (taking nothing) and InvalidRequestError for a
-        request the engine refuses."""
+        class `priority` that must be done by `deadline` (monotonic seconds), run with
+        LoRA `adapter` (whose digest must be the exporter's); raises OutOfBlocksError
+        when short (taking nothing), InvalidRequestError for a request the engine
+        refuses and the adapter errors of `LLMEngine.add_request`."""
         ...
 
     def commit_import(self, request_id: str) -> FinishReason | None:

@@ -134,6 +134,7 @@ class KvExporter:
             first_token_id=held.first_token_id,
             fork_token_ids=held.fork_token_ids,
             request_id=request_id,
+            adapter_digest=held.adapter_digest,
         )
 
     def cancel(self, request_id: str) -> bool:

@@ -2,7 +2,8 @@
 
 A KvHandle crosses two hops (prefill -> gateway -> decode), so the importer re-checks
 everything that must hold before it touches memory: protocol version, layout, block
-count against token count, and that the lease has not already run out.
+count against token count, that the lease has not already run out, and that the request
+and the KV agree on the LoRA adapter (`handle_adapter`).
 """
 
 from __future__ import annotations
@@ -10,13 +11,17 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from engine.errors import AdapterMismatchError
 from engine.kv_cache import KvLayout
+from engine.lora import AdapterRef
 from kvtransfer.errors import InvalidHandleError, LayoutMismatchError, LeaseExpiredError
 from pdserve.v1 import common_pb2
 
 #: Version of the KvHandle/handshake protocol; peers refuse any other.
 #: 2: ReadBlocks streams whole blocks of the block-major pool.
-PROTOCOL_VERSION = 2
+#: 3: handles carry the LoRA adapter's digest (a peer of 2 would take adapter KV for the
+#:    base model's).
+PROTOCOL_VERSION = 3
 
 
 def validate_handle(
@@ -55,3 +60,16 @@ def validate_handle(
         )
     if handle.lease_expiry_unix_ms and handle.lease_expiry_unix_ms < time.time() * 1000:
         raise LeaseExpiredError(f"kv_handle lease {handle.lease_id} has expired")
+
+
+def handle_adapter(handle: common_pb2.KvHandle, adapter: str) -> AdapterRef | None:
+    """The adapter to reserve with: named by the request, its digest the exporter's.
+    A handle and a request that disagree on having an adapter at all are refused."""
+    if bool(adapter) != bool(handle.adapter_digest):
+        have = f"adapter {adapter!r}" if adapter else "the base model"
+        sent = "KV of a LoRA adapter" if handle.adapter_digest else "base-model KV"
+        raise AdapterMismatchError(
+            f"model: the request runs {have} but the handle carries {sent}; prefill and "
+            "decode must run the same adapter"
+        )
+    return AdapterRef(adapter, handle.adapter_digest) if adapter else None

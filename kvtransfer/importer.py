@@ -44,7 +44,7 @@ from kvtransfer.errors import (
     PeerUnavailableError,
 )
 from kvtransfer.grpc_errors import transfer_error_from_rpc
-from kvtransfer.handle import PROTOCOL_VERSION, validate_handle
+from kvtransfer.handle import PROTOCOL_VERSION, handle_adapter, validate_handle
 from kvtransfer.layout import check_layout
 from kvtransfer.lease_release import LeaseReleaser
 from kvtransfer.tcp_backend import TcpImportBackend
@@ -147,13 +147,17 @@ class KvImporter:
         priority: Priority = Priority.STANDARD,
         request_deadline: float | None = None,
         resume_token_ids: Sequence[int] = (),
+        adapter: str = "",
     ) -> ImportResult:
         """Bring the handle's KV in and queue the request; raises TransferError subclasses.
         `metadata` goes on the gRPC calls to the exporter (W3C trace context); the request
         joins the batch at class `priority` with the engine deadline `request_deadline`
         (monotonic seconds; the transfer has its own, shorter one). A migrated stream
-        imports its prompt's KV and goes on after `resume_token_ids`."""
+        imports its prompt's KV and goes on after `resume_token_ids`. `adapter` names the
+        request's LoRA adapter: the handle's KV must have been computed with this worker's
+        copy of it (AdapterMismatchError, before any block is reserved or read)."""
         start = time.monotonic()
+        lora = handle_adapter(handle, adapter)
         deadline = start + (timeout_s or self.config.kv_transfer_timeout_s)
         validate_handle(handle, self.engine.layout, prompt_token_ids, self.backend.name)
         peer = self._peer(handle, deadline, metadata)
@@ -169,6 +173,7 @@ class KvImporter:
                 deadline=request_deadline,
                 fork_token_ids=list(handle.fork_token_ids),
                 resume_token_ids=resume_token_ids,
+                adapter=lora,
             )
         except OutOfBlocksError as exc:
             raise NoBlocksError(str(exc)) from exc

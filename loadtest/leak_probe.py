@@ -48,7 +48,9 @@ from services.router.registry import Registry
 from services.router.router_config import RouterConfig
 
 #: WorkerStats counters that must all be zero on an idle worker.
-WORKER_HELD = ("used_blocks", "held_blocks", "running", "waiting", "active_leases")
+WORKER_HELD = (
+    "used_blocks", "held_blocks", "running", "waiting", "active_leases", "lora_held",
+)  # fmt: skip
 #: What one gateway request record can hold (labels of `pdserve_gateway_held`): read
 #: from the gateway's own enum, so a resource added there is checked here too.
 HELD_RESOURCES = tuple(resource.value for resource in Resource)

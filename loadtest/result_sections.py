@@ -32,6 +32,11 @@ def _num(value: object) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
+def _dicts(value: object) -> list[Json]:
+    """The objects of a JSON list (nothing, if it is not one)."""
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
 def _fmt(value: object, spec: str = ".2f", suffix: str = "") -> str:
     number = _num(value)
     return "-" if number is None else f"{number:{spec}}{suffix}"
@@ -324,7 +329,6 @@ def fairness(data: Json) -> list[str]:
 
 def structured(data: Json) -> list[str]:
     """Per-step cost of structured output and logit processing at one batch size."""
-    batches = data.get("batches")
     rows = [
         [
             str(b.get("name")),
@@ -332,8 +336,7 @@ def structured(data: Json) -> list[str]:
             _fmt(_num(b.get("ratio")), ".2f", "x"),
             str(len(b.get("step_ms") or [])),
         ]
-        for b in (batches if isinstance(batches, list) else [])
-        if isinstance(b, dict)
+        for b in _dicts(data.get("batches"))
     ]
     mask = _fmt(_num(data.get("mask_ms_per_step")), ".2f")
     return [
@@ -444,6 +447,29 @@ def speculation(data: Json) -> list[str]:
     ]
 
 
+def lora(data: Json) -> list[str]:
+    """One batch on the base model against the same batch mixing four LoRA adapters."""
+    rows = [
+        [
+            str(s.get("name")),
+            _fmt(_num(s.get("tokens_per_s")), ".1f"),
+            _fmt(_num(s.get("ratio")), ".2f", "x"),
+            _fmt(_num(s.get("step_ms")), ".1f"),
+        ]
+        for s in _dicts(data.get("sides"))
+    ]
+    return [
+        f"Batch of {data.get('batch')} greedy requests, {data.get('max_tokens')} tokens each, "
+        f"{data.get('compute_dtype')}; a mixed batch spreads its requests over "
+        f"{data.get('adapters_per_batch')} adapters of one shape (every step mixes them all). "
+        "Shapes: `qv-r8` is PEFT's default for Llama (q and v, rank 8), `all-linear-r16` every "
+        "projection at rank 16. Tokens/s over prefill and decode, best round of each.",
+        "",
+        *_table(["batch", "tokens/s", "ratio to base", "decode step ms"], rows),
+        *_targets(data),
+    ]
+
+
 #: schema -> (title, renderer), in the page's order.
 SECTIONS: dict[str, tuple[str, Renderer]] = {
     "pdserve.headline/1": ("Headline: disaggregated vs colocated", headline),
@@ -461,6 +487,7 @@ SECTIONS: dict[str, tuple[str, Renderer]] = {
     "pdserve.fairness_bench/1": ("Noisy neighbour: fairness between tenants", fairness),
     "pdserve.bench/1": ("Load sweep (pdserve-bench)", sweep),
     "structured_bench/v1": ("Structured output and logit processing: cost per step", structured),
+    "pdserve.lora_bench/1": ("Multi-LoRA: a batch mixing adapters against the base model", lora),
 }
 
 

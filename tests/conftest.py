@@ -72,6 +72,7 @@ def assert_no_leaks(engine: LLMEngine) -> None:
     assert not engine.requests
     assert not engine.has_unfinished()
     assert not engine.speculator.states  # no ended request's draft state left
+    assert not engine.loras.held()  # no ended request still holds its LoRA adapter
     draft = engine.speculator.draft
     if isinstance(draft, DraftModel):  # nor a draft model's shadow or block
         assert not draft.shadows and draft.pool.stats().used == 0

@@ -119,6 +119,9 @@ def _status(args: argparse.Namespace) -> int:
                 f"{w.worker_id:<14}{w.role:<10}{w.address:<22}{used:>18}{w.held_blocks:>6}"
                 f"{w.running:>5}{w.waiting:>5}{w.active_leases:>7}{hit:>6.1f}{tier:>12}"
             )
+        for w in status.workers:
+            if w.lora_adapters:
+                print(f"{w.worker_id}: LoRA adapters {', '.join(w.lora_adapters)}")
         for rollout in status.rollouts:
             print(describe_rollout(rollout))
         return 0

@@ -143,6 +143,16 @@ class ClusterConfig:
             "each (placement redis), which clients reach with `model: NAME`"
         },
     )
+    lora_dir: str = field(
+        default="",
+        metadata={
+            "help": "LoRA adapters of --model (a directory of PEFT adapters), given to the "
+            "gateway and its workers alike (not to --extra-models' workers)"
+        },
+    )
+    max_loras: int | None = field(
+        default=None, metadata={"help": "workers: LoRA adapters resident at once"}
+    )
     # One shell-quoted string (a flag and an env var are one string): any gateway flag
     # without a ClusterConfig field of its own, e.g. the admission knobs a benchmark sets.
     gateway_args: str = field(
@@ -169,7 +179,7 @@ class ClusterConfig:
         extra_model_dirs(self.extra_models)  # parses and checks the list
         if self.extra_models and self.placement != "redis":
             raise ValueError("extra_models needs placement redis: each model has its own pool")
-        for name in _GATEWAY_PASSTHROUGH + _WORKER_PASSTHROUGH:
+        for name in _GATEWAY_PASSTHROUGH + _WORKER_PASSTHROUGH + _LORA_PASSTHROUGH:
             value = getattr(self, name)
             if not isinstance(value, int | float):
                 continue
@@ -184,13 +194,15 @@ class ClusterConfig:
 _GATEWAY_PASSTHROUGH = (
     "prefill_timeout_s", "first_token_timeout_s", "token_timeout_s", "heartbeat_ttl_s",
     "load_ttl_s", "api_keys_file", "tokens_per_minute", "local_prefill_max_tokens",
-    "extra_models", "served_model_name",
+    "extra_models", "served_model_name", "lora_dir",
 )  # fmt: skip
 _ZERO_ALLOWED = ("local_prefill_max_tokens",)  # 0 means something: the hop for every prompt
 _WORKER_PASSTHROUGH = (
     "heartbeat_ttl_s", "kv_lease_ttl_s", "dtype", "quantization", "kv_cache_dtype",
     "speculative_decoding", "served_model_name",
 )  # fmt: skip
+# The primary model's workers only: an extra model is another base, its adapters not these.
+_LORA_PASSTHROUGH = ("lora_dir", "max_loras")
 
 
 def die_with_parent() -> None:
@@ -303,7 +315,7 @@ class LocalCluster:
                 "--kv-cache-bytes", str(self.cfg.worker_kv_cache_bytes),
                 "--kv-backend", self.cfg.kv_backend,
                 *self._pin_args(role, index), *self._common(), *self._redis_args(),
-                *self._passthrough(_WORKER_PASSTHROUGH)]  # fmt: skip
+                *self._passthrough(_WORKER_PASSTHROUGH + _LORA_PASSTHROUGH)]  # fmt: skip
 
     def _extra_model_args(self, name: str, model_dir: str) -> list[str]:
         """The one mixed worker of an extra model: it registers in that model's pool (its

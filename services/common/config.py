@@ -96,7 +96,9 @@ def add_config_args(
                 default = parse(environ[name])
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"{name}={environ[name]!r}: {exc}")
-        help_text = f"{f.metadata.get('help', '')} (env {name}; default: %(default)s)"
+        # argparse %-formats help: a literal '%' in the text ("50% slower") must be doubled.
+        text = str(f.metadata.get("help", "")).replace("%", "%%")
+        help_text = f"{text} (env {name}; default: %(default)s)"
         bare = bool(f.metadata.get("bare"))  # also alone: `--autoscale` = `--autoscale true`
         group.add_argument(
             flag(f.name), dest=f.name, type=parse, default=default, help=help_text,

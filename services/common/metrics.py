@@ -243,6 +243,25 @@ def _spec_metrics(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricF
     )
 
 
+def _lora_metrics(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """LoRA adapters (all 0 without `--lora-dir`)."""
+    adapters = GaugeMetricFamily(
+        "pdserve_lora_adapters", "LoRA adapters resident, and of those held by live requests",
+        labels=["state"],
+    )  # fmt: skip
+    adapters.add_metric(["resident"], len(s.lora_resident))
+    adapters.add_metric(["held"], s.lora_held)
+    yield adapters
+    yield CounterMetricFamily(
+        "pdserve_lora_loads", "LoRA adapters read from disk", value=s.lora_loads_total
+    )
+    yield CounterMetricFamily(
+        "pdserve_lora_evictions",
+        "LoRA adapters dropped to make room for another (--max-loras)",
+        value=s.lora_evictions_total,
+    )
+
+
 class EngineCollector(Collector):
     """Gauges and counters read from `EngineStats` at scrape time."""
 
@@ -300,6 +319,7 @@ class EngineCollector(Collector):
         )
         yield from _offload_metrics(s)
         yield from _spec_metrics(s)
+        yield from _lora_metrics(s)
 
 
 class MetricsServer:

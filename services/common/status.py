@@ -24,10 +24,13 @@ from typing import Final
 import grpc
 
 from engine.errors import (
+    AdapterFormatError,
+    AdaptersBusyError,
     DeadlineExceededError,
     InvalidRequestError,
     ModelNotFoundError,
     OutOfBlocksError,
+    UnknownAdapterError,
     UnknownRequestError,
 )
 from kvtransfer.errors import (
@@ -163,6 +166,12 @@ STATUS: Final[Mapping[type[BaseException], grpc.StatusCode]] = MappingProxyType(
         OutOfBlocksError: Code.RESOURCE_EXHAUSTED,
         UnknownRequestError: Code.NOT_FOUND,
         DeadlineExceededError: Code.DEADLINE_EXCEEDED,
+        # A worker without an adapter its gateway lists, a broken adapter, or two copies
+        # that differ: the operator's deployment to fix (the gateway answers an adapter
+        # it does not list itself, NOT_FOUND, before any worker is asked).
+        UnknownAdapterError: Code.FAILED_PRECONDITION,
+        AdapterFormatError: Code.FAILED_PRECONDITION,
+        AdaptersBusyError: Code.RESOURCE_EXHAUSTED,
         # kvtransfer
         TransferError: Code.INTERNAL,
         InvalidHandleError: Code.INVALID_ARGUMENT,

@@ -37,7 +37,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.errors import LeaseExpiredError, NoBlocksError, PeerUnavailableError
 from kvtransfer.importer import ImportResult, KvImporter
 from pdserve.v1 import worker_pb2
-from services.common import priority_proto, sampling
+from services.common import adapter_proto, priority_proto, sampling
 from services.common.engine_loop import EngineLoop
 from services.common.status import DecodeFullError
 from services.common.worker_telemetry import WorkerTelemetry
@@ -131,9 +131,12 @@ class DecodeHandler:
                 span.done(result)
             self.loop.wake()
             return result.bytes, result.finish_reason
+        adapter = adapter_proto.from_request(request)
+        if adapter is not None:  # read from disk, if it must be, off the event loop
+            await asyncio.to_thread(self.engine.load_adapter, adapter)
         self.engine.add_request(
             prompt, params, request_id=rid, cache_salt=request.cache_salt,
-            priority=priority, deadline=deadline, resume_token_ids=resume,
+            priority=priority, deadline=deadline, resume_token_ids=resume, adapter=adapter,
         )  # fmt: skip
         self.loop.wake()
         return 0, None
@@ -184,6 +187,7 @@ class DecodeHandler:
             self.importer.import_kv, request.kv_handle, prompt, params,
             request_id=rid, cache_salt=request.cache_salt, metadata=span.metadata,
             priority=priority, request_deadline=deadline, resume_token_ids=resume,
+            adapter=request.adapter.name,
         ))  # fmt: skip
         try:
             return await asyncio.shield(importing)

@@ -67,6 +67,14 @@ class GatewayConfig:
             "the workers started with --served-model-name NAME"
         },
     )
+    lora_dir: str = field(
+        default="",
+        metadata={
+            "help": "the LoRA adapters of --model (the directory its workers were started "
+            "with as --lora-dir): listed in /v1/models, asked for as model 'ADAPTER' or "
+            "'MODEL:ADAPTER'; empty: none"
+        },
+    )
     rollout_refresh_s: float = field(
         default=1.0,
         metadata={"help": "how often the gateway re-reads its named models' rollouts in Redis"},

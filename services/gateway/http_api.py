@@ -50,6 +50,7 @@ from services.common.status import (
 from services.gateway import openai_schema as oa
 from services.gateway.auth import Principal
 from services.gateway.json_body import read_json
+from services.gateway.model_catalog import ModelCard
 from services.gateway.openai_answer import Answer, Choices, TokenText
 from services.gateway.served_model import ServedModel
 from services.gateway.service import REFUSAL_REASON_KEY, GatewayService
@@ -239,26 +240,32 @@ class HttpApi:
         await self._runner.cleanup()
 
     # -- routes ------------------------------------------------------------------------
-    def _card(self, model: ServedModel) -> oa.Json:
-        return {
-            "id": model.name,
+    def _card(self, card: ModelCard) -> oa.Json:
+        out: dict[str, object] = {
+            "id": card.id,
             "object": "model",
             "created": self.started,
             "owned_by": "pdserve",
-            "max_model_len": model.max_model_len,
+            "max_model_len": card.max_model_len,
         }
+        if card.parent:  # a LoRA adapter: the model it adapts (as vLLM lists them)
+            out["parent"] = card.parent
+        return out
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
-        cards = [self._card(m) for m in self.service.models]
+        cards = [self._card(c) for c in self.service.models.cards()]
         return _json(200, {"object": "list", "data": cards})
 
     async def _model(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["model"]
         try:
-            model = self.service.models.get(request.match_info["model"])
+            model, adapter = self.service.models.resolve(name)
         except UnknownModelError as exc:
             body = oa.error_body(str(exc), "not_found_error", "model", "model_not_found")
             return _json(404, body)
-        return _json(200, self._card(model))
+        if adapter is None:
+            return _json(200, self._card(ModelCard(model.name, "", model.max_model_len)))
+        return _json(200, self._card(ModelCard(name, model.name, model.max_model_len)))
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, oa.parse_completion)
@@ -308,7 +315,8 @@ class HttpApi:
         prompt = req.prompt
         if req.sampling.echo and req.prompt_token_ids:
             prompt = tokenizer.decode(list(req.prompt_token_ids), skip_special_tokens=False)
-        return Answer(req, served.name, request_id, TokenText(tokenizer), prompt)
+        # The name asked for: an adapter's answers say the adapter, as OpenAI's echo it.
+        return Answer(req, req.model or served.name, request_id, TokenText(tokenizer), prompt)
 
     async def _whole(
         self, answer: Answer, first: gateway_pb2.GenerateResponse, messages: Messages

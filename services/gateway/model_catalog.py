@@ -2,16 +2,30 @@
 
 Lifecycle: `add` adds the primary model first (`--model`, named by `--served-model-name`,
 or by its path or the default model's name), then each of `--extra-models`, at start; the
-catalog does not change after. `get(name)` resolves a request's `model` field (empty:
-the primary) or raises UnknownModelError listing what is served.
+catalog does not change after. `resolve(name)` resolves a request's `model` field (empty:
+the primary) to the model and, when it names one of the model's LoRA adapters
+("<model>:<adapter>", or the adapter's own name), that adapter; or raises
+UnknownModelError listing what is served. A model's own name wins over an adapter's;
+model names cannot hold ':', so "<model>:<adapter>" is never a model's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
+from engine.lora import AdapterRef
 from services.common.status import UnknownModelError
 from services.gateway.served_model import ServedModel
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """One entry of the model list: a model (`parent` "") or a LoRA adapter of one."""
+
+    id: str
+    parent: str
+    max_model_len: int
 
 
 class ModelCatalog:
@@ -28,14 +42,41 @@ class ModelCatalog:
         self._by_name[model.name] = model
 
     def get(self, name: str) -> ServedModel:
-        """The model a request's `model` field names ("" or None: the primary)."""
+        """The model a request's `model` field names ("" or None: the primary; an
+        adapter's name: the model it adapts)."""
+        return self.resolve(name)[0]
+
+    def resolve(self, name: str) -> tuple[ServedModel, AdapterRef | None]:
+        """The model and the LoRA adapter (None: the model itself) `name` names."""
         if not name:
-            return self.primary
+            return self.primary, None
         model = self._by_name.get(name)
-        if model is None:
-            served = ", ".join(repr(n) for n in self._by_name)
-            raise UnknownModelError(f"model: {name!r} is not served here (serving {served})")
-        return model
+        if model is not None:
+            return model, None
+        base, sep, adapter = name.partition(":")
+        if sep:
+            model = self._by_name.get(base)
+            if model is not None and model.adapters is not None:
+                return model, model.adapters.resolve(adapter, model.name)
+            if model is not None:
+                raise UnknownModelError(f"model: {base!r} serves no LoRA adapters")
+        for model in self:
+            if model.adapters is not None and name in model.adapters:
+                return model, model.adapters.resolve(name, model.name)
+        served = ", ".join(repr(n) for n in self._by_name)
+        raise UnknownModelError(f"model: {name!r} is not served here (serving {served})")
+
+    def cards(self) -> list[ModelCard]:
+        """What /v1/models and ListModels list: each model, then its adapters (each
+        under its own name, with the model as its parent)."""
+        out = []
+        for model in self:
+            out.append(ModelCard(model.name, "", model.max_model_len))
+            if model.adapters is not None:
+                out += [
+                    ModelCard(a, model.name, model.max_model_len) for a in model.adapters.names()
+                ]
+        return out
 
     def __iter__(self) -> Iterator[ServedModel]:
         return iter(self._by_name.values())

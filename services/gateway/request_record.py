@@ -53,6 +53,7 @@ from collections.abc import Awaitable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from engine.lora import AdapterRef
 from engine.priority import Priority
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import worker_pb2
@@ -88,6 +89,7 @@ class Prepared:
     # refuses the second one and lets the first one stall; so each request gets its own.
     worker_request_id: str = ""
     model: str = ""  # the served model's name (`ModelCatalog`; "": the primary)
+    adapter: AdapterRef | None = None  # the LoRA adapter it runs (None: the model itself)
 
     def __post_init__(self) -> None:
         if not self.worker_request_id:
@@ -234,7 +236,9 @@ class RequestRecord:
         self._served = True
         req = self.req
         placing = asyncio.ensure_future(
-            self.keepers.placement.route(req.request_id, req.prompt, req.tenant, list(exclude))
+            self.keepers.placement.route(
+                req.request_id, req.prompt, req.tenant, list(exclude), adapter=req.adapter
+            )
         )
         self._placements.append(placing)
         placing.add_done_callback(self._placed)
@@ -275,7 +279,12 @@ class RequestRecord:
         req = self.req
         placing = asyncio.ensure_future(
             self.keepers.placement.route_decode(
-                req.request_id, req.prompt, req.tenant, list(exclude), prefill=failed.prefill
+                req.request_id,
+                req.prompt,
+                req.tenant,
+                list(exclude),
+                prefill=failed.prefill,
+                adapter=req.adapter,
             )
         )
         self._placements.append(placing)

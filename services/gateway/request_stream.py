@@ -50,7 +50,7 @@ import grpc
 
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2
-from services.common import priority_proto, sampling
+from services.common import adapter_proto, priority_proto, sampling
 from services.common.detokenizer import IncrementalDetokenizer
 from services.common.log_format import log_context
 from services.common.status import NoWorkerError, StatusError
@@ -66,6 +66,9 @@ from services.router.placement import RouteDecision
 log = logging.getLogger(__name__)
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+#: A prefill worker may also be out of something another has: a free LoRA adapter slot
+#: (AdaptersBusyError) when the request's adapter is loaded nowhere with room.
+PREFILL_RETRYABLE = (*RETRYABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class StreamError(StatusError):
@@ -189,7 +192,7 @@ class RequestStream:
                     raise deadline_error(self.config.request_deadline_s) from exc
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self.record.report_down(decision.prefill.worker_id)
-                if exc.code() not in RETRYABLE or attempt == self.config.prefill_retries:
+                if exc.code() not in PREFILL_RETRYABLE or attempt == self.config.prefill_retries:
                     raise StreamError(
                         exc.code(), f"prefill worker {decision.prefill.worker_id}: {exc.details()}"
                     ) from exc
@@ -213,6 +216,11 @@ class RequestStream:
         self.tel.add_phases(response.phases)
         return response
 
+    def _adapter(self) -> common_pb2.Adapter | None:
+        """The request's LoRA adapter, as each worker call names it (None: the model)."""
+        adapter = self.req.adapter
+        return None if adapter is None else adapter_proto.to_proto(adapter)
+
     async def _prefill_call(
         self, decision: RouteDecision, params: SamplingParams
     ) -> worker_pb2.PrefillResponse:
@@ -222,7 +230,7 @@ class RequestStream:
         request = worker_pb2.PrefillRequest(
             request_id=self.req.worker_request_id, prompt_token_ids=self.req.prompt,
             sampling=sampling.to_proto(params), cache_salt=self.req.tenant,
-            priority=self.priority,
+            priority=self.priority, adapter=self._adapter(),
         )  # fmt: skip
         address = decision.prefill.address
         timeout = min(self.config.prefill_timeout_s, self._left())
@@ -418,7 +426,7 @@ class RequestStream:
         request = worker_pb2.DecodeRequest(
             request_id=self.req.worker_request_id, prompt_token_ids=self.req.prompt,
             sampling=sampling.to_proto(params), cache_salt=self.req.tenant,
-            priority=self.priority, resume_token_ids=resume,
+            priority=self.priority, resume_token_ids=resume, adapter=self._adapter(),
         )  # fmt: skip
         if handle is not None:
             request.kv_handle.CopyFrom(handle)

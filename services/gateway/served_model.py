@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.grammar import GrammarCompiler
 from engine.tokenizer import Tokenizer
+from services.gateway.adapter_catalog import AdapterCatalog
 from services.gateway.admission import Admission
 from services.gateway.model_backend import Backend
 from services.gateway.prefill_site import SitePolicy
@@ -36,6 +37,7 @@ class ServedModel:
     make_backend: Callable[[str], Backend] | None = None
     follower: RolloutFollower | None = None
     versions: dict[str, Backend] = field(default_factory=dict)
+    adapters: AdapterCatalog | None = None  # its LoRA adapters (--lora-dir); None: none
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _grammars: GrammarCompiler | None = field(default=None, repr=False)
 

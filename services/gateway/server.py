@@ -29,6 +29,7 @@ from services.common.telemetry import Telemetry
 from services.common.telemetry_config import TelemetryConfig
 from services.common.tls import TlsConfig, server_ssl_context
 from services.gateway.access import Access
+from services.gateway.adapter_catalog import AdapterCatalog
 from services.gateway.admission import Admission
 from services.gateway.admission_metrics import AdmissionMetrics
 from services.gateway.config import GatewayConfig
@@ -136,6 +137,8 @@ def build_service(
         else:
             service.add_model(source.name, tokenizer, limit, vocab, placement, admission)
     assert service is not None
+    if config.lora_dir:
+        service.models.primary.adapters = AdapterCatalog(Path(config.lora_dir).expanduser())
     if client is not None and isinstance(first, RedisPlacement):
         follow_rollouts(service, sources, parts, tel)
     if telemetry is not None:

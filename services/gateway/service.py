@@ -154,7 +154,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     # -- validation --------------------------------------------------------------
     def prepare(self, request: gateway_pb2.GenerateRequest) -> Prepared:
-        served = self.models.get(request.model)
+        served, adapter = self.models.resolve(request.model)
         params = sampling.from_proto(request.sampling)
         if params.max_tokens > self.config.max_tokens_limit:
             raise InvalidRequestError(
@@ -191,7 +191,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 raise InvalidRequestError(f"sampling.{exc.field}", exc.limit) from exc
         deadline = time.monotonic() + self.config.request_deadline_s
         rid = request.request_id or uuid.uuid4().hex
-        return Prepared(rid, prompt, params, "", deadline, model=served.name)
+        return Prepared(rid, prompt, params, "", deadline, model=served.name, adapter=adapter)
 
     @staticmethod
     def _tokens(request: gateway_pb2.GenerateRequest, served: ServedModel) -> list[int]:
@@ -334,9 +334,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.ListModelsResponse:
         await self._authorize(context)
+        cards = self.models.cards()
         return gateway_pb2.ListModelsResponse(
             models=[
-                gateway_pb2.ModelInfo(id=m.name, max_model_len=m.max_model_len) for m in self.models
+                gateway_pb2.ModelInfo(id=c.id, max_model_len=c.max_model_len, parent=c.parent)
+                for c in cards
             ]
         )
 

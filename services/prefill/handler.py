@@ -21,7 +21,7 @@ from engine.request import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.exporter import KvExporter
 from pdserve.v1 import common_pb2, worker_pb2
-from services.common import priority_proto, sampling
+from services.common import adapter_proto, priority_proto, sampling
 from services.common.engine_loop import EngineLoop
 from services.common.worker_telemetry import WorkerTelemetry
 
@@ -50,11 +50,15 @@ class PrefillHandler:
         parent = self.telemetry.parent(context)
         queue = self.loop.open(rid)
         finished = False
+        adapter = adapter_proto.from_request(request)
         try:
+            if adapter is not None:  # read from disk, if it must be, off the event loop
+                await asyncio.to_thread(self.engine.load_adapter, adapter)
             self.engine.add_request(
                 list(request.prompt_token_ids), first_only, request_id=rid,
                 cache_salt=request.cache_salt, hold_kv=True,
                 priority=priority_proto.for_engine(request.priority),
+                adapter=adapter,
                 deadline=priority_proto.engine_deadline(context.time_remaining()),
             )  # fmt: skip
             self.loop.wake()

@@ -69,11 +69,12 @@ class ClusterController:
     def __init__(
         self, cluster: ClusterConfig, ray_cfg: RayConfig, telemetry: TelemetryConfig
     ) -> None:
-        if cluster.extra_models or cluster.served_model_name:
-            # Each model's pool would need its own actors, scaling and autoscaler: not yet.
+        if cluster.extra_models or cluster.served_model_name or cluster.lora_dir:
+            # Each model's pool would need its own actors, scaling and autoscaler, and each
+            # node the adapters' directory: not yet.
             raise ValueError(
-                "extra_models and served_model_name are not supported with --ray yet: run "
-                "them locally"
+                "extra_models, served_model_name and lora_dir are not supported with --ray "
+                "yet: run them locally"
             )
         self.cluster = cluster
         self.ray_cfg = ray_cfg

@@ -52,6 +52,15 @@ class MembershipView:
         pool = self.pools.get(role, {})
         return [w for w in order if w in pool and not pool[w].draining]
 
+    def holders_first(self, role: str, order: Sequence[str], adapter: str) -> list[str]:
+        """`order` with the workers that held LoRA `adapter` at their last heartbeat
+        moved to the front, each group in its own order: the bounded-load pick then
+        takes a holder while one is under the bound, and falls back to the ring walk
+        (which loads the adapter there) when none is."""
+        pool = self.pools.get(role, {})
+        holds = [w for w in order if w in pool and adapter in pool[w].adapters]
+        return holds + [w for w in order if w not in holds]
+
     def is_local_only(self, roles: Iterable[str]) -> bool:
         return any(r in self.local_only for r in roles)
 

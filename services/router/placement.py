@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from engine.lora import AdapterRef
 from services.common.detached import done
 from services.common.status import NoWorkerError as NoWorkerError  # raised by route
 
@@ -77,7 +78,12 @@ class Placement(Protocol):
         prompt_token_ids: Sequence[int],
         tenant: str,
         exclude: Sequence[str] = (),
-    ) -> RouteDecision: ...
+        *,
+        adapter: AdapterRef | None = None,
+    ) -> RouteDecision:
+        """Place a request (of LoRA `adapter`, None: the base model), excluding the ids
+        in `exclude`, and lease load on its workers. Raises NoWorkerError."""
+        ...
 
     async def route_decode(
         self,
@@ -87,6 +93,7 @@ class Placement(Protocol):
         exclude: Sequence[str] = (),
         *,
         prefill: WorkerRef | None = None,
+        adapter: AdapterRef | None = None,
     ) -> RouteDecision:
         """Place the decode (or mixed) pool alone, excluding the ids in `exclude`, and
         lease load there only; the decision names `prefill`, the worker that already
@@ -132,6 +139,8 @@ class StaticPlacement:
         prompt_token_ids: Sequence[int],
         tenant: str,
         exclude: Sequence[str] = (),
+        *,
+        adapter: AdapterRef | None = None,
     ) -> RouteDecision:
         prefill = self._pick(self._prefill, self._next_p, exclude) if self._prefill else None
         if self._prefill and prefill is None:
@@ -146,6 +155,7 @@ class StaticPlacement:
         exclude: Sequence[str] = (),
         *,
         prefill: WorkerRef | None = None,
+        adapter: AdapterRef | None = None,
     ) -> RouteDecision:
         return RouteDecision(prefill, self._pick_decode(exclude))
 

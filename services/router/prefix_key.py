@@ -1,8 +1,8 @@
 """The routing key of a prompt: the engine's chained prefix hash over its first K blocks.
 
 The router and the engine's prefix cache hash with the same function and seed (model
-fingerprint + tenant salt), so the worker a key routes to is the one whose cache holds
-that prefix. Prompts shorter than one block hash whatever tokens they have.
+fingerprint + tenant salt + LoRA adapter digest), so the worker a key routes to is the
+one whose cache holds that prefix. Prompts shorter than one block hash whatever tokens they have.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ def prefix_key(token_ids: Sequence[int], block_size: int, prefix_blocks: int, se
     return hashes[-1] if hashes else short_prompt_key(token_ids, seed)
 
 
-def tenant_seed(model_fingerprint: str, tenant: str) -> int:
-    """Seed of one tenant's keys; the tenant is the salt, as in the engine's cache."""
-    return hash_seed(model_fingerprint, tenant)
+def tenant_seed(model_fingerprint: str, tenant: str, adapter_digest: str = "") -> int:
+    """Seed of one tenant's keys (of one LoRA adapter's requests, when it has a digest);
+    the tenant is the salt and the adapter's digest folded in, as in the engine's cache."""
+    return hash_seed(model_fingerprint, tenant, adapter_digest)

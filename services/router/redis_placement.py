@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Sequence
 
 import redis
 
+from engine.lora import AdapterRef
 from services.common.detached import done, in_thread
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.placement import RouteDecision, WorkerRef
@@ -68,6 +69,8 @@ class RedisPlacement:
         prompt_token_ids: Sequence[int],
         tenant: str,
         exclude: Sequence[str] = (),
+        *,
+        adapter: AdapterRef | None = None,
     ) -> RouteDecision:
         """Pick workers and lease their load; raises NoWorkerError (UNAVAILABLE).
 
@@ -75,11 +78,11 @@ class RedisPlacement:
         still finishes the placement, and its load leases are given back as soon as it
         does: the caller never sees the decision, so nobody else would release them.
         """
-        return await self._placed(
-            asyncio.to_thread(
-                self.router.route, request_id, list(prompt_token_ids), tenant, tuple(exclude)
-            )
-        )
+        routing = asyncio.to_thread(
+            self.router.route, request_id, list(prompt_token_ids), tenant, tuple(exclude),
+            adapter=adapter,
+        )  # fmt: skip
+        return await self._placed(routing)
 
     async def route_decode(
         self,
@@ -89,13 +92,14 @@ class RedisPlacement:
         exclude: Sequence[str] = (),
         *,
         prefill: WorkerRef | None = None,
+        adapter: AdapterRef | None = None,
     ) -> RouteDecision:
         """Pick a decode worker and lease its load alone; raises NoWorkerError. Cancelled,
         it gives back what it took once placed, as `route` does."""
         return await self._placed(
             asyncio.to_thread(
                 self.router.route_decode, request_id, list(prompt_token_ids), tenant,
-                tuple(exclude), prefill=prefill,
+                tuple(exclude), prefill=prefill, adapter=adapter,
             )
         )  # fmt: skip
 

@@ -7,9 +7,10 @@
 -- ARGV[1]  op: register | deregister | drain | down | list
 -- ARGV[2]  worker key prefix "ns:worker:" (a worker's key is prefix .. id; single Redis)
 --
--- register  ARGV[3..12] = id, role, model, layout, address, capacity, draining, ttl_ms,
+-- register  ARGV[3..13] = id, role, model, layout, address, capacity, draining, ttl_ms,
 --                         incarnation (the worker process's start token), identity (the
---                         JSON of the model's identity parts; '' if unknown)
+--                         JSON of the model's identity parts; '' if unknown),
+--                         adapters (ARGV[13]: the LoRA adapters it holds, comma-separated)
 --   -> {'ok', created (1 new, 0 renewed)} | {'identity', model, layout} | {'role', role}
 --   Creates or renews the worker's PX lease. The identity is set by the first live
 --   worker and lives as long as the longest worker lease, so it resets only once every
@@ -21,7 +22,7 @@
 -- down       ARGV[3] = id, ARGV[4] = ms -> 1 if registered: no placements on it until
 --   Redis time + ms (`down_until`; a call to it failed: the routers' shared breaker)
 -- list       ARGV[3] = role or '' for all
---   -> flat {id, role, model, layout, address, capacity, draining, identity, ...};
+--   -> flat {id, role, model, layout, address, capacity, draining, identity, adapters, ...};
 --   prunes expired ids
 
 -- Redis < 7 replicates scripts by effects only if asked; TIME below needs that.
@@ -67,7 +68,7 @@ if op == 'register' then
   if old[2] == '1' then draining = '1' end
   redis.call('HSET', key, 'role', role, 'model', model, 'layout', layout,
              'address', ARGV[7], 'capacity', ARGV[8], 'draining', draining,
-             'identity', ARGV[12] or '')
+             'identity', ARGV[12] or '', 'adapters', ARGV[13] or '')
   if not old[1] or old[3] ~= ARGV[11] then
     redis.call('HSET', key, 'joined', now_ms(), 'incarnation', ARGV[11])
     redis.call('HDEL', key, 'down_until')
@@ -106,9 +107,9 @@ elseif op == 'list' then
     if ARGV[3] == '' or ARGV[3] == role then
       for _, id in ipairs(live_members(pools[role])) do
         local f = redis.call('HMGET', prefix .. id, 'role', 'model', 'layout', 'address',
-                             'capacity', 'draining', 'identity')
+                             'capacity', 'draining', 'identity', 'adapters')
         out[#out + 1] = id
-        for i = 1, 7 do out[#out + 1] = f[i] or '' end
+        for i = 1, 8 do out[#out + 1] = f[i] or '' end
       end
     end
   end

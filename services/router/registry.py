@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 
@@ -45,6 +46,7 @@ class WorkerInfo:
     draining: bool = False
     incarnation: str = ""  # its process's start token: a new one restarts its slow start
     identity: ModelIdentity | None = None  # the parts `model` folds (None: not published)
+    adapters: tuple[str, ...] = ()  # LoRA adapters resident at its last heartbeat
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
@@ -93,6 +95,7 @@ class Registry:
             "register", info.worker_id, info.role, info.model, info.layout_fingerprint,
             info.address, info.capacity, "1" if info.draining else "0",
             max(1, round(self.ttl_s * 1000)), info.incarnation, _identity_text(info.identity),
+            ",".join(info.adapters),
         )  # fmt: skip
         assert isinstance(res, list)
         status = str(res[0])
@@ -148,11 +151,12 @@ class Registry:
         assert isinstance(res, list)
         flat = [str(x) for x in res]
         out = []
-        for i in range(0, len(flat), 8):
-            wid, r, model, layout, address, capacity, draining, identity = flat[i : i + 8]
+        for i in range(0, len(flat), 9):
+            wid, r, model, layout, address, capacity, draining, identity, lora = flat[i : i + 9]
             info = WorkerInfo(
                 wid, Role.parse(r), model, layout, address, int(capacity or 0),
                 draining == "1", identity=_parse_identity(identity),
+                adapters=tuple(a for a in lora.split(",") if a),
             )  # fmt: skip
             out.append(info)
         return sorted(out, key=lambda w: (w.role, w.worker_id))
@@ -180,15 +184,20 @@ def _parse_identity(text: str) -> ModelIdentity | None:
 
 
 async def keep_registered(
-    registry: Registry, info: WorkerInfo, stop: asyncio.Event, interval_s: float | None = None
+    registry: Registry,
+    current: Callable[[], WorkerInfo],
+    stop: asyncio.Event,
+    interval_s: float | None = None,
 ) -> None:
-    """Heartbeat `info` every `interval_s` (default ttl/3) until `stop` is set.
+    """Heartbeat `current()` every `interval_s` (default ttl/3) until `stop` is set
+    (what changes between beats, such as the resident LoRA adapters, goes with each).
 
     Survives Redis outages (logged): the next heartbeat after Redis returns re-creates
     the registration. An IncompatibleWorkerError propagates: the worker must not serve.
     """
     interval = registry.ttl_s / 3 if interval_s is None else interval_s
     while not stop.is_set():
+        info = current()
         try:
             if await asyncio.to_thread(registry.heartbeat, info):
                 log.info("worker %s (%s) registered with the router", info.worker_id, info.role)

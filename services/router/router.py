@@ -43,6 +43,7 @@ from dataclasses import astuple, dataclass, replace
 
 import redis
 
+from engine.lora import AdapterRef
 from engine.model_identity import IdentityPart, ModelIdentity
 from services.router.identity_check import IdentityCheck
 from services.router.keyspace import Keyspace
@@ -152,9 +153,15 @@ class Router:
         prompt_token_ids: Sequence[int],
         tenant: str,
         exclude: Sequence[str] = (),
+        *,
+        adapter: AdapterRef | None = None,
     ) -> RouteDecision:
-        """Place one request; raises NoWorkerError if a pool has no eligible worker."""
-        return self.route_detailed(request_id, prompt_token_ids, tenant, exclude).decision
+        """Place one request; raises NoWorkerError if a pool has no eligible worker.
+        A request of a LoRA `adapter` is keyed with the adapter's digest, and workers
+        holding the adapter come first in each pool's ring walk (`_holders_first`)."""
+        return self.route_detailed(
+            request_id, prompt_token_ids, tenant, exclude, adapter=adapter
+        ).decision
 
     def route_decode(
         self,
@@ -164,11 +171,12 @@ class Router:
         exclude: Sequence[str] = (),
         *,
         prefill: WorkerRef | None = None,
+        adapter: AdapterRef | None = None,
     ) -> RouteDecision:
         """Place the decode (or mixed) pool alone, for a request already prefilled on
         `prefill` (named in the decision, no load taken there); raises NoWorkerError."""
         routed = self.route_detailed(
-            request_id, prompt_token_ids, tenant, exclude, decode_only=True
+            request_id, prompt_token_ids, tenant, exclude, decode_only=True, adapter=adapter
         )
         return replace(routed.decision, prefill=prefill)
 
@@ -180,6 +188,7 @@ class Router:
         exclude: Sequence[str] = (),
         *,
         decode_only: bool = False,
+        adapter: AdapterRef | None = None,
     ) -> Routed:
         """`route`, plus each pool's placement (load, bound, rank) for spans and tests;
         `decode_only` places the decode (or mixed) pool alone."""
@@ -189,13 +198,14 @@ class Router:
         if self._identity is not None:
             self._identity.check(view)
         excluded = frozenset(exclude)
-        placed = self._place(view, prompt_token_ids, tenant, excluded, now, decode_only)
+        where = _Where(prompt_token_ids, tenant, excluded, decode_only, adapter)
+        placed = self._place(view, where, now)
         if any(p is None for p in placed) and now >= self._redis_down_until:
             # The view may be stale (a worker died or began draining): re-read and retry once.
             self.release([p.lease_id for p in placed if p is not None])
             self._maybe_refresh(now, force=True)
             view = self.membership.view()
-            placed = self._place(view, prompt_token_ids, tenant, excluded, now, decode_only)
+            placed = self._place(view, where, now)
         roles = _pools(view, decode_only)
         if not roles:
             if self._redis_down:
@@ -278,25 +288,21 @@ class Router:
         self.backlog.add(lease_ids)
         self._count(release_failures=len(lease_ids))
 
-    def _place(
-        self,
-        view: MembershipView,
-        prompt_token_ids: Sequence[int],
-        tenant: str,
-        excluded: frozenset[str],
-        now: float,
-        decode_only: bool = False,
-    ) -> list[Placed | None]:
+    def _place(self, view: MembershipView, where: _Where, now: float) -> list[Placed | None]:
         """One placement per serving pool of `view` (None where no worker is eligible)."""
         cfg = self.config
-        roles = _pools(view, decode_only)
+        roles = _pools(view, where.decode_only)
         if not roles:
             return [None]
-        seed = tenant_seed(cfg.model_fingerprint or view.model, tenant)
+        prompt_token_ids = where.prompt
+        adapter = where.adapter
+        digest = "" if adapter is None else adapter.digest
+        seed = tenant_seed(cfg.model_fingerprint or view.model, where.tenant, digest)
         key = prefix_key(prompt_token_ids, cfg.block_size, cfg.prefix_blocks, seed)
         orders = {}
         for role in roles:
-            orders[role] = [w for w in self.policy.order(key, view.ring(role)) if w not in excluded]
+            walk = [w for w in self.policy.order(key, view.ring(role)) if w not in where.excluded]
+            orders[role] = walk if adapter is None else view.holders_first(role, walk, adapter.name)
         redis_up = now >= self._redis_down_until
         remote = [r for r in roles if redis_up and not view.is_local_only([r])]
         out: dict[str, Placed | None] = {}
@@ -365,6 +371,17 @@ class Router:
     def _count(self, **deltas: int) -> None:
         with self._lock:
             self._stats = _bump(self._stats, **deltas)
+
+
+@dataclass(frozen=True)
+class _Where:
+    """What one placement is for: the prompt, its tenant and adapter, and where not."""
+
+    prompt: Sequence[int]
+    tenant: str
+    excluded: frozenset[str]
+    decode_only: bool
+    adapter: AdapterRef | None
 
 
 def _pools(view: MembershipView, decode_only: bool) -> tuple[str, ...]:

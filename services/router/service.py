@@ -17,6 +17,7 @@ import grpc
 from opentelemetry.trace import SpanKind
 
 from pdserve.v1 import router_pb2, router_pb2_grpc
+from services.common import adapter_proto
 from services.common.grpc_server import announce_ready, build_server, wait_for_shutdown_signal
 from services.common.status import status_for
 from services.common.telemetry import Telemetry
@@ -57,6 +58,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 list(request.prompt_token_ids),
                 request.tenant,
                 list(request.exclude_workers),
+                adapter=adapter_proto.from_message(request.adapter),
             )
         except NoWorkerError as exc:
             code, message = status_for(exc)

@@ -2,7 +2,9 @@
 
 Lifecycle: `WorkerRegistration.start()` registers the worker (an incompatible model or
 KV layout raises IncompatibleWorkerError: the worker must not serve) and starts the
-heartbeat task, which renews the lease and re-creates it after a Redis restart. On
+heartbeat task, which renews the lease and re-creates it after a Redis restart. Each
+beat sends the registration as of then (`current`): the LoRA adapters resident on the
+worker change, and the router prefers workers that hold a request's adapter. On
 shutdown the worker calls `drain()` (routers stop placing on it at once), finishes its
 streams, then `stop()` ends the heartbeat and deregisters. A worker that dies simply
 stops heartbeating and expires after `heartbeat_ttl_s`.
@@ -13,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from dataclasses import replace
 
 from services.router.keyspace import Keyspace
 from services.router.redis_client import REDIS_DOWN_ERRORS, connect
@@ -22,15 +26,27 @@ log = logging.getLogger(__name__)
 
 
 class WorkerRegistration:
-    def __init__(self, redis_url: str, namespace: str, ttl_s: float, info: WorkerInfo) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        namespace: str,
+        ttl_s: float,
+        info: WorkerInfo,
+        adapters: Callable[[], tuple[str, ...]] = tuple,
+    ) -> None:
         self.info = info
+        self.adapters = adapters  # the LoRA adapters resident now, sent with each beat
         self.registry = Registry(connect(redis_url, 1.0), Keyspace(namespace), ttl_s=ttl_s)
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        await asyncio.to_thread(self.registry.register, self.info)
-        self._task = asyncio.create_task(keep_registered(self.registry, self.info, self._stop))
+        await asyncio.to_thread(self.registry.register, self.current())
+        self._task = asyncio.create_task(keep_registered(self.registry, self.current, self._stop))
+
+    def current(self) -> WorkerInfo:
+        """The registration as of now (its resident adapters change)."""
+        return replace(self.info, adapters=self.adapters())
 
     async def drain(self) -> None:
         try:

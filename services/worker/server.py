@@ -145,6 +145,7 @@ def worker_stats(svc: WorkerService) -> worker_pb2.WorkerStats:
         prefix_hit_tokens=s.prefix_hit_tokens, prefix_query_tokens=s.prefix_query_tokens,
         kv_layout_fingerprint=svc.loop.engine.layout.fingerprint(), address=svc.address,
         offload_blocks=s.offload_blocks, offload_capacity_blocks=s.offload_capacity_blocks,
+        lora_adapters=list(s.lora_resident), lora_held=s.lora_held,
     )  # fmt: skip
 
 
@@ -222,8 +223,9 @@ async def _register(
         identity=engine.spec.identity,
     )  # fmt: skip
     registration = WorkerRegistration(
-        config.redis_url, config.pool_namespace, config.heartbeat_ttl_s, info
-    )
+        config.redis_url, config.pool_namespace, config.heartbeat_ttl_s, info,
+        adapters=lambda: engine.loras.counts().resident,
+    )  # fmt: skip
     await registration.start()
     return registration
 

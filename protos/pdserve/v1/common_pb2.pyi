@@ -166,7 +166,7 @@ class KvLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., memory_kind: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("protocol_version", "engine_id", "incarnation", "agent_name", "transfer_address", "block_ids", "num_tokens", "layout_fingerprint", "lease_id", "lease_expiry_unix_ms", "backend", "first_token_id", "request_id", "fork_token_ids")
+    __slots__ = ("protocol_version", "engine_id", "incarnation", "agent_name", "transfer_address", "block_ids", "num_tokens", "layout_fingerprint", "lease_id", "lease_expiry_unix_ms", "backend", "first_token_id", "request_id", "fork_token_ids", "adapter_digest")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,7 @@ class KvHandle(_message.Message):
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FORK_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     engine_id: str
     incarnation: str
@@ -195,7 +196,16 @@ class KvHandle(_message.Message):
     first_token_id: int
     request_id: str
     fork_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., transfer_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix_ms: _Optional[int] = ..., backend: _Optional[str] = ..., first_token_id: _Optional[int] = ..., request_id: _Optional[str] = ..., fork_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    adapter_digest: str
+    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., transfer_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix_ms: _Optional[int] = ..., backend: _Optional[str] = ..., first_token_id: _Optional[int] = ..., request_id: _Optional[str] = ..., fork_token_ids: _Optional[_Iterable[int]] = ..., adapter_digest: _Optional[str] = ...) -> None: ...
+
+class Adapter(_message.Message):
+    __slots__ = ("name", "digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class PhaseTiming(_message.Message):
     __slots__ = ("name", "start_unix_nano", "end_unix_nano", "worker_id")

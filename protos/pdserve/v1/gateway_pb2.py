@@ -26,15 +26,15 @@ from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve.v1 import worker_pb2 as pdserve_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x17pdserve/v1/worker.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x82\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\x08messages\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.ChatListH\x00\x12\x31\n\x10prompt_token_ids\x18\x07 \x01(\x0b\x32\x15.pdserve.v1.TokenListH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12&\n\x08priority\x18\x06 \x01(\x0e\x32\x14.pdserve.v1.PriorityB\x07\n\x05input\"5\n\x08\x43hatList\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x18\n\tTokenList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa0\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x10\n\x08trace_id\x18\t \x01(\t\x12\'\n\x06phases\x18\n \x03(\x0b\x32\x17.pdserve.v1.PhaseTiming\x12\r\n\x05index\x18\x0b \x01(\r\x12+\n\x08logprobs\x18\x0c \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x18\n\x10prompt_token_ids\x18\x0e \x03(\r\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"\x16\n\x14\x43lusterStatusRequest\"\x9b\x01\n\x15\x43lusterStatusResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerStats\x12\x16\n\x0e\x61\x63tive_streams\x18\x02 \x01(\r\x12\x13\n\x0bmax_streams\x18\x03 \x01(\r\x12+\n\x08rollouts\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.RolloutStatus\"{\n\x0eRolloutRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32\x19.pdserve.v1.RolloutAction\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\x0e\n\x06sticky\x18\x05 \x01(\x08\"X\n\rRolloutWindow\x12\x10\n\x08requests\x18\x01 \x01(\r\x12\x0e\n\x06\x65rrors\x18\x02 \x01(\r\x12\x12\n\nttft_p90_s\x18\x03 \x01(\x01\x12\x11\n\titl_p90_s\x18\x04 \x01(\x01\"\xf5\x01\n\rRolloutStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06stable\x18\x02 \x01(\t\x12\x0e\n\x06\x63\x61nary\x18\x03 \x01(\t\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\x0e\n\x06sticky\x18\x05 \x01(\x08\x12\r\n\x05phase\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x12\n\nstarted_ms\x18\x08 \x01(\x03\x12\x30\n\rstable_window\x18\t \x01(\x0b\x32\x19.pdserve.v1.RolloutWindow\x12\x30\n\rcanary_window\x18\n \x01(\x0b\x32\x19.pdserve.v1.RolloutWindow*\x9a\x01\n\rRolloutAction\x12\x1e\n\x1aROLLOUT_ACTION_UNSPECIFIED\x10\x00\x12\x19\n\x15ROLLOUT_ACTION_STATUS\x10\x01\x12\x18\n\x14ROLLOUT_ACTION_START\x10\x02\x12\x1a\n\x16ROLLOUT_ACTION_PROMOTE\x10\x03\x12\x18\n\x14ROLLOUT_ACTION_ABORT\x10\x04\x32\xfe\x02\n\x07Gateway\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12T\n\rClusterStatus\x12 .pdserve.v1.ClusterStatusRequest\x1a!.pdserve.v1.ClusterStatusResponse\x12@\n\x07Rollout\x12\x1a.pdserve.v1.RolloutRequest\x1a\x19.pdserve.v1.RolloutStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x17pdserve/v1/worker.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x82\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\x08messages\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.ChatListH\x00\x12\x31\n\x10prompt_token_ids\x18\x07 \x01(\x0b\x32\x15.pdserve.v1.TokenListH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12&\n\x08priority\x18\x06 \x01(\x0e\x32\x14.pdserve.v1.PriorityB\x07\n\x05input\"5\n\x08\x43hatList\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x18\n\tTokenList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa0\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x10\n\x08trace_id\x18\t \x01(\t\x12\'\n\x06phases\x18\n \x03(\x0b\x32\x17.pdserve.v1.PhaseTiming\x12\r\n\x05index\x18\x0b \x01(\r\x12+\n\x08logprobs\x18\x0c \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x18\n\x10prompt_token_ids\x18\x0e \x03(\r\"\x13\n\x11ListModelsRequest\">\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x0e\n\x06parent\x18\x03 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"\x16\n\x14\x43lusterStatusRequest\"\x9b\x01\n\x15\x43lusterStatusResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerStats\x12\x16\n\x0e\x61\x63tive_streams\x18\x02 \x01(\r\x12\x13\n\x0bmax_streams\x18\x03 \x01(\r\x12+\n\x08rollouts\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.RolloutStatus\"{\n\x0eRolloutRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32\x19.pdserve.v1.RolloutAction\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\x0e\n\x06sticky\x18\x05 \x01(\x08\"X\n\rRolloutWindow\x12\x10\n\x08requests\x18\x01 \x01(\r\x12\x0e\n\x06\x65rrors\x18\x02 \x01(\r\x12\x12\n\nttft_p90_s\x18\x03 \x01(\x01\x12\x11\n\titl_p90_s\x18\x04 \x01(\x01\"\xf5\x01\n\rRolloutStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06stable\x18\x02 \x01(\t\x12\x0e\n\x06\x63\x61nary\x18\x03 \x01(\t\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\x0e\n\x06sticky\x18\x05 \x01(\x08\x12\r\n\x05phase\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x12\n\nstarted_ms\x18\x08 \x01(\x03\x12\x30\n\rstable_window\x18\t \x01(\x0b\x32\x19.pdserve.v1.RolloutWindow\x12\x30\n\rcanary_window\x18\n \x01(\x0b\x32\x19.pdserve.v1.RolloutWindow*\x9a\x01\n\rRolloutAction\x12\x1e\n\x1aROLLOUT_ACTION_UNSPECIFIED\x10\x00\x12\x19\n\x15ROLLOUT_ACTION_STATUS\x10\x01\x12\x18\n\x14ROLLOUT_ACTION_START\x10\x02\x12\x1a\n\x16ROLLOUT_ACTION_PROMOTE\x10\x03\x12\x18\n\x14ROLLOUT_ACTION_ABORT\x10\x04\x32\xfe\x02\n\x07Gateway\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12T\n\rClusterStatus\x12 .pdserve.v1.ClusterStatusRequest\x1a!.pdserve.v1.ClusterStatusResponse\x12@\n\x07Rollout\x12\x1a.pdserve.v1.RolloutRequest\x1a\x19.pdserve.v1.RolloutStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLLOUTACTION']._serialized_start=1673
-  _globals['_ROLLOUTACTION']._serialized_end=1827
+  _globals['_ROLLOUTACTION']._serialized_start=1689
+  _globals['_ROLLOUTACTION']._serialized_end=1843
   _globals['_CHATMESSAGE']._serialized_start=90
   _globals['_CHATMESSAGE']._serialized_end=134
   _globals['_GENERATEREQUEST']._serialized_start=137
@@ -48,19 +48,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMODELSREQUEST']._serialized_start=897
   _globals['_LISTMODELSREQUEST']._serialized_end=916
   _globals['_MODELINFO']._serialized_start=918
-  _globals['_MODELINFO']._serialized_end=964
-  _globals['_LISTMODELSRESPONSE']._serialized_start=966
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1025
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1027
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1049
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1052
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1207
-  _globals['_ROLLOUTREQUEST']._serialized_start=1209
-  _globals['_ROLLOUTREQUEST']._serialized_end=1332
-  _globals['_ROLLOUTWINDOW']._serialized_start=1334
-  _globals['_ROLLOUTWINDOW']._serialized_end=1422
-  _globals['_ROLLOUTSTATUS']._serialized_start=1425
-  _globals['_ROLLOUTSTATUS']._serialized_end=1670
-  _globals['_GATEWAY']._serialized_start=1830
-  _globals['_GATEWAY']._serialized_end=2212
+  _globals['_MODELINFO']._serialized_end=980
+  _globals['_LISTMODELSRESPONSE']._serialized_start=982
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1041
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1043
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1065
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1068
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1223
+  _globals['_ROLLOUTREQUEST']._serialized_start=1225
+  _globals['_ROLLOUTREQUEST']._serialized_end=1348
+  _globals['_ROLLOUTWINDOW']._serialized_start=1350
+  _globals['_ROLLOUTWINDOW']._serialized_end=1438
+  _globals['_ROLLOUTSTATUS']._serialized_start=1441
+  _globals['_ROLLOUTSTATUS']._serialized_end=1686
+  _globals['_GATEWAY']._serialized_start=1846
+  _globals['_GATEWAY']._serialized_end=2228
 # @@protoc_insertion_point(module_scope)

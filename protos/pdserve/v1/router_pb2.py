@@ -22,25 +22,26 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\"{\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x17\n\x0f\x65xclude_workers\x18\x04 \x03(\t\x12\x14\n\x0cneed_prefill\x18\x05 \x01(\x08\"=\n\tWorkerRef\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\"v\n\rRouteResponse\x12&\n\x07prefill\x18\x01 \x01(\x0b\x32\x15.pdserve.v1.WorkerRef\x12%\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x15.pdserve.v1.WorkerRef\x12\x16\n\x0eload_lease_ids\x18\x03 \x03(\t\",\n\x12ReleaseLoadRequest\x12\x16\n\x0eload_lease_ids\x18\x01 \x03(\t\"\'\n\x13ReleaseLoadResponse\x12\x10\n\x08released\x18\x01 \x01(\r2\x92\x01\n\x06Router\x12<\n\x05Route\x12\x18.pdserve.v1.RouteRequest\x1a\x19.pdserve.v1.RouteResponse\x12J\n\x07Release\x12\x1e.pdserve.v1.ReleaseLoadRequest\x1a\x1f.pdserve.v1.ReleaseLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xa1\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x17\n\x0f\x65xclude_workers\x18\x04 \x03(\t\x12\x14\n\x0cneed_prefill\x18\x05 \x01(\x08\x12$\n\x07\x61\x64\x61pter\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Adapter\"=\n\tWorkerRef\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\"v\n\rRouteResponse\x12&\n\x07prefill\x18\x01 \x01(\x0b\x32\x15.pdserve.v1.WorkerRef\x12%\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x15.pdserve.v1.WorkerRef\x12\x16\n\x0eload_lease_ids\x18\x03 \x03(\t\",\n\x12ReleaseLoadRequest\x12\x16\n\x0eload_lease_ids\x18\x01 \x03(\t\"\'\n\x13ReleaseLoadResponse\x12\x10\n\x08released\x18\x01 \x01(\r2\x92\x01\n\x06Router\x12<\n\x05Route\x12\x18.pdserve.v1.RouteRequest\x1a\x19.pdserve.v1.RouteResponse\x12J\n\x07Release\x12\x1e.pdserve.v1.ReleaseLoadRequest\x1a\x1f.pdserve.v1.ReleaseLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROUTEREQUEST']._serialized_start=39
-  _globals['_ROUTEREQUEST']._serialized_end=162
-  _globals['_WORKERREF']._serialized_start=164
-  _globals['_WORKERREF']._serialized_end=225
-  _globals['_ROUTERESPONSE']._serialized_start=227
-  _globals['_ROUTERESPONSE']._serialized_end=345
-  _globals['_RELEASELOADREQUEST']._serialized_start=347
-  _globals['_RELEASELOADREQUEST']._serialized_end=391
-  _globals['_RELEASELOADRESPONSE']._serialized_start=393
-  _globals['_RELEASELOADRESPONSE']._serialized_end=432
-  _globals['_ROUTER']._serialized_start=435
-  _globals['_ROUTER']._serialized_end=581
+  _globals['_ROUTEREQUEST']._serialized_start=65
+  _globals['_ROUTEREQUEST']._serialized_end=226
+  _globals['_WORKERREF']._serialized_start=228
+  _globals['_WORKERREF']._serialized_end=289
+  _globals['_ROUTERESPONSE']._serialized_start=291
+  _globals['_ROUTERESPONSE']._serialized_end=409
+  _globals['_RELEASELOADREQUEST']._serialized_start=411
+  _globals['_RELEASELOADREQUEST']._serialized_end=455
+  _globals['_RELEASELOADRESPONSE']._serialized_start=457
+  _globals['_RELEASELOADRESPONSE']._serialized_end=496
+  _globals['_ROUTER']._serialized_start=499
+  _globals['_ROUTER']._serialized_end=645
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from pdserve.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -7,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "tenant", "exclude_workers", "need_prefill")
+    __slots__ = ("request_id", "prompt_token_ids", "tenant", "exclude_workers", "need_prefill", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NEED_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tenant: str
     exclude_workers: _containers.RepeatedScalarFieldContainer[str]
     need_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., need_prefill: _Optional[bool] = ...) -> None: ...
+    adapter: _common_pb2.Adapter
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., need_prefill: _Optional[bool] = ..., adapter: _Optional[_Union[_common_pb2.Adapter, _Mapping]] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
     __slots__ = ("worker_id", "address", "role")

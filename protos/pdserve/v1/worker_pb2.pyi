@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "priority", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     cache_salt: str
     priority: _common_pb2.Priority
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ...) -> None: ...
+    adapter: _common_pb2.Adapter
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., adapter: _Optional[_Union[_common_pb2.Adapter, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "finished", "finish_reason", "kv_handle", "cached_tokens", "worker_id", "phases", "prompt_logprobs", "first_logprobs", "fork_token_ids")
@@ -46,7 +48,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., kv_handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[_common_pb2.PhaseTiming, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., first_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., fork_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "kv_handle", "priority", "resume_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "kv_handle", "priority", "resume_token_ids", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +56,7 @@ class DecodeRequest(_message.Message):
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -61,7 +64,8 @@ class DecodeRequest(_message.Message):
     kv_handle: _common_pb2.KvHandle
     priority: _common_pb2.Priority
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., kv_handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    adapter: _common_pb2.Adapter
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., kv_handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[_Union[_common_pb2.Adapter, _Mapping]] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
     __slots__ = ("token_ids", "finished", "finish_reason", "cached_tokens", "kv_bytes", "phases", "index", "logprobs", "prompt_logprobs")
@@ -102,7 +106,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "total_blocks", "free_blocks", "used_blocks", "cached_blocks", "held_blocks", "running", "waiting", "active_leases", "expired_leases", "prefix_hit_tokens", "prefix_query_tokens", "kv_layout_fingerprint", "address", "offload_blocks", "offload_capacity_blocks")
+    __slots__ = ("worker_id", "role", "total_blocks", "free_blocks", "used_blocks", "cached_blocks", "held_blocks", "running", "waiting", "active_leases", "expired_leases", "prefix_hit_tokens", "prefix_query_tokens", "kv_layout_fingerprint", "address", "offload_blocks", "offload_capacity_blocks", "lora_adapters", "lora_held")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +124,8 @@ class WorkerStats(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    LORA_HELD_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     total_blocks: int
@@ -137,4 +143,6 @@ class WorkerStats(_message.Message):
     address: str
     offload_blocks: int
     offload_capacity_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., held_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., active_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., kv_layout_fingerprint: _Optional[str] = ..., address: _Optional[str] = ..., offload_blocks: _Optional[int] = ..., offload_capacity_blocks: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    lora_held: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., held_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., active_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., kv_layout_fingerprint: _Optional[str] = ..., address: _Optional[str] = ..., offload_blocks: _Optional[int] = ..., offload_capacity_blocks: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_held: _Optional[int] = ...) -> None: ...

@@ -178,3 +178,13 @@ def test_short_prompt_key() -> None:
     assert short_prompt_key(prompt, hash_seed("m", "tenant-a")) == a
     assert short_prompt_key([5, 6, 8], hash_seed("m", "tenant-a")) != a
     assert short_prompt_key([], SEED) != short_prompt_key([0], SEED)
+
+
+def test_an_adapters_digest_gives_its_own_chain_and_the_base_keeps_its_seed() -> None:
+    tokens = list(range(4 * BS))
+    base = hash_seed("m", "t")
+    assert hash_seed("m", "t", "") == base  # the base model's keys are what they were
+    adapters = {hash_seed("m", "t", d) for d in ("a" * 32, "b" * 32)}
+    assert len(adapters | {base}) == 3
+    chains = [set(prefix_block_hashes(tokens, BS, s)) for s in adapters | {base}]
+    assert not (chains[0] & chains[1]) and not (chains[1] & chains[2])

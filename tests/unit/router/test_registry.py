@@ -86,7 +86,8 @@ def test_keep_registered_heartbeats_until_stopped(client: redis.Redis, namespace
 
     async def run() -> float:
         stop = asyncio.Event()
-        task = asyncio.create_task(keep_registered(reg, worker("m0"), stop, interval_s=interval_s))
+        info = worker("m0")
+        task = asyncio.create_task(keep_registered(reg, lambda: info, stop, interval_s=interval_s))
         start = time.monotonic()
         while time.monotonic() - start < 2.5 * ttl_s:  # well past the TTL: only
             await asyncio.sleep(0.1)  # heartbeats keep it alive, and at every look

@@ -170,10 +170,13 @@ class FakeWorker:
         cluster = self.cluster
         cluster.prefills.append(self.address)
         cluster.priorities.append(("prefill", request.priority))
+        cluster.adapters.append(("prefill", request.adapter))
         if (cluster.unreachable_first and len(cluster.prefills) == 1) or len(
             cluster.prefills
         ) in cluster.unreachable_prefills:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused")
+        if len(cluster.prefills) in cluster.busy_prefills:
+            raise rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "all 8 adapter slots held")
         if self.address in cluster.broken:
             raise rpc_error(grpc.StatusCode.INTERNAL, "the model raised")
         finished = request.sampling.max_tokens == 1
@@ -194,6 +197,7 @@ class FakeWorker:
 
     def Decode(self, request: worker_pb2.DecodeRequest, **_: object) -> FakeDecodeCall:
         self.cluster.priorities.append(("decode", request.priority))
+        self.cluster.adapters.append(("decode", request.adapter))
         call = FakeDecodeCall(self.cluster, request, self.address)
         self.cluster.decodes.append(call)
         return call
@@ -216,10 +220,12 @@ class FakeCluster:
     decodes: list[FakeDecodeCall] = field(default_factory=list)
     aborts: list[tuple[str, str]] = field(default_factory=list)  # (address, request id)
     priorities: list[tuple[str, int]] = field(default_factory=list)  # (call, proto class)
+    adapters: list[tuple[str, common_pb2.Adapter]] = field(default_factory=list)  # (call, its)
     unreachable_first: bool = False  # the first Prefill call fails: UNAVAILABLE
     import_fails: bool = False
     lost_imports: set[int] = field(default_factory=set)  # Decode calls (0-based): NOT_FOUND
     unreachable_prefills: set[int] = field(default_factory=set)  # Prefill calls (1-based)
+    busy_prefills: set[int] = field(default_factory=set)  # Prefill calls: RESOURCE_EXHAUSTED
     broken: set[str] = field(default_factory=set)  # addresses whose Prefill fails: INTERNAL
     decode_refusals: list[grpc.StatusCode] = field(default_factory=list)  # next calls', in order
     decode_deaths: list[int | None] = field(default_factory=list)  # next calls': dies at read

@@ -2,7 +2,7 @@
 worker keeps its own default (its PDSERVE_DTYPE env, which the test suite pins to
 float32); when asked, the same dtype, quantization and KV cache dtype for every worker.
 And the model names: the primary's to the gateway and its workers, each extra model's to
-its own worker."""
+its own worker. The LoRA adapters: to the gateway and the primary model's workers."""
 
 from __future__ import annotations
 
@@ -48,3 +48,15 @@ def test_model_names_reach_the_gateway_and_the_right_workers() -> None:
     gateway = cluster._gateway_args([], [], 0)
     assert _last(gateway, "--served-model-name") == "smol"
     assert _last(gateway, "--extra-models") == "tiny=/models/tiny"
+
+
+def test_lora_dir_reaches_the_gateway_and_the_primary_models_workers() -> None:
+    cfg = ClusterConfig(gateway_port=0, placement="redis", lora_dir="/loras", max_loras=3,
+                        extra_models="tiny=/models/tiny")  # fmt: skip
+    cluster = LocalCluster(cfg)
+    for role in ("prefill", "decode"):
+        args = cluster._worker_args(role, 0)
+        assert _last(args, "--lora-dir") == "/loras" and _last(args, "--max-loras") == "3"
+    assert _last(cluster._gateway_args([], [], 0), "--lora-dir") == "/loras"
+    extra = cluster._extra_model_args("tiny", "/models/tiny")  # another base model
+    assert _last(extra, "--lora-dir") is None and _last(extra, "--max-loras") is None

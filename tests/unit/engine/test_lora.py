@@ -1,0 +1,467 @@
+"""Multi-LoRA in the engine: PEFT parity in batches mixing the base model and two
+adapters (one engine, and prefill -> decode through a KV hand-off), residency with LRU
+eviction, cache keys per adapter, and every refusal naming what is wrong.
+
+The adapters are random, written by PEFT itself (tests/lora_adapters.py), and the
+reference is transformers + PEFT generating greedily one prompt at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.errors import (
+    AdapterFormatError,
+    AdapterMismatchError,
+    AdaptersBusyError,
+    UnknownAdapterError,
+)
+from engine.lora import WEIGHTS_FILE, AdapterRef, adapter_digest
+from engine.lora_batch import LoraStacks
+from engine.lora_set import LoraSet
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import ChatMessage
+from tests.conftest import EngineFactory, assert_no_leaks
+from tests.lora_adapters import RECIPES, peft_greedy, write_adapter
+from tests.prompts import CHAT, SHORT, long_prompt
+from tests.tiny_models import VOCAB_SIZE, build_hf_model, write_tiny_model, write_tokenizer
+
+pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+MAX_TOKENS = 16
+MIX = (None, "alpha", "beta")  # each prompt runs as the base model and as both adapters
+
+
+# -- parity on the real model ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_base(model_dir: Path) -> Any:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory: pytest.TempPathFactory, hf_base: Any) -> dict[str, Any]:
+    """Adapters alpha and beta in one directory; returns {name: PEFT model} (plus the
+    directory under "")."""
+    root = tmp_path_factory.mktemp("loras")
+    out: dict[str, Any] = {"": root}
+    for name in ("alpha", "beta"):
+        out[name] = write_adapter(hf_base, root / name, RECIPES[name])
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(make_engine: EngineFactory, lora_dir: dict[str, Any]) -> LLMEngine:
+    return make_engine(
+        kv_cache_bytes=256 << 20, max_num_batched_tokens=512, lora_dir=str(lora_dir[""])
+    )
+
+
+@pytest.fixture(scope="module")
+def prompts(engine: LLMEngine) -> list[list[int]]:
+    """A share of the parity prompts: short ones, chats, and one over 1,000 tokens (its
+    prefill spans several chunks of the 512-token step budget)."""
+    tok = engine.tokenizer
+    out = [tok.encode(p) for p in SHORT[:6]]
+    out += [tok.encode_chat([ChatMessage("user", c)]) for c in CHAT[:3]]
+    out.append(tok.encode(long_prompt(9)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(
+    hf_base: Any, lora_dir: dict[str, Any], prompts: list[list[int]]
+) -> dict[str | None, list[list[int]]]:
+    refs: dict[str | None, list[list[int]]] = {None: peft_greedy(hf_base, prompts, MAX_TOKENS)}
+    for name in ("alpha", "beta"):
+        refs[name] = peft_greedy(lora_dir[name], prompts, MAX_TOKENS)
+    return refs
+
+
+def _mixed(prompts: list[list[int]]) -> tuple[list[list[int]], list[str | None]]:
+    return [p for p in prompts for _ in MIX], [a for _ in prompts for a in MIX]
+
+
+def test_the_adapters_change_the_output(reference: dict[str | None, list[list[int]]]) -> None:
+    """Otherwise the parity below would prove nothing about the adapters."""
+    for name in ("alpha", "beta"):
+        assert sum(r != b for r, b in zip(reference[name], reference[None], strict=True)) >= 3
+
+
+def test_a_mixed_batch_matches_peft(
+    engine: LLMEngine, prompts: list[list[int]], reference: dict[str | None, list[list[int]]]
+) -> None:
+    batch, names = _mixed(prompts)
+    got = engine.generate(batch, SamplingParams(max_tokens=MAX_TOKENS), names)
+    for i, (tokens, name) in enumerate(zip(got, names, strict=True)):
+        assert tokens == reference[name][i // len(MIX)], f"prompt {i // len(MIX)}, {name}"
+    assert set(engine.loras.counts().resident) == {"alpha", "beta"}
+    assert_no_leaks(engine)
+
+
+def test_prefill_to_decode_hand_off_matches_peft(
+    make_engine: EngineFactory,
+    lora_dir: dict[str, Any],
+    prompts: list[list[int]],
+    reference: dict[str | None, list[list[int]]],
+) -> None:
+    """Disaggregated: each request prefilled on one engine, its KV moved to another
+    engine that decodes a batch mixing all three."""
+    kw = {"num_kv_blocks": 400, "lora_dir": str(lora_dir[""])}
+    prefill, decode = make_engine(**kw), make_engine(**kw)
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    firsts: dict[str, int] = {}
+    for i, (prompt, name) in enumerate(zip(*_mixed(prompts), strict=True)):
+        adapter = None if name is None else AdapterRef(name)
+        rid = prefill.add_request(prompt, SamplingParams(max_tokens=1), request_id=f"p{i}",
+                                  hold_kv=True, adapter=adapter)  # fmt: skip
+        while prefill.has_unfinished():
+            prefill.step()
+        held = prefill.held_kv(rid)
+        assert held.adapter_digest == ("" if name is None else prefill.loras.digest(name))
+        ref = None if name is None else AdapterRef(name, held.adapter_digest)
+        slot = decode.reserve_import(prompt, held.first_token_id, params, request_id=f"d{i}",
+                                     adapter=ref)  # fmt: skip
+        # The chat prompts share their template's first block: cached after the first.
+        sent = held.block_ids[slot.num_cached_blocks :]
+        decode.kv_blocks[slot.blocks_to_fill] = prefill.kv_blocks[sent]
+        prefill.release_held(rid)
+        decode.commit_import(f"d{i}")
+        firsts[f"d{i}"] = held.first_token_id
+    out = {rid: [tok] for rid, tok in firsts.items()}
+    while decode.has_unfinished():
+        for o in decode.step():
+            out[o.request_id] += o.new_token_ids
+    names = _mixed(prompts)[1]
+    for i, name in enumerate(names):
+        assert out[f"d{i}"] == reference[name][i // len(MIX)], f"prompt {i // len(MIX)}, {name}"
+    assert_no_leaks(prefill)
+    assert_no_leaks(decode)
+
+
+# -- the engine's bookkeeping, on a tiny model -------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A tiny Llama with adapters alpha, beta and gamma; {"model", "loras", name: PEFT}."""
+    root = tmp_path_factory.mktemp("tiny-lora")
+    hf = write_tiny_model("llama3", root / "model")
+    out: dict[str, Any] = {"model": root / "model", "loras": root / "loras"}
+    for name in ("alpha", "beta", "gamma"):
+        out[name] = write_adapter(hf, root / "loras" / name, RECIPES[name])
+    return out
+
+
+def _tiny_engine(tiny: dict[str, Any], **overrides: object) -> LLMEngine:
+    settings: dict[str, object] = {
+        "model": str(tiny["model"]),
+        "dtype": "float32",
+        "kv_cache_bytes": 1 << 20,
+        "lora_dir": str(tiny["loras"]),
+    }
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings))  # type: ignore[arg-type]
+
+
+def _prompt(seed: int, length: int = 40) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB_SIZE, (length,), generator=gen).tolist()
+
+
+def _run(engine: LLMEngine, prompt: list[int], adapter: str | None) -> str:
+    ref = None if adapter is None else AdapterRef(adapter)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=2), adapter=ref)
+    while engine.has_unfinished():
+        engine.step()
+    return rid
+
+
+def test_tiny_model_logits_match_peft(tiny: dict[str, Any]) -> None:
+    """Every projection (q, k, v, o, gate, up, down) through the fused matmuls, rsLoRA
+    included: the logits of a mixed batch at each position within float32 noise."""
+    engine = _tiny_engine(tiny)
+    prompt = _prompt(0)
+    rows: list[torch.Tensor] = []
+    logits = engine.model.logits
+
+    def capture(hidden: torch.Tensor) -> torch.Tensor:
+        rows.append(logits(hidden))
+        return rows[-1]
+
+    engine.model.logits = capture  # type: ignore[method-assign]
+    names: list[str | None] = ["alpha", None, "beta", "gamma"]
+    engine.generate([prompt] * 4, SamplingParams(max_tokens=1), names)
+    got = torch.cat(rows)
+    ids = torch.tensor([prompt])
+    for i, name in enumerate(names):
+        with torch.inference_mode():
+            if name is None:
+                with tiny["alpha"].disable_adapter():
+                    want = tiny["alpha"](ids).logits[0, -1]
+            else:
+                want = tiny[name](ids).logits[0, -1]
+        torch.testing.assert_close(got[i], want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got[0], got[1], atol=1e-2)  # the adapter mattered
+    assert_no_leaks(engine)
+
+
+def test_lru_residency_and_busy_slots(tiny: dict[str, Any]) -> None:
+    engine = _tiny_engine(tiny, max_loras=2)
+    loras = engine.loras
+    assert loras.available() == ["alpha", "beta", "gamma"]
+    _run(engine, _prompt(1), "alpha")
+    _run(engine, _prompt(1), "beta")
+    _run(engine, _prompt(1), "alpha")  # alpha most recent: beta goes first
+    _run(engine, _prompt(1), "gamma")
+    counts = loras.counts()
+    assert counts.resident == ("alpha", "gamma") and counts.loads == 3 and counts.evictions == 1
+    # Both slots held by queued requests: a third adapter is refused, nothing leaks.
+    engine.add_request(_prompt(2), SamplingParams(max_tokens=2), adapter=AdapterRef("alpha"))
+    engine.add_request(_prompt(3), SamplingParams(max_tokens=2), adapter=AdapterRef("gamma"))
+    with pytest.raises(AdaptersBusyError, match="max-loras"):
+        engine.add_request(_prompt(4), SamplingParams(max_tokens=2), adapter=AdapterRef("beta"))
+    assert loras.held() == {"alpha": 1, "gamma": 1}
+    while engine.has_unfinished():
+        engine.step()
+    _run(engine, _prompt(4), "beta")  # free again
+    assert_no_leaks(engine)
+
+
+def test_cache_is_shared_within_an_adapter_and_never_across(tiny: dict[str, Any]) -> None:
+    engine = _tiny_engine(tiny)
+    prompt = _prompt(5, 64)
+
+    def cached(adapter: str | None) -> int:
+        ref = None if adapter is None else AdapterRef(adapter)
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=1), adapter=ref)
+        n = 0
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.request_id == rid and o.finished:
+                    n = o.num_cached_tokens
+        return n
+
+    assert cached("alpha") == 0
+    assert cached("alpha") == 48  # every full block but the one holding the last token
+    assert cached("beta") == 0
+    assert cached(None) == 0
+    assert cached(None) == 48
+    lora = engine.loras.acquire("alpha")
+    assert engine.hash_seed_for("", lora) != engine.hash_seed_for("")
+    engine.loras.release(lora)
+    assert_no_leaks(engine)
+
+
+def test_forks_and_aborts_let_go_of_the_adapter(tiny: dict[str, Any]) -> None:
+    engine = _tiny_engine(tiny)
+    params = SamplingParams(max_tokens=4, n=3, temperature=1.0, seed=7)
+    engine.generate([_prompt(6)], params, ["alpha"])
+    assert_no_leaks(engine)
+    rid = engine.add_request(_prompt(7), SamplingParams(max_tokens=50), adapter=AdapterRef("beta"))
+    engine.step()
+    engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    assert_no_leaks(engine)
+
+
+def test_refusals_name_what_is_wrong(tiny: dict[str, Any], tmp_path: Path) -> None:
+    engine = _tiny_engine(tiny)
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(UnknownAdapterError, match="adapters: alpha, beta, gamma"):
+        engine.add_request(_prompt(8), params, adapter=AdapterRef("nope"))
+    with pytest.raises(UnknownAdapterError, match="adapters: alpha"):
+        engine.add_request(_prompt(8), params, adapter=AdapterRef("../loras/alpha"))
+    with pytest.raises(AdapterMismatchError, match="copies differ"):
+        engine.add_request(_prompt(8), params, adapter=AdapterRef("alpha", "0" * 32))
+    with pytest.raises(AdapterMismatchError):
+        engine.reserve_import(_prompt(8), 3, params, request_id="imp",
+                              adapter=AdapterRef("beta", "0" * 32))  # fmt: skip
+    plain = _tiny_engine(tiny, lora_dir=None)
+    with pytest.raises(UnknownAdapterError, match="--lora-dir"):
+        plain.add_request(_prompt(8), params, adapter=AdapterRef("alpha"))
+    small = _tiny_engine(tiny, max_lora_rank=4)
+    with pytest.raises(AdapterFormatError, match="rank 8 is above max_lora_rank 4"):
+        small.add_request(_prompt(8), params, adapter=AdapterRef("alpha"))
+    for engine_ in (engine, plain, small):
+        assert_no_leaks(engine_)
+
+
+def _broken(tiny: dict[str, Any], root: Path, name: str) -> Path:
+    path = root / name
+    shutil.copytree(tiny["loras"] / "alpha", path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("breakage", "message"),
+    [
+        ("dora", "DoRA"),
+        ("pickle", "only safetensors"),
+        ("embedding", "not a LoRA A/B of a layer"),
+        ("shape", "do not fit the model"),
+        ("half", "needs both lora_A and lora_B"),
+    ],
+)
+def test_unservable_adapters_are_refused(
+    tiny: dict[str, Any], tmp_path: Path, breakage: str, message: str
+) -> None:
+    path = _broken(tiny, tmp_path, "broken")
+    weights = load_file(str(path / WEIGHTS_FILE))
+    if breakage == "dora":
+        config = json.loads((path / "adapter_config.json").read_text())
+        (path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    elif breakage == "pickle":
+        (path / WEIGHTS_FILE).rename(path / "adapter_model.bin")
+    else:
+        key = next(k for k in weights if "lora_A" in k)
+        if breakage == "embedding":
+            weights["base_model.model.model.embed_tokens.lora_embedding_A"] = weights[key].clone()
+        elif breakage == "shape":
+            weights[key] = torch.zeros(weights[key].shape[0], 7)
+        else:
+            del weights[key]
+        save_file(weights, str(path / WEIGHTS_FILE))
+    engine = _tiny_engine(tiny, lora_dir=str(tmp_path))
+    with pytest.raises(AdapterFormatError, match=message):
+        engine.add_request(_prompt(9), SamplingParams(max_tokens=2), adapter=AdapterRef("broken"))
+    assert_no_leaks(engine)
+
+
+def test_the_digest_is_what_the_adapter_computes(tiny: dict[str, Any], tmp_path: Path) -> None:
+    alpha = tiny["loras"] / "alpha"
+    copy = _broken(tiny, tmp_path, "copy")
+    assert adapter_digest(copy) == adapter_digest(alpha)
+    config = json.loads((copy / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "/somewhere/else"  # where it was saved: no matter
+    (copy / "adapter_config.json").write_text(json.dumps(config))
+    assert adapter_digest(copy) == adapter_digest(alpha)
+    weights = load_file(str(copy / WEIGHTS_FILE))
+    key = next(iter(weights))
+    weights[key] = weights[key] + 1e-3  # same shapes, other weights
+    save_file(weights, str(copy / WEIGHTS_FILE))
+    assert adapter_digest(copy) != adapter_digest(alpha)
+    assert adapter_digest(tiny["loras"] / "beta") != adapter_digest(alpha)
+
+
+def _last_logits(engine: LLMEngine, prompt: list[int], adapter: str | None) -> torch.Tensor:
+    """The logits row the one token of `prompt` (run with `adapter`) was sampled from."""
+    rows: list[torch.Tensor] = []
+    logits = engine.model.logits
+
+    def capture(hidden: torch.Tensor) -> torch.Tensor:
+        rows.append(logits(hidden))
+        return rows[-1]
+
+    engine.model.logits = capture  # type: ignore[method-assign]
+    engine.generate([prompt], SamplingParams(max_tokens=1), [adapter])
+    engine.model.logits = logits  # type: ignore[method-assign]
+    return rows[-1][0]
+
+
+def test_int8_weights_fold_the_norm_gains_into_the_adapter_too(tmp_path: Path) -> None:
+    """The int8 kernel folds each RMSNorm's gain into the projections after it, so the
+    adapter's A must carry the same gains: the adapter's effect on the logits then
+    matches PEFT's, and it does not with the gains left out. (The norms get random gains
+    here: transformers initialises them to ones, where folding changes nothing.)"""
+    hf = build_hf_model("llama3")
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("layernorm.weight"):
+                param.uniform_(0.3, 3.0)
+    hf.save_pretrained(str(tmp_path / "model"))
+    write_tokenizer(tmp_path / "model")
+    peft_model = write_adapter(hf, tmp_path / "loras" / "beta", RECIPES["beta"])
+    prompt = _prompt(10)
+    with torch.inference_mode():
+        want = peft_model(torch.tensor([prompt])).logits[0, -1]
+        with peft_model.disable_adapter():
+            delta = want - peft_model(torch.tensor([prompt])).logits[0, -1]
+    tiny = {"model": tmp_path / "model", "loras": tmp_path / "loras"}
+    engine = _tiny_engine(tiny, quantization="int8")
+    assert engine.model.folded_gains  # the int8 kernel folds
+    base = _last_logits(engine, prompt, None)
+    folded = _last_logits(engine, prompt, "beta") - base
+    engine.loras = LoraSet(engine.loras.directory, 8, replace(engine.loras.target, gains={}))
+    engine.runner.lora_stacks = LoraStacks()  # its stacks are cached by digest
+    unfolded = _last_logits(engine, prompt, "beta") - base
+    err_folded = (folded - delta).abs().max().item()
+    err_unfolded = (unfolded - delta).abs().max().item()
+    assert err_folded < 0.5 * err_unfolded, (err_folded, err_unfolded)
+
+
+def test_a_replaced_adapter_is_read_again_once_nothing_holds_it(
+    tiny: dict[str, Any], tmp_path: Path
+) -> None:
+    """A request made for the new copy (the gateway re-hashed it) gets the new copy: the
+    resident old one is replaced when free, and the request is refused (busy) while
+    running requests still use the old one."""
+    path = _broken(tiny, tmp_path, "alpha")  # a copy to change
+    engine = _tiny_engine(tiny, lora_dir=str(tmp_path))
+    old = adapter_digest(path)
+    held = engine.add_request(
+        _prompt(11), SamplingParams(max_tokens=4), adapter=AdapterRef("alpha")
+    )
+    weights = load_file(str(path / WEIGHTS_FILE))
+    save_file({k: v * 2 for k, v in weights.items()}, str(path / WEIGHTS_FILE))
+    new = adapter_digest(path)
+    assert new != old
+    with pytest.raises(AdaptersBusyError, match="changed on disk"):
+        engine.add_request(_prompt(12), SamplingParams(max_tokens=2),
+                           adapter=AdapterRef("alpha", new))  # fmt: skip
+    while engine.has_unfinished():
+        engine.step()
+    assert held not in engine.requests
+    _run_with(engine, AdapterRef("alpha", new))
+    assert engine.loras.digest("alpha") == new and engine.loras.counts().evictions == 0
+    with pytest.raises(AdapterMismatchError):  # made for the old copy, which is gone
+        engine.add_request(_prompt(13), SamplingParams(max_tokens=2),
+                           adapter=AdapterRef("alpha", old))  # fmt: skip
+    assert_no_leaks(engine)
+
+
+def test_a_broken_adapter_costs_no_resident_one_its_slot(
+    tiny: dict[str, Any], tmp_path: Path
+) -> None:
+    _broken(tiny, tmp_path, "good")
+    broken = _broken(tiny, tmp_path, "broken")
+    (broken / WEIGHTS_FILE).write_bytes(b"not safetensors")
+    engine = _tiny_engine(tiny, lora_dir=str(tmp_path), max_loras=1)
+    _run_with(engine, AdapterRef("good"))
+    with pytest.raises(AdapterFormatError, match="unreadable"):
+        engine.add_request(_prompt(14), SamplingParams(max_tokens=2), adapter=AdapterRef("broken"))
+    assert engine.loras.counts().resident == ("good",)
+    assert_no_leaks(engine)
+
+
+def _run_with(engine: LLMEngine, adapter: AdapterRef) -> None:
+    engine.add_request(_prompt(15), SamplingParams(max_tokens=2), adapter=adapter)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_imports_cancelled_or_aborted_while_landing_let_go_of_the_adapter(
+    tiny: dict[str, Any],
+) -> None:
+    engine = _tiny_engine(tiny)
+    params = SamplingParams(max_tokens=4)
+    alpha = AdapterRef("alpha")
+    engine.reserve_import(_prompt(16), 3, params, request_id="a", adapter=alpha)
+    assert engine.loras.held() == {"alpha": 1}
+    assert engine.cancel_import("a")
+    engine.reserve_import(_prompt(17), 3, params, request_id="b", adapter=alpha)
+    engine.abort("b")
+    engine.step()  # the abort waits for the bytes: the commit frees it
+    assert engine.loras.held() == {"alpha": 1}
+    engine.commit_import("b")
+    assert_no_leaks(engine)
