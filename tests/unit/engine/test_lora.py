@@ -191,17 +191,8 @@ def test_tiny_model_logits_match_peft(tiny: dict[str, Any]) -> None:
     included: the logits of a mixed batch at each position within float32 noise."""
     engine = _tiny_engine(tiny)
     prompt = _prompt(0)
-    rows: list[torch.Tensor] = []
-    logits = engine.model.logits
-
-    def capture(hidden: torch.Tensor) -> torch.Tensor:
-        rows.append(logits(hidden))
-        return rows[-1]
-
-    engine.model.logits = capture  # type: ignore[method-assign]
     names: list[str | None] = ["alpha", None, "beta", "gamma"]
-    engine.generate([prompt] * 4, SamplingParams(max_tokens=1), names)
-    got = torch.cat(rows)
+    got = _sampled_logits(engine, [prompt] * 4, names)
     ids = torch.tensor([prompt])
     for i, name in enumerate(names):
         with torch.inference_mode():
@@ -354,8 +345,11 @@ def test_the_digest_is_what_the_adapter_computes(tiny: dict[str, Any], tmp_path:
     assert adapter_digest(tiny["loras"] / "beta") != adapter_digest(alpha)
 
 
-def _last_logits(engine: LLMEngine, prompt: list[int], adapter: str | None) -> torch.Tensor:
-    """The logits row the one token of `prompt` (run with `adapter`) was sampled from."""
+def _sampled_logits(
+    engine: LLMEngine, prompts: list[list[int]], adapters: list[str | None]
+) -> torch.Tensor:
+    """The logits rows the one token of each prompt (run together, each with its
+    adapter) was sampled from, in order."""
     rows: list[torch.Tensor] = []
     logits = engine.model.logits
 
@@ -364,9 +358,13 @@ def _last_logits(engine: LLMEngine, prompt: list[int], adapter: str | None) -> t
         return rows[-1]
 
     engine.model.logits = capture  # type: ignore[method-assign]
-    engine.generate([prompt], SamplingParams(max_tokens=1), [adapter])
+    engine.generate(prompts, SamplingParams(max_tokens=1), adapters)
     engine.model.logits = logits  # type: ignore[method-assign]
-    return rows[-1][0]
+    return torch.cat(rows)
+
+
+def _last_logits(engine: LLMEngine, prompt: list[int], adapter: str | None) -> torch.Tensor:
+    return _sampled_logits(engine, [prompt], [adapter])[0]
 
 
 def test_int8_weights_fold_the_norm_gains_into_the_adapter_too(tmp_path: Path) -> None:
