@@ -237,8 +237,10 @@ class LLMEngine:
         (UnknownAdapterError, AdapterFormatError, AdaptersBusyError, or
         AdapterMismatchError when its digest is not the one asked for)."""
         self.validate(prompt_token_ids, sampling)
-        req = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, hold_kv)
-        with self._holding_adapter(req, adapter):
+        with self._adapter_held(adapter) as lora:
+            req = self._new_request(
+                request_id, prompt_token_ids, sampling, cache_salt, hold_kv, lora
+            )
             req.priority, req.deadline = _priority(priority), deadline
             if resume_token_ids:
                 self._resume(req, resume_token_ids)
@@ -255,19 +257,16 @@ class LLMEngine:
         self.loras.release(self.loras.acquire(adapter.name, adapter.digest))
 
     @contextlib.contextmanager
-    def _holding_adapter(self, req: Request, adapter: AdapterRef | None) -> Iterator[None]:
-        """Give `req` its adapter (and the hash seed that goes with it) for the block;
-        if the block raises, the adapter is let go again."""
+    def _adapter_held(self, adapter: AdapterRef | None) -> Iterator[LoraAdapter | None]:
+        """The adapter, held for the request the block builds and queues (None: the base
+        model); if the block raises, it is let go again."""
         if adapter is None:
-            yield
+            yield None
             return
         lora = self.loras.acquire(adapter.name, adapter.digest)
         try:
-            req.lora = lora
-            req.hash_seed = self.hash_seed_for(req.hash_salt, lora)
-            yield
+            yield lora
         except BaseException:
-            req.lora = None
             self.loras.release(lora)
             raise
 
@@ -318,14 +317,15 @@ class LLMEngine:
         sampling: SamplingParams,
         cache_salt: str,
         hold_kv: bool,
+        lora: LoraAdapter | None = None,
     ) -> Request:
         grammar = None if sampling.guided is None else self.grammars().matcher(sampling.guided)
         return Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=list(prompt),
             sampling=sampling,
-            hash_seed=self.hash_seed_for(cache_salt),
-            hash_salt=cache_salt,
+            hash_seed=self.hash_seed_for(cache_salt, lora),
+            lora=lora,
             hold_kv=hold_kv,
             generator=None if sampling.greedy else new_generator(sampling.seed),
             grammar=grammar,
@@ -387,8 +387,8 @@ class LLMEngine:
         vocab = self.spec.vocab_size
         if not 0 <= first_token_id < vocab:
             raise InvalidRequestError("first_token_id", f"must be in [0, {vocab})")
-        req = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, False)
-        with self._holding_adapter(req, adapter):
+        with self._adapter_held(adapter) as lora:
+            req = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, False, lora)
             return self._reserve(
                 req, first_token_id, priority, deadline, fork_token_ids, resume_token_ids
             )
@@ -739,7 +739,7 @@ class LLMEngine:
             spec_accepted_total=self.speculator.accepted_total,
             spec_verifications_total=self.speculator.verifications_total,
             lora_resident=lora.resident,
-            lora_held=len(self.loras.held()),
+            lora_held=lora.held,
             lora_loads_total=lora.loads,
             lora_evictions_total=lora.evictions,
             **self._offload_stats(),

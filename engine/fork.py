@@ -59,7 +59,7 @@ class Forker:
             sampling=sampling, hash_seed=parent.hash_seed, priority=parent.priority,
             deadline=parent.deadline, group_id=parent.group, index=index,
             generator=None if sampling.greedy else new_generator(sampling.seed),
-            hash_salt=parent.hash_salt, lora=parent.lora,
+            lora=parent.lora,
         )  # fmt: skip
         if sampling.guided is not None:
             child.grammar = self.grammar(sampling.guided)

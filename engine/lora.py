@@ -65,6 +65,21 @@ _KEY = re.compile(
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """(in, out) of each projection an adapter may target, as PEFT's A and B see them."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    h, i = spec.hidden_size, spec.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+
+
+def adapter_path(directory: Path, name: str) -> Path | None:
+    """`directory/name` when `name` may name an adapter and holds an adapter config there;
+    else None."""
+    path = directory / name
+    return path if NAME.match(name) and (path / CONFIG_FILE).is_file() else None
+
+
 @dataclass(frozen=True)
 class AdapterRef:
     """How a request names its adapter: by name, and optionally by the digest the caller
@@ -88,20 +103,12 @@ class LoraTarget:
     gains: Mapping[str, torch.Tensor]
 
     def slices(self, module: str) -> tuple[int, int, int]:
-        """(start, stop, fused width) of `module`'s output rows in its fused projection."""
-        s = self.spec
-        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        inter = s.intermediate_size
-        table = {
-            "q_proj": (0, q, q + 2 * kv),
-            "k_proj": (q, q + kv, q + 2 * kv),
-            "v_proj": (q + kv, q + 2 * kv, q + 2 * kv),
-            "o_proj": (0, s.hidden_size, s.hidden_size),
-            "gate_proj": (0, inter, 2 * inter),
-            "up_proj": (inter, 2 * inter, 2 * inter),
-            "down_proj": (0, s.hidden_size, s.hidden_size),
-        }
-        return table[module]
+        """(start, stop, fused width) of `module`'s output rows in its fused projection
+        (the engine fuses in `FUSED`'s order: q, k, v and gate, up)."""
+        outs = {m: out for m, (_, out) in module_shapes(self.spec).items()}
+        group = [m for m, fused in FUSED.items() if fused == FUSED[module]]
+        start = sum(outs[m] for m in group[: group.index(module)])
+        return start, start + outs[module], sum(outs[m] for m in group)
 
 
 @dataclass(frozen=True)
@@ -259,15 +266,12 @@ def _check_pair(
     if set(ab) != {"A", "B"}:
         raise AdapterFormatError(f"{where}: needs both lora_A and lora_B")
     a, b = ab["A"], ab["B"]
-    start, stop, _ = target.slices(module)
-    fan_in = target.spec.intermediate_size if module == "down_proj" else target.spec.hidden_size
-    if module == "o_proj":
-        fan_in = target.spec.num_heads * target.spec.head_dim
+    fan_in, fan_out = module_shapes(target.spec)[module]
     rank = a.shape[0]
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != fan_in or tuple(b.shape) != (stop - start, rank):
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != fan_in or tuple(b.shape) != (fan_out, rank):
         raise AdapterFormatError(
             f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the "
-            f"model (expected [r, {fan_in}] and [{stop - start}, r]): an adapter of another "
+            f"model (expected [r, {fan_in}] and [{fan_out}, r]): an adapter of another "
             "base model?"
         )
     if rank > target.max_rank:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import AdapterMismatchError, AdaptersBusyError, UnknownAdapterError
-from engine.lora import CONFIG_FILE, NAME, LoraAdapter, LoraTarget, adapter_digest, read_adapter
+from engine.lora import LoraAdapter, LoraTarget, adapter_digest, adapter_path, read_adapter
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ class LoraCounts:
     """Counters for stats and metrics."""
 
     resident: tuple[str, ...]  # least recently used first
+    held: int  # of those, adapters live requests hold
     loads: int
     evictions: int
 
@@ -114,7 +115,7 @@ class LoraSet:
 
     def counts(self) -> LoraCounts:
         with self._lock:
-            return LoraCounts(tuple(self._resident), self._loads, self._evictions)
+            return LoraCounts(tuple(self._resident), len(self._holds), self._loads, self._evictions)
 
     # -- internals -----------------------------------------------------------------
     def _path(self, name: str) -> Path:
@@ -123,8 +124,8 @@ class LoraSet:
                 f"model: adapter {name!r} asked, but this worker serves no adapters "
                 "(start it with --lora-dir)"
             )
-        path = self.directory / name
-        if not NAME.match(name) or not (path / CONFIG_FILE).is_file():
+        path = adapter_path(self.directory, name)
+        if path is None:
             have = ", ".join(self.available()) or "none"
             raise UnknownAdapterError(
                 f"model: adapter {name!r} is not in {self.directory} (adapters: {have})"
@@ -180,6 +181,4 @@ def available_adapters(directory: Path | None) -> list[str]:
     adapter_config.json whose names may name an adapter (sorted)."""
     if directory is None or not directory.is_dir():
         return []
-    return sorted(
-        p.name for p in directory.iterdir() if NAME.match(p.name) and (p / CONFIG_FILE).is_file()
-    )
+    return sorted(p.name for p in directory.iterdir() if adapter_path(directory, p.name))

@@ -138,7 +138,7 @@ class WeightDigests:
 
     def digest(self, *, progress: bool) -> str:
         cached = self._load_cache()
-        todo = [f for f in self.files if not _current(cached.get(f.name), f)]
+        todo = [f for f in self.files if not still_current(cached.get(f.name), f)]
         total = sum(f.stat().st_size for f in todo)
         digests = {f.name: cached[f.name] for f in self.files if f not in todo}
         with tqdm(
@@ -146,7 +146,7 @@ class WeightDigests:
             disable=not progress or total < PROGRESS_MIN_BYTES,
         ) as bar:  # fmt: skip
             for f in todo:
-                stamp = _stamp(f)
+                stamp = file_stamp(f)
                 digest = _hash_file(f, bar.update)
                 digests[f.name] = stamp | {"digest": digest, "hashed_ns": time.time_ns()}
         if todo:
@@ -190,20 +190,22 @@ class WeightDigests:
         log.warning("could not cache the weight digests of %s anywhere", self.model_dir)
 
 
-def _stamp(path: Path) -> dict[str, object]:
+def file_stamp(path: Path) -> dict[str, object]:
+    """What tells a changed file from the one hashed: size, mtime and inode (OSError if
+    it is gone). A cache entry is this, plus "digest" and "hashed_ns" (`still_current`)."""
     # The inode too: a copied directory (cp -p keeps times) hashes its files once more.
     st = path.stat()
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
 
 
-def _current(entry: dict[str, object] | None, path: Path) -> bool:
+def still_current(entry: dict[str, object] | None, path: Path) -> bool:
     """Whether the cached `entry` still describes `path`: the same size, mtime and inode,
     and the file had settled when it was hashed (else a rewrite in the same clock tick
     could pass for it)."""
     if not entry or not entry.get("digest"):
         return False
     settled = int(str(entry.get("hashed_ns", 0))) - int(str(entry.get("mtime_ns", 0)))
-    return settled > SETTLED_NS and all(entry.get(k) == v for k, v in _stamp(path).items())
+    return settled > SETTLED_NS and all(entry.get(k) == v for k, v in file_stamp(path).items())
 
 
 def _hash_file(path: Path, advance: Callable[[int], object]) -> str:

@@ -93,7 +93,6 @@ class Request:
     sampling: SamplingParams
     hash_seed: int
     hold_kv: bool = False
-    hash_salt: str = ""  # the tenant's cache salt `hash_seed` was derived from
     priority: Priority = Priority.STANDARD
     deadline: float | None = None  # time.monotonic() seconds; None: no deadline
     # Phase timestamps (time.monotonic()) for queue vs compute telemetry: `arrival_time`

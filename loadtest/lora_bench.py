@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.lora import AdapterRef
+from engine.lora import AdapterRef, module_shapes
 from engine.model_spec import ModelSpec
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatMessage
@@ -87,21 +87,13 @@ class LoraBenchReport:
     targets: list[TargetResult] = field(default_factory=list)
 
 
-def _shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
-    """(in, out) of each projection an adapter may target."""
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    h, i = spec.hidden_size, spec.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
-
-
 def adapter_names(shape: Shape) -> list[str]:
     return [f"{shape.name}-{i}" for i in range(PER_SHAPE)]
 
 
 def write_adapter(path: Path, spec: ModelSpec, shape: Shape, gen: torch.Generator) -> None:
     """A random adapter of `shape` in PEFT's layout, B small enough to be a nudge."""
-    sizes = _shapes(spec)
+    sizes = module_shapes(spec)
     weights = {}
     for layer in range(spec.num_layers):
         for block, modules in MODULES.items():

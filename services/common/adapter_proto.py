@@ -6,19 +6,12 @@ An unset `adapter` field (or one with an empty name) means the base model.
 from __future__ import annotations
 
 from engine.lora import AdapterRef
-from pdserve.v1 import common_pb2, worker_pb2
+from pdserve.v1 import common_pb2
 
 
 def from_message(message: common_pb2.Adapter) -> AdapterRef | None:
     """The adapter `message` names (None: the base model)."""
     return AdapterRef(message.name, message.digest) if message.name else None
-
-
-def from_request(
-    request: worker_pb2.PrefillRequest | worker_pb2.DecodeRequest,
-) -> AdapterRef | None:
-    """The adapter a Prefill or Decode request names (None: the base model)."""
-    return from_message(request.adapter)
 
 
 def to_proto(adapter: AdapterRef) -> common_pb2.Adapter:

@@ -131,7 +131,7 @@ class DecodeHandler:
                 span.done(result)
             self.loop.wake()
             return result.bytes, result.finish_reason
-        adapter = adapter_proto.from_request(request)
+        adapter = adapter_proto.from_message(request.adapter)
         if adapter is not None:  # read from disk, if it must be, off the event loop
             await asyncio.to_thread(self.engine.load_adapter, adapter)
         self.engine.add_request(

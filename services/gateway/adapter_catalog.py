@@ -8,24 +8,29 @@ adapter's `AdapterRef`: its name and its digest (`engine.lora.adapter_digest`). 
 digest goes into the request's routing key, so requests of one adapter meet the prefix
 caches of their own adapter, and to the workers, which refuse a request made for
 another copy of the adapter than theirs (FAILED_PRECONDITION). The adapters present at
-start are hashed then; digests are cached per adapter on the stat of its two files, so
-only an adapter added or replaced later is hashed on a request's path (once).
+start are hashed then. Digests are cached per adapter with the model identity's rule
+(`engine.model_identity.still_current`: the files' size, mtime and inode, and trusted only
+if they had settled when hashed), so only an adapter added or replaced later is hashed on
+a request's path.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 from engine.errors import AdapterFormatError
-from engine.lora import CONFIG_FILE, NAME, WEIGHTS_FILE, AdapterRef, adapter_digest
+from engine.lora import CONFIG_FILE, WEIGHTS_FILE, AdapterRef, adapter_digest, adapter_path
 from engine.lora_set import available_adapters
+from engine.model_identity import file_stamp, still_current
 from services.common.status import UnknownModelError
 
 log = logging.getLogger(__name__)
 
-_Stamp = tuple[tuple[int, int, int], ...]
+#: The files whose bytes an adapter's digest covers (`engine.lora.adapter_digest`).
+_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 
 
 class AdapterCatalog:
@@ -34,7 +39,9 @@ class AdapterCatalog:
             raise ValueError(f"lora_dir {directory} is not a directory")
         self.directory = directory
         self._lock = threading.Lock()
-        self._digests: dict[str, tuple[_Stamp, str]] = {}
+        # name -> a cache entry per file of `_FILES` (`engine.model_identity`'s kind: its
+        # stamp, the adapter's digest, when it was hashed)
+        self._digests: dict[str, list[dict[str, object]]] = {}
         for name in self.names():  # hashed now, at start, not on a request's event loop
             try:
                 self.resolve(name, "")
@@ -45,38 +52,47 @@ class AdapterCatalog:
         return available_adapters(self.directory)
 
     def __contains__(self, name: str) -> bool:
-        return bool(NAME.match(name)) and (self.directory / name / CONFIG_FILE).is_file()
+        return adapter_path(self.directory, name) is not None
 
-    def resolve(self, name: str, model: str) -> AdapterRef:
-        """The adapter `name` of served model `model`; UnknownModelError listing the
-        adapters there are when it is not one."""
+    def check(self, name: str, model: str) -> None:
+        """UnknownModelError, listing the adapters there are, unless `name` is one of
+        served model `model`'s."""
         if name not in self:
             have = ", ".join(self.names()) or "none"
             raise UnknownModelError(
                 f"model: {model!r} has no LoRA adapter {name!r} (adapters: {have})"
             )
+
+    def resolve(self, name: str, model: str) -> AdapterRef:
+        """The adapter `name` of served model `model` (`check`, then `ref`)."""
+        self.check(name, model)
+        return self.ref(name)
+
+    def ref(self, name: str) -> AdapterRef:
+        """The name and digest of adapter `name`, which exists; UnknownModelError when
+        it cannot be read."""
         path = self.directory / name
-        stamp = _stamp(path)
+        return AdapterRef(name, self._cached(name, path) or self._hash(name, path))
+
+    def _cached(self, name: str, path: Path) -> str | None:
+        """The digest hashed before, while no file of the adapter changed since."""
         with self._lock:
-            cached = self._digests.get(name)
-        if cached is not None and cached[0] == stamp:
-            return AdapterRef(name, cached[1])
+            entries = self._digests.get(name)
+        if not entries:
+            return None
         try:
+            fresh = all(still_current(e, path / f) for e, f in zip(entries, _FILES, strict=True))
+        except OSError:  # a file is gone: hashing says what
+            return None
+        return str(entries[0]["digest"]) if fresh else None
+
+    def _hash(self, name: str, path: Path) -> str:
+        try:
+            stamps = [file_stamp(path / f) for f in _FILES]
             digest = adapter_digest(path)
-        except AdapterFormatError as exc:  # to the client: this model cannot be had here
+        except (AdapterFormatError, OSError) as exc:  # to the client: not to be had here
             raise UnknownModelError(f"model: adapter {name!r} cannot be served: {exc}") from exc
+        hashed_ns = time.time_ns()
         with self._lock:
-            self._digests[name] = (stamp, digest)
-        return AdapterRef(name, digest)
-
-
-def _stamp(path: Path) -> _Stamp:
-    out = []
-    for file in (path / CONFIG_FILE, path / WEIGHTS_FILE):
-        try:
-            st = file.stat()
-        except FileNotFoundError:
-            out.append((-1, -1, -1))
-            continue
-        out.append((st.st_size, st.st_mtime_ns, st.st_ino))
-    return tuple(out)
+            self._digests[name] = [s | {"digest": digest, "hashed_ns": hashed_ns} for s in stamps]
+        return digest

@@ -257,15 +257,12 @@ class HttpApi:
         return _json(200, {"object": "list", "data": cards})
 
     async def _model(self, request: web.Request) -> web.StreamResponse:
-        name = request.match_info["model"]
         try:
-            model, adapter = self.service.models.resolve(name)
+            card = self.service.models.card(request.match_info["model"])
         except UnknownModelError as exc:
             body = oa.error_body(str(exc), "not_found_error", "model", "model_not_found")
             return _json(404, body)
-        if adapter is None:
-            return _json(200, self._card(ModelCard(model.name, "", model.max_model_len)))
-        return _json(200, self._card(ModelCard(name, model.name, model.max_model_len)))
+        return _json(200, self._card(card))
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, oa.parse_completion)

@@ -44,10 +44,25 @@ class ModelCatalog:
     def get(self, name: str) -> ServedModel:
         """The model a request's `model` field names ("" or None: the primary; an
         adapter's name: the model it adapts)."""
-        return self.resolve(name)[0]
+        return self._find(name)[0]
 
     def resolve(self, name: str) -> tuple[ServedModel, AdapterRef | None]:
         """The model and the LoRA adapter (None: the model itself) `name` names."""
+        model, adapter = self._find(name)
+        if adapter is None or model.adapters is None:
+            return model, None
+        return model, model.adapters.ref(adapter)
+
+    def card(self, name: str) -> ModelCard:
+        """The model list's entry of what `name` names (under the name asked for)."""
+        model, adapter = self._find(name)
+        if adapter is None:
+            return ModelCard(model.name, "", model.max_model_len)
+        return ModelCard(name, model.name, model.max_model_len)
+
+    def _find(self, name: str) -> tuple[ServedModel, str | None]:
+        """The model `name` names, and the name of its adapter it names (None: none);
+        UnknownModelError when it names neither."""
         if not name:
             return self.primary, None
         model = self._by_name.get(name)
@@ -57,12 +72,13 @@ class ModelCatalog:
         if sep:
             model = self._by_name.get(base)
             if model is not None and model.adapters is not None:
-                return model, model.adapters.resolve(adapter, model.name)
+                model.adapters.check(adapter, model.name)
+                return model, adapter
             if model is not None:
                 raise UnknownModelError(f"model: {base!r} serves no LoRA adapters")
         for model in self:
             if model.adapters is not None and name in model.adapters:
-                return model, model.adapters.resolve(name, model.name)
+                return model, name
         served = ", ".join(repr(n) for n in self._by_name)
         raise UnknownModelError(f"model: {name!r} is not served here (serving {served})")
 

@@ -50,7 +50,7 @@ class PrefillHandler:
         parent = self.telemetry.parent(context)
         queue = self.loop.open(rid)
         finished = False
-        adapter = adapter_proto.from_request(request)
+        adapter = adapter_proto.from_message(request.adapter)
         try:
             if adapter is not None:  # read from disk, if it must be, off the event loop
                 await asyncio.to_thread(self.engine.load_adapter, adapter)

@@ -59,7 +59,8 @@ class MembershipView:
         (which loads the adapter there) when none is."""
         pool = self.pools.get(role, {})
         holds = [w for w in order if w in pool and adapter in pool[w].adapters]
-        return holds + [w for w in order if w not in holds]
+        held = set(holds)
+        return holds + [w for w in order if w not in held]
 
     def is_local_only(self, roles: Iterable[str]) -> bool:
         return any(r in self.local_only for r in roles)

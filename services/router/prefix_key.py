@@ -2,7 +2,8 @@
 
 The router and the engine's prefix cache hash with the same function and seed (model
 fingerprint + tenant salt + LoRA adapter digest), so the worker a key routes to is the
-one whose cache holds that prefix. Prompts shorter than one block hash whatever tokens they have.
+one whose cache holds that prefix. Prompts shorter than one block hash whatever tokens
+they have.
 """
 
 from __future__ import annotations

@@ -158,7 +158,8 @@ class Router:
     ) -> RouteDecision:
         """Place one request; raises NoWorkerError if a pool has no eligible worker.
         A request of a LoRA `adapter` is keyed with the adapter's digest, and workers
-        holding the adapter come first in each pool's ring walk (`_holders_first`)."""
+        holding the adapter come first in each pool's ring walk
+        (`MembershipView.holders_first`)."""
         return self.route_detailed(
             request_id, prompt_token_ids, tenant, exclude, adapter=adapter
         ).decision

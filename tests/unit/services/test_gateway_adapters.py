@@ -86,6 +86,9 @@ def test_adapters_are_listed_under_their_model(gw: Gateway, tmp_path: Path) -> N
         ModelCard("alpha", "m", gw.service.max_model_len),
         ModelCard("beta", "m", gw.service.max_model_len),
     ]
+    models, limit = gw.service.models, gw.service.max_model_len
+    assert models.card("m") == ModelCard("m", "", limit)  # /v1/models/{id}: as asked for
+    assert models.card("m:beta") == ModelCard("m:beta", "m", limit)
     _adapter(tmp_path / "loras", "gamma")  # copied in later: listed (and served) at once
     assert [c.id for c in gw.service.models.cards()][-1] == "gamma"
 
