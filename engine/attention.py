@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.kv_cache import LayerKv
+from engine.kv_cache import LayerKv, lift_for
 
 log = logging.getLogger(__name__)
 
@@ -159,20 +159,19 @@ class TorchAttention(AttentionBackend):
     @staticmethod
     def _decode(q: torch.Tensor, cache: LayerKv, group: _DecodeGroup) -> torch.Tensor:
         g, heads, hd = q.shape
-        bs, kvh = cache.k.shape[1], cache.k.shape[2]
-        length = group.nblocks * bs
-        k, v, k_scale, v_scale = cache.gather_unscaled(group.blocks, q.dtype)
-        k = k.view(g, length, kvh, hd).transpose(1, 2)
-        v = v.view(g, length, kvh, hd).transpose(1, 2)
+        kvh = cache.k.shape[2]
+        # [g, kv_heads, keys, head_dim], contiguous: a transposed view cost a slow copy
+        # inside each matmul (5x the read itself on the development host).
+        got = cache.read(group.blocks, q.dtype, seqs=g)
         # GQA without copying K/V: the query heads of one KV group become query rows.
         qg = q.view(g, kvh, heads // kvh, hd)
-        if k_scale is not None and v_scale is not None:
-            scales = (_per_key(k_scale, g, bs), _per_key(v_scale, g, bs))
-            out = _decode_matmul(qg, k, v, group.mask, scales)
+        if got.k_scale is not None and got.v_scale is not None:
+            scales = (_per_block(got.k_scale, g), _per_block(got.v_scale, g))
+            out = _decode_matmul(qg, got.k, got.v, group.mask, scales, got.exponent)
         elif q.dtype == torch.float32:
-            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask)
+            out = F.scaled_dot_product_attention(qg, got.k, got.v, attn_mask=group.mask)
         else:
-            out = _decode_matmul(qg, k, v, group.mask)
+            out = _decode_matmul(qg, got.k, got.v, group.mask)
         return out.reshape(g, heads, hd)
 
     @staticmethod
@@ -201,6 +200,7 @@ def _decode_matmul(
     v: torch.Tensor,
     mask: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    exponent: int = 0,
 ) -> torch.Tensor:
     """Decode attention as two batched matmuls in the model's dtype, softmax in fp32.
 
@@ -208,25 +208,41 @@ def _decode_matmul(
     in bf16 ran 1.5x (48 keys) to 2.7x (512 keys) slower than this on the development
     host; in fp32 the two are even, and SDPA stays for fp32's bit parity with HF.
 
-    With an 8-bit cache, `k` and `v` are its unscaled values and `scales` the per-key
-    [g, kv_heads, 1, keys] K and V scales: q.(s k) = s (q.k) scales the scores, and
-    sum p (s v) = sum (p s) v the probabilities.
+    With an 8-bit cache, `k` and `v` are its unscaled values and `scales` the K and V
+    block scales as [g, kv_heads, 1, blocks, 1] (see `_per_block`): q.(s k) = s (q.k)
+    scales the scores, and sum p (s v) = sum (p s) v the probabilities, each viewed as
+    [..., blocks, block_size] so that a block's scale broadcasts over its keys.
+
+    K and V read as their values times 2**exponent (an fp8 cache in bfloat16) are
+    matched by `lift` on the query and the probabilities, and again on each product:
+    powers of two, so exact.
     """
+    lift = lift_for(exponent)
+    if lift != 1.0:
+        q = q * lift
     scores = torch.matmul(q, k.transpose(-1, -2)).float()
     if scales is not None:
-        scores.mul_(scales[0])
-    scores.mul_(q.shape[-1] ** -0.5).masked_fill_(~mask, float("-inf"))
+        _by_block(scores, scales[0]).mul_(scales[0])
+    scores.mul_(q.shape[-1] ** -0.5 * lift).masked_fill_(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if scales is not None:
-        probs.mul_(scales[1])
-    return torch.matmul(probs.to(v.dtype), v)
+    if scales is not None:  # lift rides on the (small) V scales, not on every probability
+        v_scale = scales[1] if lift == 1.0 else scales[1] * lift
+        _by_block(probs, v_scale).mul_(v_scale)
+    elif lift != 1.0:
+        probs.mul_(lift)
+    out = torch.matmul(probs.to(v.dtype), v)
+    return out if lift == 1.0 else out.mul_(lift)
 
 
-def _per_key(scale: torch.Tensor, g: int, block_size: int) -> torch.Tensor:
-    """[g * nblocks, kv_heads] block scales as [g, kv_heads, 1, nblocks * block_size]
-    (each block's scale repeated for its keys)."""
-    per_block = scale.view(g, -1, scale.shape[-1]).transpose(1, 2)[:, :, None, :, None]
-    return per_block.expand(-1, -1, -1, -1, block_size).reshape(g, scale.shape[-1], 1, -1)
+def _per_block(scale: torch.Tensor, g: int) -> torch.Tensor:
+    """[g * nblocks, kv_heads] block scales as a [g, kv_heads, 1, nblocks, 1] view, which
+    broadcasts over `_by_block` views of scores (no per-key copy)."""
+    return scale.view(g, -1, scale.shape[-1]).transpose(1, 2)[:, :, None, :, None]
+
+
+def _by_block(x: torch.Tensor, per_block: torch.Tensor) -> torch.Tensor:
+    """[g, kv_heads, rows, keys] as [g, kv_heads, rows, blocks, block_size] (a view)."""
+    return x.view(*x.shape[:-1], per_block.shape[-2], -1)
 
 
 def _chunk_mask(qlen: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
@@ -250,7 +266,7 @@ class FlashAttention(AttentionBackend):
         self._fn = flash_attn_varlen_func
 
     def attend(self, q: torch.Tensor, cache: LayerKv, meta: AttentionMetadata) -> torch.Tensor:
-        if cache.k_scale is not None:
+        if cache.quantized:
             raise RuntimeError("the flash backend reads an unquantized KV cache only")
         # The views' page stride is a whole block (every layer's K and V); the kernel
         # reads it from k.stride(0) and needs only head_dim contiguous.

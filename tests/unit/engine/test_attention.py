@@ -1,4 +1,5 @@
-"""TorchAttention's prefill path on a small paged cache, against plain causal attention.
+"""TorchAttention on a small paged cache, against plain causal attention: the prefill
+path, and decode over an 8-bit cache.
 
 The fused-kernel check records the inputs torch's SDPA receives: CPU SDPA takes its
 flash kernel only for 4-D inputs and silently falls back to the math path (every score
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from engine import attention
 from engine.attention import AttentionMetadata, TorchAttention
-from engine.kv_cache import LayerKv
+from engine.kv_cache import KvCache, KvLayout, LayerKv
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
 
@@ -66,6 +67,49 @@ def test_prefill_chunk_matches_causal_attention_on_4d_inputs(
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording_sdpa)
     q = torch.randn(qlen, HEADS, HEAD_DIM)
-    out = backend.attend(q, LayerKv(k_cache, v_cache, None, None), meta)
+    out = backend.attend(q, LayerKv(torch.stack((k_cache, v_cache), 1)), meta)
     torch.testing.assert_close(out, _reference(q, k_all, v_all, context), atol=1e-5, rtol=1e-5)
     assert seen == [4], "prefill SDPA must get 4-D inputs (3-D takes the slow math path)"
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
+def test_decode_over_an_8bit_cache_matches_attention_over_its_dequantized_values(
+    dtype: str, compute: torch.dtype
+) -> None:
+    """Scales applied to scores and probabilities, fp8 read as bits shifted into bfloat16
+    (values times 2**-120, carried through the matmuls): the same answer as dequantizing
+    first. Two sequences of different lengths share one decode group."""
+    torch.manual_seed(0)
+    layout = KvLayout(model_fingerprint="m", dtype=dtype, block_size=BLOCK, num_layers=1,
+                      num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, memory_kind="cpu")  # fmt: skip
+    cache = KvCache(layout, 6, torch.device("cpu"))
+    lens, tables = [5, 7], [[1, 2], [4, 3]]
+    slots = torch.tensor([tables[s][p // BLOCK] * BLOCK + p % BLOCK
+                          for s, n in enumerate(lens) for p in range(n)])  # fmt: skip
+    kv = (
+        torch.randn(2, len(slots), KV_HEADS, HEAD_DIM)
+        * torch.tensor([0.3, 4.0])[:, None, None, None]
+    )
+    cache.write(0, kv[0], kv[1], cache.plan_write(slots))
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_table=torch.tensor(tables, dtype=torch.int32),
+        num_decodes=2,
+        max_query_len=1,
+        max_seq_len=max(lens),
+        query_lens_host=[1, 1],
+        seq_lens_host=lens,
+    )
+    backend = TorchAttention()
+    meta.plan = backend.plan(meta, BLOCK, torch.device("cpu"))
+    q = torch.randn(2, HEADS, HEAD_DIM)
+    out = backend.attend(q.to(compute), cache.layer(0), meta).float()
+    for s, n in enumerate(lens):
+        k, v = cache.layer(0).gather(torch.tensor(tables[s]), torch.float32)
+        k, v = k.flatten(0, 1)[:n], v.flatten(0, 1)[:n]
+        want = _reference(q[s : s + 1], k, v, n - 1)[0]
+        tol = 1e-5 if compute == torch.float32 else 0.05
+        torch.testing.assert_close(out[s], want, atol=tol, rtol=tol)

@@ -14,7 +14,7 @@ import torch
 
 from engine.attention import select_backend
 from engine.config import EngineConfig
-from engine.kv_cache import KV_LAYOUT_VERSION, KvCache, KvLayout, blocks_for_budget
+from engine.kv_cache import KV_LAYOUT_VERSION, KvCache, KvLayout, _as_dtype, blocks_for_budget
 from engine.precision import KvCacheDType
 
 CPU = torch.device("cpu")
@@ -130,3 +130,54 @@ def test_bad_cache_dtype_and_flash_with_an_8bit_cache_are_refused_by_name() -> N
     with pytest.raises(ValueError, match="kv_cache_dtype auto"):
         select_backend("flash", CPU, torch.bfloat16, quantized_kv=True)
     assert select_backend("auto", CPU, torch.bfloat16, quantized_kv=True).name == "torch"
+
+
+def test_fp8_reads_bit_for_bit_through_bfloat16() -> None:
+    """Every e4m3 value the cache stores (zero and the finite normals) comes back exact:
+    times 2**-120 in bfloat16 (bits moved, no cast), as itself in float32."""
+    codes = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn)
+    want = codes.float()
+    stored = want.isfinite() & ((want == 0) | (want.abs() >= 2.0**-6))
+    assert int(stored.sum()) == 256 - 2 - 14  # NaNs and the 2 x 7 subnormals are not stored
+    bits = codes.view(torch.int8)
+    shifted, exponent = _as_dtype(bits, torch.float8_e4m3fn, torch.bfloat16)
+    assert shifted.dtype == torch.bfloat16 and exponent == -120
+    assert torch.equal(shifted.float()[stored] * 2.0**120, want[stored])
+    exact, none = _as_dtype(bits, torch.float8_e4m3fn, torch.float32)
+    assert none == 0 and torch.equal(exact[stored], want[stored])
+
+
+def test_fp8_stores_tiny_values_as_zero_not_as_subnormals() -> None:
+    cache = KvCache(_layout("float8_e4m3fn"), 2, CPU)
+    x = torch.logspace(0, -8, KV_HEADS * HEAD_DIM).view(1, KV_HEADS, HEAD_DIM)
+    cache.write(0, x, x, cache.plan_write(_slots([1], [0])))
+    codes = cache.layer(0).k[1, 0].contiguous().view(torch.uint8)
+    subnormal = ((codes & 0x78) == 0) & ((codes & 0x07) != 0)
+    assert not bool(subnormal.any())
+    assert int((codes & 0x7F).eq(0).sum()) > 0  # the tiniest did become zero
+
+
+def test_a_partly_written_fp8_block_gets_headroom_and_filled_blocks_exact_scales() -> None:
+    cache = KvCache(_layout("float8_e4m3fn"), 3, CPU)
+    assert cache.scales is not None
+    one = torch.ones(1, KV_HEADS, HEAD_DIM)
+    cache.write(0, one, one, cache.plan_write(_slots([1], [0])))  # a decode's new block
+    torch.testing.assert_close(cache.scales[1, 0], torch.full((2, KV_HEADS), 8.0 / 448))
+    first = cache.layer(0).kv[1, :, 0].clone()
+    # A later token a little larger fits the headroom: nothing is re-expressed.
+    cache.write(0, one * 1.1, one * 1.1, cache.plan_write(_slots([1], [1])))
+    torch.testing.assert_close(cache.scales[1, 0], torch.full((2, KV_HEADS), 8.0 / 448))
+    assert torch.equal(cache.layer(0).kv[1, :, 0].view(torch.uint8), first.view(torch.uint8))
+    full = torch.randn(BLOCK, KV_HEADS, HEAD_DIM)
+    cache.write(0, full, full, cache.plan_write(_slots([2] * BLOCK, list(range(BLOCK)))))
+    torch.testing.assert_close(cache.scales[2, 0, 0], full.abs().amax(dim=(0, 2)) / 448)
+
+
+def test_an_int8_scale_grows_to_exactly_what_its_tokens_need() -> None:
+    cache = KvCache(_layout("int8"), 2, CPU)
+    assert cache.scales is not None
+    one = torch.ones(1, KV_HEADS, HEAD_DIM)
+    cache.write(0, one, one, cache.plan_write(_slots([1], [0])))
+    torch.testing.assert_close(cache.scales[1, 0], torch.full((2, KV_HEADS), 1.0 / 127))
+    cache.write(0, one * 1.1, one * 1.1, cache.plan_write(_slots([1], [1])))
+    torch.testing.assert_close(cache.scales[1, 0], torch.full((2, KV_HEADS), 1.1 / 127))
