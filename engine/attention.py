@@ -4,9 +4,10 @@ Lifecycle: `select_backend(name, device)` once at engine start picks and logs a 
 Each step the model runner builds one `AttentionMetadata` for the flat batch (decode
 sequences first, then prefill chunks); every layer writes its new K/V into the paged cache
 at `slot_mapping` and calls `backend.attend` with its `LayerKv` views. Backends never
-allocate cache blocks. An 8-bit cache is read through `LayerKv.gather`, which
-dequantizes; the flash kernel takes only an unquantized cache (it has no per-block
-scales), so `select_backend` picks torch for an 8-bit one.
+allocate cache blocks. An 8-bit cache is read unscaled through `LayerKv.read` (decode
+applies its block scales to scores and probabilities) or dequantized through
+`LayerKv.gather` (prefill); the flash kernel takes only an unquantized cache (it has no
+per-block scales), so `select_backend` picks torch for an 8-bit one.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ class AttentionBackend(abc.ABC):
     """Computes attention for one layer over the paged cache.
 
     Preconditions: this step's K/V are already written into the layer's cache views
-    (`LayerKv`: [num_blocks, block_size, kv_heads, head_dim], page stride a whole
-    block). `q` is [T, heads, head_dim].
+    (`LayerKv.k` and `.v`: [num_blocks, block_size, kv_heads, head_dim], page stride a
+    whole block). `q` is [T, heads, head_dim].
     Returns [T, heads, head_dim]. No side effects.
     """
 

@@ -23,13 +23,17 @@ starts afresh (its old bytes belong to a previous owner).
 
 Reading an 8-bit cache costs one pass more than an unquantized one, not a slow cast:
 int8 values convert to the compute dtype directly, and fp8 values are moved bit for bit
-into bfloat16 (`_fp8_as_bf16`), because torch's CPU float8 cast is a scalar loop 25x
+into bfloat16 (`_as_dtype`), because torch's CPU float8 cast is a scalar loop 25x
 slower than the integer pass. That makes an fp8 value read in bfloat16 come back as the
 stored value times 2**-120 (`GatheredKv.exponent`); attention carries the power of two
-through its matmuls (`lift`), so nothing is lost. An fp8 cache stores no subnormal
-numbers (values under e4m3's smallest normal, 2**-6 of a block's scale, are stored as
-zero: far below the format's own rounding at the top of its range) so no read ever meets
-a denormal float, whose handling differs between CPUs.
+through its matmuls (`lift_for`), so nothing is lost. An fp8 cache written by this
+version stores no subnormal numbers (values under e4m3's smallest normal, 2**-6 of a
+block's scale, are stored as zero: far below the format's own rounding at the top of
+its range), so its reads meet no denormal float, whose handling differs between CPUs
+(blocks from an older peer may hold some: they read exactly, or as zero where a CPU
+flushes denormals; either is far below the format's rounding). e4m3's NaN codes read as
++-480 times the scale, not NaN: a healthy model never stores them (the write clamps
+finite values to +-448).
 """
 
 from __future__ import annotations
@@ -230,8 +234,9 @@ class KvWrite:
     `rows` is each token's row of layer 0's K. An 8-bit cache also needs each token's
     rows of layer 0's K then V (`kv_rows`), the distinct blocks the step writes
     (`blocks`), each token's index among them (`inverse`), and the headroom a scale that
-    must grow gets in each (`room`: 1 where this step fills the block, which will take no
-    more tokens).
+    must grow gets in each (`room`: 1 where this step writes the block's last slot, which
+    then usually takes no more tokens; rejected drafts can leave it open, costing only a
+    later re-expression).
     """
 
     rows: torch.Tensor  # [T] long
@@ -418,6 +423,7 @@ def lift_for(exponent: int) -> float:
     """The factor `2**(-exponent / 2)` that values read with `exponent` are carried by
     twice: once on the other operand of a matmul, once on its result. Splitting the
     power in two keeps every product and partial sum well inside the normal range."""
+    assert exponent % 2 == 0, "a read exponent splits into two equal halves"
     return 2.0 ** (-exponent // 2)
 
 
