@@ -236,14 +236,14 @@ class KvWrite:
     (`blocks`), each token's index among them (`inverse`), and the headroom a scale that
     must grow gets in each (`room`: 1 where this step writes the block's last slot, which
     then usually takes no more tokens; rejected drafts can leave it open, costing only a
-    later re-expression).
+    later re-expression; None where the cache's dtype takes no headroom, int8).
     """
 
     rows: torch.Tensor  # [T] long
     kv_rows: torch.Tensor | None = None  # [2T] long
     blocks: torch.Tensor | None = None  # [U] long
     inverse: torch.Tensor | None = None  # [T] long; None: token t writes blocks[t]
-    room: torch.Tensor | None = None  # [U] float32
+    room: torch.Tensor | None = None  # [U] float32; None: no headroom anywhere
 
 
 class KvCache:
@@ -299,7 +299,8 @@ class KvCache:
         fresh = block[first == 0]
         if len(fresh):
             self.blocks.index_fill_(0, fresh, 0)
-        room = torch.where(last == bs - 1, 1.0, _HEADROOM[self.layout.torch_dtype])
+        headroom = _HEADROOM[self.layout.torch_dtype]
+        room = None if headroom == 1.0 else torch.where(last == bs - 1, 1.0, headroom)
         return KvWrite(rows, kv_rows, block, shared, room)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: KvWrite) -> None:
@@ -316,7 +317,7 @@ class KvCache:
         grow each touched (block, K/V, head) scale to cover its new tokens, re-express
         the block's earlier tokens where it grew, then write the new ones."""
         assert self.scales is not None
-        assert plan.blocks is not None and plan.room is not None and plan.kv_rows is not None
+        assert plan.blocks is not None and plan.kv_rows is not None
         stored, bs = self.layout.torch_dtype, self.layout.block_size
         scale = self.scales[:, layer]  # [N, 2, kv_heads]
         needed = x.abs().amax(-1).transpose(0, 1)  # [T, 2, kv_heads]
@@ -327,7 +328,7 @@ class KvCache:
         needed.div_(_QMAX[stored])
         old = scale.index_select(0, plan.blocks)  # 0 in a fresh block (plan_write)
         over = needed > old
-        grown = needed.mul_(plan.room[:, None, None])
+        grown = needed if plan.room is None else needed.mul_(plan.room[:, None, None])
         new = torch.where(over, grown, old).clamp_min_(_MIN_SCALE)
         self._rescale(self._data[:, layer], plan.blocks, old, new, over)
         scale.index_copy_(0, plan.blocks, new)
@@ -380,8 +381,7 @@ def _read(
     # index_select of a strided view takes a slower path.
     raw = kv.view(_BITS.get(stored, stored)).flatten(1).index_select(0, blocks)
     if seqs is None:
-        values, exponent = _as_dtype(raw.view(n, 2, bs, heads, dim).transpose(0, 1), stored, dtype)
-        return values, exponent
+        return _as_dtype(raw.view(n, 2, bs, heads, dim).transpose(0, 1), stored, dtype)
     per_seq = raw.view(seqs, n // seqs, 2, bs, heads, dim).permute(2, 0, 4, 1, 3, 5)
     values, exponent = _as_dtype(per_seq, stored, dtype)
     return values.view(2, seqs, heads, -1, dim), exponent
