@@ -8,8 +8,9 @@ thread by default, the engine's compute dtype `auto`:
    its pool with, and the 8-bit caches' ratios to bfloat16 and float32;
 2. throughput: the engine benchmark's batch-32 workload (32 requests, prompts 16-1,024
    and outputs 16-256 tokens, log-uniform, seeded) through a fresh engine per cache
-   dtype, in `--reps` interleaved rounds (unquantized, int8, fp8, then again), each
-   side's best round kept; the ratio is output tokens/s against the unquantized cache;
+   dtype, each in a process of its own, in `--reps` rounds whose order rotates
+   (unquantized, int8, fp8; then int8, fp8, unquantized; ...), each side's best round
+   kept; the ratio is output tokens/s against the unquantized cache;
 3. offload: a 4,000-token prompt's time to first token when its prefix was evicted
    from a pool that holds one such prompt and a tenth more, once recomputed (no tier)
    and once copied
@@ -24,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import multiprocessing
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,26 +123,46 @@ def _engine(model: str, threads: int, **over: object) -> LLMEngine:
     return LLMEngine(EngineConfig(**settings))  # type: ignore[arg-type]
 
 
-def measure_throughput(model: str, threads: int, reps: int, seed: int) -> list[ThroughputRow]:
+def _throughput_once(model: str, threads: int, kind: KvCacheDType, seed: int) -> float:
+    """One side of one round, in a process of its own: output tokens/s of the batch-32
+    workload through a fresh engine with cache `kind`, after a one-request warmup."""
+    torch.set_num_threads(threads)
     vocab = ModelSpec.from_dir(Path(model)).vocab_size
     work = make_workload(THROUGHPUT_PLAN, vocab, seed)
-    tokens = sum(r.max_tokens for r in work)
+    engine = _engine(
+        model, threads, kv_cache_bytes=2 << 30,
+        max_num_seqs=THROUGHPUT_PLAN.batch_size, kv_cache_dtype=kind,
+    )  # fmt: skip
+    drive_engine(engine, warmup_workload(1, vocab, seed))
+    start = time.perf_counter()
+    outputs, _ = drive_engine(engine, work)
+    elapsed = time.perf_counter() - start
+    if [len(o) for o in outputs] != [r.max_tokens for r in work]:
+        raise RuntimeError("a request got other than its requested tokens")
+    return sum(r.max_tokens for r in work) / elapsed
+
+
+def round_order(rnd: int) -> list[KvCacheDType]:
+    """The sides of round `rnd`, rotated by one each round so no side always runs first."""
+    shift = rnd % len(CACHE_DTYPES)
+    return list(CACHE_DTYPES[shift:] + CACHE_DTYPES[:shift])
+
+
+def measure_throughput(model: str, threads: int, reps: int, seed: int) -> list[ThroughputRow]:
+    """`reps` rounds of every cache dtype, each run in a fresh spawned process.
+
+    Why a process per run: measured in one process, throughput fell run by run (the
+    first engine of a process ran about 10% faster than later ones), so a fixed order
+    favoured whichever side came first. A fresh process per run, in an order rotated
+    each round, gives every side the same conditions."""
     rounds: dict[KvCacheDType, list[float]] = {k: [] for k in CACHE_DTYPES}
+    spawn = multiprocessing.get_context("spawn")
     for rnd in range(reps):
-        for kind in CACHE_DTYPES:
-            engine = _engine(
-                model, threads, kv_cache_bytes=2 << 30,
-                max_num_seqs=THROUGHPUT_PLAN.batch_size, kv_cache_dtype=kind,
-            )  # fmt: skip
-            drive_engine(engine, warmup_workload(1, vocab, seed))
-            start = time.perf_counter()
-            outputs, _ = drive_engine(engine, work)
-            rounds[kind].append(tokens / (time.perf_counter() - start))
-            if [len(o) for o in outputs] != [r.max_tokens for r in work]:
-                raise RuntimeError("a request got other than its requested tokens")
-            print(f"  round {rnd + 1} {kind.value:9s} {rounds[kind][-1]:7.1f} tok/s", flush=True)
-            del engine
-            gc.collect()
+        for kind in round_order(rnd):
+            with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+                tps = pool.submit(_throughput_once, model, threads, kind, seed).result()
+            rounds[kind].append(tps)
+            print(f"  round {rnd + 1} {kind.value:9s} {tps:7.1f} tok/s", flush=True)
     base = max(rounds[KvCacheDType.AUTO])
     return [ThroughputRow(k.value, [round(x, 2) for x in v], max(v), max(v) / base)
             for k, v in rounds.items()]  # fmt: skip

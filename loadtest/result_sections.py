@@ -418,7 +418,7 @@ def kv_memory(data: Json) -> list[str]:
         "",
         *_table(["cache", "stored", "bytes/block", "blocks", "/bf16", "/fp32"], capacity),
         "",
-        "Output tokens/s at batch 32 (best of interleaved rounds):",
+        "Output tokens/s at batch 32 (best of rounds, each run in its own process, order rotated):",
         "",
         *_table(["cache", "tok/s", "/unquantized", "rounds"], throughput),
         "",
