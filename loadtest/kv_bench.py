@@ -9,8 +9,10 @@ thread by default, the engine's compute dtype `auto`:
 2. throughput: the engine benchmark's batch-32 workload (32 requests, prompts 16-1,024
    and outputs 16-256 tokens, log-uniform, seeded) through a fresh engine per cache
    dtype, each in a process of its own, in `--reps` rounds whose order rotates
-   (unquantized, int8, fp8; then int8, fp8, unquantized; ...), each side's best round
-   kept; the ratio is output tokens/s against the unquantized cache;
+   (unquantized, int8, fp8; then int8, fp8, unquantized; ...); the target's ratio is the
+   best round's output tokens/s against the unquantized cache's best round, and each
+   round's ratio to the unquantized run of that round, with their median, is kept as a
+   cross-check;
 3. offload: a 4,000-token prompt's time to first token when its prefix was evicted
    from a pool that holds one such prompt and a tenth more, once recomputed (no tier)
    and once copied
@@ -76,7 +78,9 @@ class ThroughputRow:
     cache: str
     rounds_tokens_per_s: list[float]
     tokens_per_s: float  # best round
-    vs_unquantized: float
+    vs_unquantized: float  # best round against the unquantized side's best: the target
+    round_ratios: list[float]  # each round against the unquantized run of that round
+    median_round_ratio: float  # a cross-check less moved by one side's lucky round
 
 
 @dataclass(frozen=True)
@@ -163,9 +167,14 @@ def measure_throughput(model: str, threads: int, reps: int, seed: int) -> list[T
                 tps = pool.submit(_throughput_once, model, threads, kind, seed).result()
             rounds[kind].append(tps)
             print(f"  round {rnd + 1} {kind.value:9s} {tps:7.1f} tok/s", flush=True)
-    base = max(rounds[KvCacheDType.AUTO])
-    return [ThroughputRow(k.value, [round(x, 2) for x in v], max(v), max(v) / base)
-            for k, v in rounds.items()]  # fmt: skip
+    base = rounds[KvCacheDType.AUTO]
+    rows = []
+    for kind, tps in rounds.items():
+        paired = [x / u for x, u in zip(tps, base, strict=True)]
+        rows.append(ThroughputRow(kind.value, [round(x, 2) for x in tps], max(tps),
+                                  max(tps) / max(base), [round(r, 3) for r in paired],
+                                  float(np.median(paired))))  # fmt: skip
+    return rows
 
 
 def offload_pool_blocks(tokens: int) -> int:
@@ -275,7 +284,8 @@ def format_table(report: KvBenchReport) -> str:
     if report.throughput:
         rows.append(f"throughput at batch {THROUGHPUT_PLAN.batch_size} (best of rounds):")
         rows += [f"  {t.cache:9s} {t.tokens_per_s:7.1f} tok/s {t.vs_unquantized:5.2f}x  "
-                 f"rounds {t.rounds_tokens_per_s}" for t in report.throughput]  # fmt: skip
+                 f"rounds {t.rounds_tokens_per_s}, round by round {t.round_ratios} "
+                 f"(median {t.median_round_ratio:.2f}x)" for t in report.throughput]  # fmt: skip
     if report.offload is not None:
         o = report.offload
         rows.append(

@@ -400,7 +400,9 @@ def kv_memory(data: Json) -> list[str]:
     ]  # fmt: skip
     throughput = [
         [t["cache"], _fmt(t["tokens_per_s"], ".1f"), _fmt(t["vs_unquantized"], ".2f", "x"),
-         ", ".join(_fmt(x, ".1f") for x in t["rounds_tokens_per_s"])]
+         ", ".join(_fmt(x, ".1f") for x in t["rounds_tokens_per_s"]),
+         ", ".join(_fmt(x, ".2f", "x") for x in t.get("round_ratios", [])) or "-",
+         _fmt(t.get("median_round_ratio"), ".2f", "x")]
         for t in data.get("throughput", [])
     ]  # fmt: skip
     o = data.get("offload") or {}
@@ -420,7 +422,9 @@ def kv_memory(data: Json) -> list[str]:
         "",
         "Output tokens/s at batch 32 (best of rounds, each run in its own process, order rotated):",
         "",
-        *_table(["cache", "tok/s", "/unquantized", "rounds"], throughput),
+        *_table(
+            ["cache", "tok/s", "/unquantized", "rounds", "round by round", "median"], throughput
+        ),
         "",
         *offload,
         *_targets(data),

@@ -3,6 +3,7 @@ the targets and the results page section (the throughput part is `make bench`'s)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -42,7 +43,16 @@ def test_targets_and_the_results_section(tmp_path: Path) -> None:
     assert data["targets_met"] and len(data["targets"]) == 4  # two ratios per 8-bit dtype
     text = "\n".join(section(data, "kv.json"))
     assert "KV memory" in text and "| int8 | int8 |" in text
-    rows = [ThroughputRow("auto", [10.0], 10.0, 1.0), ThroughputRow("int8", [8.0], 8.0, 0.8)]
+    rows = [ThroughputRow("auto", [10.0], 10.0, 1.0, [1.0], 1.0),
+            ThroughputRow("int8", [8.0], 8.0, 0.8, [0.8], 0.8)]  # fmt: skip
     slow = KvBenchReport("s", 1, "bfloat16", 1, throughput=rows)
     (target,) = evaluate(slow)
     assert target.name == "int8 tok/s @32 / unquantized" and not target.met
+    data["throughput"] = [dataclasses.asdict(r) for r in rows]
+    assert "| int8 | 8.0 | 0.80x | 8.0 | 0.80x | 0.80x |" in "\n".join(section(data, "kv.json"))
+
+
+def test_each_round_rotates_which_side_runs_first() -> None:
+    orders = [kv_bench.round_order(r) for r in range(4)]
+    assert [o[0] for o in orders[:3]] == list(kv_bench.CACHE_DTYPES)
+    assert orders[3] == orders[0] and all(sorted(o) == sorted(orders[0]) for o in orders)
