@@ -41,11 +41,15 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
 
 from engine.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from engine.kv_quant_kernel import QuantWriter
 
 #: Bumped when the pool's tensor layout changes; part of the layout fingerprint.
 #: 1: layer-major [layers, K/V, blocks, ...]; 2: block-major with in-block scales.
@@ -245,12 +249,19 @@ class KvWrite:
     blocks: torch.Tensor | None = None  # [U] long
     inverse: torch.Tensor | None = None  # [T] long; None: token t writes blocks[t]
     room: torch.Tensor | None = None  # [U] float32; None: no headroom anywhere
+    #: The compiled write's plan instead (`QuantWriter`): each token's block and offset.
+    token_blocks: torch.Tensor | None = None  # [T] long
+    offsets: torch.Tensor | None = None  # [T] long
 
 
 class KvCache:
     """The pool: `blocks` is what moves between engines; the rest are views of it."""
 
-    def __init__(self, layout: KvLayout, num_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self, layout: KvLayout, num_blocks: int, device: torch.device, compiled: bool = True
+    ) -> None:
+        """`compiled` False keeps an 8-bit cache on CPU on the torch write (tests compare
+        the two); an 8-bit cache elsewhere always writes through torch."""
         self.layout = layout
         self.blocks = allocate_blocks(layout, num_blocks, device)
         lay = layout
@@ -271,6 +282,26 @@ class KvCache:
             self.scales = raw.view(torch.float32).view(num_blocks, lay.num_layers, 2, -1)
         self._data = data
         self._layers = [self._layer_views(data, i) for i in range(lay.num_layers)]
+        self._writer = self._quant_writer() if compiled and device.type == "cpu" else None
+
+    def _quant_writer(self) -> QuantWriter | None:
+        """The compiled 8-bit write over numpy views of this pool (None if unquantized)."""
+        if self.scales is None:
+            return None
+        from engine.kv_quant_kernel import FP8, INT8, QuantWriter  # numba: 8-bit pools only
+
+        lay = self.layout
+        return QuantWriter(
+            pool=self.blocks.view(torch.int8).numpy(),
+            scales=self.blocks.view(torch.float32).numpy(),
+            block_size=lay.block_size,
+            scale_base=lay.data_rows * lay.row_bytes // _SCALE_BYTES,
+            kind=INT8 if lay.torch_dtype == torch.int8 else FP8,
+            qmax=_QMAX[lay.torch_dtype],
+            headroom=_HEADROOM[lay.torch_dtype],
+            min_scale=_MIN_SCALE,
+            flush=_FP8_FLUSH,
+        )
 
     def _layer_views(self, data: torch.Tensor, i: int) -> LayerKv:
         return LayerKv(data[:, i], None if self.scales is None else self.scales[:, i])
@@ -288,19 +319,20 @@ class KvCache:
         rows = block * self.layout.rows_per_block + offset
         if not self.layout.quantized:
             return KvWrite(rows)
+        fresh = block[offset == 0]
+        if len(fresh):
+            self.blocks.index_fill_(0, fresh, 0)
+        if self._writer is not None:
+            return KvWrite(rows, token_blocks=block, offsets=offset)
         kv_rows = torch.cat((rows, rows + bs))
         blocks, inverse = torch.unique(block, return_inverse=True)
         if len(blocks) == len(block):
             # Every token in its own block (a decode-only step): no scatter needed.
-            first, last, shared = offset, offset, None
+            last, shared = offset, None
         else:
-            first = torch.full_like(blocks, bs).scatter_reduce_(0, inverse, offset, "amin")
             last = torch.zeros_like(blocks).scatter_reduce_(0, inverse, offset, "amax")
             shared = inverse
             block = blocks
-        fresh = block[first == 0]
-        if len(fresh):
-            self.blocks.index_fill_(0, fresh, 0)
         headroom = _HEADROOM[self.layout.torch_dtype]
         room = None if headroom == 1.0 else torch.where(last == bs - 1, 1.0, headroom)
         return KvWrite(rows, kv_rows, block, shared, room)
@@ -317,7 +349,12 @@ class KvCache:
                 0, plan.rows + (2 * layer + 1) * bs, _words_as(v.to(stored), self._rows)
             )
             return
-        self._write_8bit(layer, torch.stack((k, v)).float(), plan)
+        x = torch.stack((k, v)).float()
+        if self._writer is not None:
+            assert plan.token_blocks is not None and plan.offsets is not None
+            self._writer.write(layer, x, plan.token_blocks, plan.offsets)
+            return
+        self._write_8bit(layer, x, plan)
 
     def _write_8bit(self, layer: int, x: torch.Tensor, plan: KvWrite) -> None:
         """Quantize [2 (K, V), T, kv_heads, head_dim] into the step's blocks of `layer`:

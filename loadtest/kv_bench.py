@@ -169,10 +169,10 @@ def measure_throughput(model: str, threads: int, reps: int, seed: int) -> list[T
             print(f"  round {rnd + 1} {kind.value:9s} {tps:7.1f} tok/s", flush=True)
     base = rounds[KvCacheDType.AUTO]
     rows = []
-    for kind, tps in rounds.items():
-        paired = [x / u for x, u in zip(tps, base, strict=True)]
-        rows.append(ThroughputRow(kind.value, [round(x, 2) for x in tps], max(tps),
-                                  max(tps) / max(base), [round(r, 3) for r in paired],
+    for kind, runs in rounds.items():
+        paired = [x / u for x, u in zip(runs, base, strict=True)]
+        rows.append(ThroughputRow(kind.value, [round(x, 2) for x in runs], max(runs),
+                                  max(runs) / max(base), [round(r, 3) for r in paired],
                                   float(np.median(paired))))  # fmt: skip
     return rows
 
