@@ -39,6 +39,7 @@ finite values to +-448).
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 #: Bumped when the pool's tensor layout changes; part of the layout fingerprint.
 #: 1: layer-major [layers, K/V, blocks, ...]; 2: block-major with in-block scales.
 KV_LAYOUT_VERSION = 2
+_log = logging.getLogger(__name__)
 _MADV_HUGEPAGE = 14
 _SCALE_BYTES = 4  # float32
 
@@ -236,7 +238,9 @@ class LayerKv:
 class KvWrite:
     """Where one step's new tokens go, shared by every layer (from `plan_write`).
 
-    `rows` is each token's row of layer 0's K. An 8-bit cache also needs each token's
+    `rows` is each token's row of layer 0's K. An 8-bit cache written by the compiled
+    kernel (CPU) needs each token's block and offset (`token_blocks`, `offsets`). One
+    written by torch (GPU) needs instead each token's
     rows of layer 0's K then V (`kv_rows`), the distinct blocks the step writes
     (`blocks`), each token's index among them (`inverse`), and the headroom a scale that
     must grow gets in each (`room`: 1 where this step writes the block's last slot, which
@@ -285,23 +289,28 @@ class KvCache:
         self._writer = self._quant_writer() if compiled and device.type == "cpu" else None
 
     def _quant_writer(self) -> QuantWriter | None:
-        """The compiled 8-bit write over numpy views of this pool (None if unquantized)."""
+        """The compiled 8-bit write over numpy views of this pool (None if unquantized,
+        or if numba cannot load or compile the kernel: the torch write then serves)."""
         if self.scales is None:
             return None
-        from engine.kv_quant_kernel import FP8, INT8, QuantWriter  # numba: 8-bit pools only
-
         lay = self.layout
-        return QuantWriter(
-            pool=self.blocks.view(torch.int8).numpy(),
-            scales=self.blocks.view(torch.float32).numpy(),
-            block_size=lay.block_size,
-            scale_base=lay.data_rows * lay.row_bytes // _SCALE_BYTES,
-            kind=INT8 if lay.torch_dtype == torch.int8 else FP8,
-            qmax=_QMAX[lay.torch_dtype],
-            headroom=_HEADROOM[lay.torch_dtype],
-            min_scale=_MIN_SCALE,
-            flush=_FP8_FLUSH,
-        )
+        try:
+            from engine.kv_quant_kernel import FP8, INT8, QuantWriter  # numba: 8-bit only
+
+            return QuantWriter(
+                pool=self.blocks.view(torch.int8).numpy(),
+                scales=self.blocks.view(torch.float32).numpy(),
+                block_size=lay.block_size,
+                scale_base=lay.data_rows * lay.row_bytes // _SCALE_BYTES,
+                kind=INT8 if lay.torch_dtype == torch.int8 else FP8,
+                qmax=_QMAX[lay.torch_dtype],
+                headroom=_HEADROOM[lay.torch_dtype],
+                min_scale=_MIN_SCALE,
+                flush=_FP8_FLUSH,
+            )
+        except Exception as exc:  # e.g. no writable cache directory for numba's kernels
+            _log.warning("8-bit KV write falls back to torch (slower): %s", exc)
+            return None
 
     def _layer_views(self, data: torch.Tensor, i: int) -> LayerKv:
         return LayerKv(data[:, i], None if self.scales is None else self.scales[:, i])
@@ -319,6 +328,8 @@ class KvCache:
         rows = block * self.layout.rows_per_block + offset
         if not self.layout.quantized:
             return KvWrite(rows)
+        if self._writer is not None:
+            self._check_blocks(block)
         fresh = block[offset == 0]
         if len(fresh):
             self.blocks.index_fill_(0, fresh, 0)
@@ -336,6 +347,12 @@ class KvCache:
         headroom = _HEADROOM[self.layout.torch_dtype]
         room = None if headroom == 1.0 else torch.where(last == bs - 1, 1.0, headroom)
         return KvWrite(rows, kv_rows, block, shared, room)
+
+    def _check_blocks(self, block: torch.Tensor) -> None:
+        """Refuse block ids outside the pool before the compiled write, which has no
+        bounds checks (torch's index ops raise on their own)."""
+        if len(block) and not 0 <= int(block.min()) <= int(block.max()) < len(self.blocks):
+            raise IndexError(f"KV write to a block outside the pool of {len(self.blocks)}")
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: KvWrite) -> None:
         """Store this step's K and V ([T, kv_heads, head_dim]) of `layer`."""
@@ -463,8 +480,10 @@ def _as_words(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _fits(rows: torch.Tensor, words: torch.dtype) -> bool:
-    """Whether 2-D `rows` can be viewed as `words`: its row, row stride and offset in
-    bytes are whole words."""
+    """Whether 2-D `rows` can be viewed as `words`: each row is contiguous, and its
+    length, row stride and offset in bytes are whole words."""
+    if rows.shape[1] > 1 and rows.stride(1) != 1:
+        return False
     size = rows.element_size()
     spans = (rows.shape[1] * size, rows.stride(0) * size, rows.storage_offset() * size)
     return all(span % words.itemsize == 0 for span in spans)

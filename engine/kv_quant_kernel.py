@@ -1,9 +1,10 @@
 """The 8-bit KV cache's write as one compiled CPU kernel per layer (numba).
 
 Lifecycle: `KvCache` builds one `QuantWriter` for an 8-bit pool on CPU, with numpy
-views of the pool's bytes and scales that live as long as the pool. Each layer of each
-step calls `write(layer, x, blocks, offsets)`; the first call compiles the kernel (cached
-on disk by numba, so later processes load it).
+views of the pool's bytes and scales that live as long as the pool, and writes no
+tokens through it once, which compiles the kernel at engine start (numba caches it on
+disk, so later processes load it). Each layer of each step then calls
+`write(layer, x, blocks, offsets)`.
 
 Why a kernel: in torch the write is about 35 small ops per layer (the largest of each
 head, the scale that must grow, re-expressing a grown block's earlier tokens, rounding,
@@ -15,9 +16,14 @@ whose scale grew, not whole blocks. Why numba: it compiles plain Python loops to
 code at run time from a wheel (llvmlite), with no C compiler on the host and no build
 step in the install; torch's own compiler needs a C++ toolchain.
 
-What it computes is `KvCache._write_torch`'s result bit for bit (the tests compare the
-two): the same float32 arithmetic, round-half-even, int8's clamp to +-127, and fp8 e4m3's
-rounding, saturation at 448 and flush of values under its smallest normal to zero.
+What it computes is `KvCache._write_8bit`'s result byte for byte (the tests compare the
+two) for finite K and V and blocks this version wrote: the same float32 arithmetic,
+round-half-even, int8's clamp to +-127, and fp8 e4m3's rounding, saturation at 448 and
+flush of values under its smallest normal to zero. The two differ only where the torch
+write re-encodes slices whose scale did not grow (it re-expresses whole blocks): an
+older peer's fp8 subnormals and NaN codes stay as they are here. Block ids are not
+checked here (numba has no bounds checks): `KvCache.plan_write` checks them once a
+step.
 """
 
 from __future__ import annotations
@@ -58,12 +64,12 @@ def decode_table(kind: int) -> np.ndarray:
     return values.numpy()
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True, nogil=True, inline="always")
 def encode_into(dst: np.ndarray, base: int, src: np.ndarray, kind: int, flush_bits: int) -> None:
     """Store float32 `src` (already divided by its scale) as bytes at `dst[base:]`.
 
     int8: round half to even, clamped to +-127 (a scaled value exceeds 127 only by
-    rounding, or is +-inf from a model that overflowed). fp8 e4m3fn: saturated at +-448,
+    rounding). fp8 e4m3fn: saturated at +-448,
     round half to even on the bits (adding 0x7FFFF plus the kept lowest bit carries
     exactly where rounding to nearest even does, into the exponent included), magnitudes
     at most the flush as +0 (no subnormals stored) and those just above it as the
@@ -90,7 +96,7 @@ def encode_into(dst: np.ndarray, base: int, src: np.ndarray, kind: int, flush_bi
         dst[base + i] = np.int8(code - 256 if code > 127 else code)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)  # touches only arrays: other threads run meanwhile
 def _write_layer(
     pool: np.ndarray,  # int8 [blocks, bytes_per_block]: the pool's bytes
     scales: np.ndarray,  # float32 [blocks, bytes_per_block / 4]: the same bytes
@@ -170,6 +176,8 @@ class QuantWriter:
     def __post_init__(self) -> None:
         self._table = decode_table(self.kind)
         self._flush_bits = _f32_bits(self.flush)
+        nothing = torch.empty(0, dtype=torch.long)
+        self.write(0, torch.empty(2, 0, 1, 1), nothing, nothing)  # compiles (or loads) it
 
     def write(
         self, layer: int, x: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor

@@ -30,9 +30,9 @@ import gc
 import multiprocessing
 import sys
 import time
-from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +61,7 @@ OFFLOAD_TIER_FACTOR = 4
 TARGET_VS_BF16, TARGET_VS_FP32 = 1.9, 3.5
 TARGET_THROUGHPUT = 0.9
 TARGET_TTFT = 0.3
+RUN_TIMEOUT_S = 1800  # one side of one round; a run takes about a minute
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,37 @@ def _throughput_once(model: str, threads: int, kind: KvCacheDType, seed: int) ->
     return sum(r.max_tokens for r in work) / elapsed
 
 
+def _child(send: Connection, fn: Callable[..., float], args: tuple[object, ...]) -> None:
+    try:
+        send.send((True, fn(*args)))
+    except BaseException as exc:  # sent back whole: the parent raises it
+        send.send((False, f"{type(exc).__name__}: {exc}"))
+
+
+def run_isolated(fn: Callable[..., float], args: tuple[object, ...], timeout_s: float) -> float:
+    """`fn(*args)` in a fresh spawned process; its result, or RuntimeError if it raised,
+    died or ran past `timeout_s` (then it is killed: nothing is left running)."""
+    spawn = multiprocessing.get_context("spawn")
+    recv, send = spawn.Pipe(duplex=False)
+    proc = spawn.Process(target=_child, args=(send, fn, args), daemon=True)
+    proc.start()
+    send.close()  # the child holds the only writer: its death reads as EOF
+    try:
+        if not recv.poll(timeout_s):
+            raise RuntimeError(f"{fn.__name__} ran past {timeout_s} s")
+        ok, value = recv.recv()
+    except EOFError:
+        proc.join(5)
+        raise RuntimeError(f"{fn.__name__} died (exit code {proc.exitcode})") from None
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+    if not ok:
+        raise RuntimeError(f"{fn.__name__} failed: {value}")
+    return float(value)
+
+
 def round_order(rnd: int) -> list[KvCacheDType]:
     """The sides of round `rnd`, rotated by one each round so no side always runs first."""
     shift = rnd % len(CACHE_DTYPES)
@@ -160,11 +192,9 @@ def measure_throughput(model: str, threads: int, reps: int, seed: int) -> list[T
     favoured whichever side came first. A fresh process per run, in an order rotated
     each round, gives every side the same conditions."""
     rounds: dict[KvCacheDType, list[float]] = {k: [] for k in CACHE_DTYPES}
-    spawn = multiprocessing.get_context("spawn")
     for rnd in range(reps):
         for kind in round_order(rnd):
-            with ProcessPoolExecutor(1, mp_context=spawn) as pool:
-                tps = pool.submit(_throughput_once, model, threads, kind, seed).result()
+            tps = run_isolated(_throughput_once, (model, threads, kind, seed), RUN_TIMEOUT_S)
             rounds[kind].append(tps)
             print(f"  round {rnd + 1} {kind.value:9s} {tps:7.1f} tok/s", flush=True)
     base = rounds[KvCacheDType.AUTO]

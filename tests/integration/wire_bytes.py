@@ -98,7 +98,8 @@ def send_junk(address: str, payload: bytes, window_s: float = 15.0) -> bytes:
 
 
 def frames(data: bytes) -> list[tuple[int, int]]:
-    """(type, stream id) of each complete HTTP/2 frame in a server's reply."""
+    """(type, stream id) of each HTTP/2 frame in a server's reply whose 9-byte header has
+    arrived (its payload may still be on the way)."""
     out, i = [], 0
     while i + 9 <= len(data):
         length = int.from_bytes(data[i : i + 3], "big")

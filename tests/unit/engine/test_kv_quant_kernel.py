@@ -98,3 +98,75 @@ def test_the_decode_table_reads_every_byte_as_the_cache_does() -> None:
     fp8 = torch.from_numpy(decode_table(FP8))[unsigned]
     read, exponent = _as_dtype(codes, torch.float8_e4m3fn, torch.float32)
     assert exponent == 0 and torch.equal(fp8, read)  # NaN codes included (+-480)
+
+
+def _random_steps(gen: torch.Generator, num_blocks: int) -> list[list[tuple[int, int]]]:
+    """Steps of a small simulated engine: sequences arrive with prompts of 1-11 tokens,
+    prefill in chunks of up to 5, decode a token a step (sometimes 2, a verify step),
+    and free their blocks when done, which later sequences reuse from offset 0."""
+    free, live, steps = list(range(1, num_blocks)), [], []
+    for _ in range(40):
+        if len(live) < 3 and int(torch.randint(0, 2, (1,), generator=gen)):
+            prompt = int(torch.randint(1, 12, (1,), generator=gen))
+            live.append({"blocks": [], "len": 0, "todo": prompt, "decode": 6})
+        step: list[tuple[int, int]] = []
+        for seq in live:
+            n = (
+                min(seq["todo"], 5)
+                if seq["todo"]
+                else int(torch.randint(1, 3, (1,), generator=gen))
+            )
+            for _ in range(n):
+                if seq["len"] % BLOCK == 0:
+                    seq["blocks"].append(free.pop(0))
+                step.append((seq["blocks"][-1], seq["len"] % BLOCK))
+                seq["len"] += 1
+            if seq["todo"]:
+                seq["todo"] -= n
+            else:
+                seq["decode"] -= 1
+        for seq in [s for s in live if not s["todo"] and s["decode"] <= 0]:
+            free.extend(seq["blocks"])
+            live.remove(seq)
+        if step:
+            steps.append(step)
+    return steps
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("dtype", EIGHT_BIT)
+def test_random_engine_steps_write_the_same_pool_both_ways(dtype: str, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    pools = [KvCache(_layout(dtype), 24, CPU, compiled=c) for c in (True, False)]
+    for step in _random_steps(gen, 24):
+        slots = torch.tensor([b * BLOCK + o for b, o in step])
+        plans = [pool.plan_write(slots) for pool in pools]
+        for layer in range(LAYERS):
+            k, v = _kv(gen, len(step))
+            for pool, plan in zip(pools, plans, strict=True):
+                pool.write(layer, k, v, plan)
+        assert torch.equal(pools[0].blocks, pools[1].blocks), step
+
+
+@pytest.mark.parametrize("block", [-1, 8])
+def test_a_slot_outside_the_pool_is_refused_before_the_compiled_write(block: int) -> None:
+    cache = KvCache(_layout("int8"), 8, CPU)
+    before = cache.blocks.clone()
+    with pytest.raises(IndexError, match="outside the pool of 8"):
+        cache.plan_write(torch.tensor([3 * BLOCK + 1, block * BLOCK + 2]))
+    assert torch.equal(cache.blocks, before)
+
+
+def test_the_torch_write_serves_when_the_kernel_cannot_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(self: object) -> None:
+        raise RuntimeError("no cache directory")
+
+    monkeypatch.setattr("engine.kv_quant_kernel.QuantWriter.__post_init__", broken)
+    cache = KvCache(_layout("int8"), 4, CPU)
+    assert cache._writer is None
+    k = torch.ones(1, KV_HEADS, HEAD_DIM)
+    cache.write(0, k, k, cache.plan_write(torch.tensor([2 * BLOCK])))
+    got, _ = cache.layer(0).gather(torch.tensor([2]), torch.float32)
+    torch.testing.assert_close(got[0, 0], k[0])

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
+import os
+import time
 from pathlib import Path
+
+import pytest
 
 from engine.model_spec import ModelSpec
 from loadtest import kv_bench
@@ -56,3 +61,33 @@ def test_each_round_rotates_which_side_runs_first() -> None:
     orders = [kv_bench.round_order(r) for r in range(4)]
     assert [o[0] for o in orders[:3]] == list(kv_bench.CACHE_DTYPES)
     assert orders[3] == orders[0] and all(sorted(o) == sorted(orders[0]) for o in orders)
+
+
+def _half(x: float) -> float:
+    return x / 2
+
+
+def _raise() -> float:
+    raise ValueError("no engine")
+
+
+def _die() -> float:
+    os._exit(3)
+
+
+def _hang() -> float:
+    time.sleep(60)
+    return 0.0
+
+
+def test_a_run_in_its_own_process_returns_or_fails_clearly_and_leaves_nothing() -> None:
+    assert kv_bench.run_isolated(_half, (3.0,), 60) == 1.5
+    with pytest.raises(RuntimeError, match="ValueError: no engine"):
+        kv_bench.run_isolated(_raise, (), 60)
+    with pytest.raises(RuntimeError, match="exit code 3"):
+        kv_bench.run_isolated(_die, (), 60)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="ran past 2 s"):
+        kv_bench.run_isolated(_hang, (), 2)
+    assert time.monotonic() - start < 30  # killed, not waited for
+    assert not multiprocessing.active_children()
