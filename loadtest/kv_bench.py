@@ -150,7 +150,7 @@ def _throughput_once(model: str, threads: int, kind: KvCacheDType, seed: int) ->
 def _child(send: Connection, fn: Callable[..., float], args: tuple[object, ...]) -> None:
     try:
         send.send((True, fn(*args)))
-    except BaseException as exc:  # sent back whole: the parent raises it
+    except BaseException as exc:  # sent back as text: the parent raises RuntimeError
         send.send((False, f"{type(exc).__name__}: {exc}"))
 
 
