@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import torch
 
+from engine.fused_decode import DecodeKernel
 from engine.linear_kernel import KERNELS
 from engine.precision import DType, KvCacheDType, WeightQuant, check_quant, resolve_dtype
 from engine.speculation import SpecConfig, SpecMode
@@ -81,6 +82,14 @@ class EngineConfig:
         default="auto",
         metadata={"help": "auto (onednn on x86 CPUs in float32, else torch), onednn or torch"},
     )
+    decode_kernel: DecodeKernel = field(
+        default=DecodeKernel.AUTO,
+        metadata={
+            "help": "auto (steps of one or two plain decodes as one compiled kernel, on x86 "
+            "CPUs in bfloat16 with unquantized weights and KV cache), fused (the same, and "
+            "refuse to start where it cannot run) or torch (every step through torch)"
+        },
+    )
     num_threads: int | None = field(
         default=None, metadata={"help": "torch CPU threads (default: torch's choice)"}
     )
@@ -142,6 +151,9 @@ class EngineConfig:
         check_quant(self.quantization, self.torch_device)
         object.__setattr__(
             self, "kv_cache_dtype", _member(KvCacheDType, "kv_cache_dtype", self.kv_cache_dtype)
+        )
+        object.__setattr__(
+            self, "decode_kernel", _member(DecodeKernel, "decode_kernel", self.decode_kernel)
         )
         if self.attention_backend not in ("auto", "torch", "flash"):
             raise ValueError(

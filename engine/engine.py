@@ -43,6 +43,7 @@ from engine.config import EngineConfig
 from engine.draft_model import DraftModel
 from engine.errors import InvalidRequestError
 from engine.fork import Forker, fork_id
+from engine.fused_decode import MAX_ROWS, fused_decode_wanted
 from engine.grammar import GrammarCompiler, MaskJob
 from engine.kv_cache import KvCache, KvLayout, blocks_for_budget
 from engine.kv_handoff import HeldKv, HeldKvIndex, ImportSlot
@@ -90,9 +91,12 @@ class LLMEngine:
         device, dtype = config.torch_device, config.torch_dtype
         kernel = pick_linear_kernel(config.linear_kernel, device, dtype, quant)
         log.info("linear layers: %s kernel (%s, %s, weights %s)", kernel.name, device, dtype, quant)
-        self.model = LlamaModel(self.spec, dtype, device, kernel)
-        self.model.load_weights(self.model_dir, progress=progress)
         kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)
+        fused = fused_decode_wanted(config.decode_kernel, device, dtype, quant, kv_dtype)
+        self.model = LlamaModel(self.spec, dtype, device, kernel, fused=fused)
+        self.model.load_weights(self.model_dir, progress=progress)
+        log.info("decode of 1-%d sequences: %s", MAX_ROWS,
+                 "fused kernel" if self.model.fused is not None else "torch")  # fmt: skip
         self.layout = KvLayout.from_spec(self.spec, kv_dtype, config.block_size, device)
         num_blocks = config.num_kv_blocks or blocks_for_budget(self.layout, config.kv_cache_bytes)
         self.kv_cache = KvCache(self.layout, num_blocks, device)

@@ -1,14 +1,17 @@
 """The Llama-family transformer (Llama, SmolLM2, Qwen2) over a paged KV cache.
 
-Lifecycle: `LlamaModel(spec, dtype, device, kernel)` builds empty weights;
+Lifecycle: `LlamaModel(spec, dtype, device, kernel, fused=...)` builds empty weights;
 `load_weights(model_dir)` fills them from HF safetensors (fusing q/k/v and gate/up into
-single matmuls, then handing each projection to the linear kernel to prepare); then each
-engine step calls `forward` on a flat batch of tokens, which writes the new K/V into the
-cache and returns hidden states, and `logits` on the rows that sample.
+single matmuls, then handing each projection to the linear kernel to prepare, and, when
+asked, building the fused decode's own copy in `fused`); then each engine step calls
+`forward` on a flat batch of tokens, which writes the new K/V into the cache and returns
+hidden states, and `logits` on the rows that sample (or, for a step of one or two plain
+decodes, `fused.decode` instead: `engine/fused_decode.py`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -20,10 +23,13 @@ from tqdm import tqdm
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.errors import ModelNotFoundError
+from engine.fused_decode import FusedDecoder
 from engine.kv_cache import KvCache, KvWrite
 from engine.linear_kernel import LinearKernel, LinearWeight, TorchLinear
 from engine.lora_batch import LoraBatch
 from engine.model_spec import ModelSpec, RopeScaling
+
+log = logging.getLogger(__name__)
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
@@ -69,7 +75,11 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         kernel: LinearKernel | None = None,
+        *,
+        fused: bool = False,
     ) -> None:
+        """`fused`: also build the fused decode at load (bfloat16 on CPU; the engine
+        decides, `fused_decode_wanted`)."""
         self.spec = spec
         self.dtype = dtype
         self.device = device
@@ -79,12 +89,14 @@ class LlamaModel:
         # The RMSNorm gains folded into each projection after them (int8): LoRA's A
         # matrices get the same gains (`engine/lora.py`). Empty when nothing is folded.
         self.folded_gains: dict[str, torch.Tensor] = {}
+        self._want_fused = fused
+        self.fused: FusedDecoder | None = None  # built by load_weights when wanted
         inv = rope_inv_freq(spec)
         pos = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(pos, inv)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos = emb.cos().to(device=device, dtype=dtype)
-        self._sin = emb.sin().to(device=device, dtype=dtype)
+        self._emb = torch.cat((freqs, freqs), dim=-1)  # float32 angles [positions, head_dim]
+        self._cos = self._emb.cos().to(device=device, dtype=dtype)
+        self._sin = self._emb.sin().to(device=device, dtype=dtype)
 
     # -- weights -----------------------------------------------------------------
     def load_weights(self, model_dir: Path, *, progress: bool = False) -> None:
@@ -107,7 +119,27 @@ class LlamaModel:
             disable=None if progress else True,  # None: tqdm shows it on a terminal only
         )
         linears = {name: self.kernel.prepare(w) for name, w in bar}
+        fused = self._fused_decoder(projections, weights) if self._want_fused else None
         self.weights, self.linears = weights, linears  # both or neither, if loading fails
+        self.fused = fused
+
+    def _fused_decoder(
+        self, projections: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]
+    ) -> FusedDecoder | None:
+        """The fused decode over these weights, or None (logged) if numba cannot compile
+        or load its kernel: every step then runs through torch, only slower."""
+        s = self.spec
+        try:
+            return FusedDecoder(
+                projections,
+                weights,
+                (s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim),
+                (self._emb.cos(), self._emb.sin()),
+                s.rms_norm_eps,
+            )
+        except Exception as exc:  # e.g. no writable cache directory for numba's kernels
+            log.warning("fused decode off, decode steps run through torch: %s", exc)
+            return None
 
     def _arrange(self, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         take = self._taker(raw)

@@ -8,7 +8,9 @@ tokens (`engine/speculation.py`) one row per position of its chunk. A request th
 `prompt_logprobs` also gets the log-probability of each next prompt token its chunk's
 positions predict, appended to `Request.prompt_logprobs` here (positions it already has,
 after a preemption, are not computed again). Rows of requests with a LoRA adapter get
-their adapter's deltas in the same forward pass (`engine/lora_batch.py`).
+their adapter's deltas in the same forward pass (`engine/lora_batch.py`). A step of one
+or two plain decodes runs as the model's fused decode instead, when it has one
+(`engine/fused_decode.py`): same KV writes, same logits rows.
 """
 
 from __future__ import annotations
@@ -56,10 +58,17 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.device
         self.lora_stacks = LoraStacks()
+        self.fused_steps = 0  # steps the fused decode ran (the rest ran the forward)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
         items = batch.items
+        fused = self.model.fused
+        plain = fused.rows_of(items, len(self.kv_cache.blocks)) if fused is not None else None
+        if fused is not None and plain is not None:
+            self.fused_steps += 1
+            logits = fused.decode(plain, self.kv_cache.blocks, self.block_size)
+            return StepResult(logits, [req for req, _ in items])
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []

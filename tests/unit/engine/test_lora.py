@@ -463,3 +463,17 @@ def test_imports_cancelled_or_aborted_while_landing_let_go_of_the_adapter(
     assert engine.loras.held() == {"alpha": 1}
     engine.commit_import("b")
     assert_no_leaks(engine)
+
+
+def test_adapter_rows_are_never_fused(make_engine: EngineFactory, lora_dir: dict[str, Any]) -> None:
+    """A bf16 engine fuses its base-model decodes; a row with an adapter runs the torch
+    forward, which adds the adapter (`engine/fused_decode.py` has no LoRA)."""
+    engine = make_engine(dtype="bfloat16", lora_dir=str(lora_dir[""]))
+    assert engine.model.fused is not None
+    prompt = engine.tokenizer.encode(SHORT[0])
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.generate([prompt], greedy, adapters=["alpha"])
+    assert engine.runner.fused_steps == 0
+    engine.generate([prompt], greedy)
+    assert engine.runner.fused_steps == 5
+    assert_no_leaks(engine)

@@ -1,0 +1,245 @@
+"""A decode step of one or two sequences as one compiled CPU kernel (numba), bfloat16.
+
+Lifecycle: `engine.fused_decode.FusedDecoder` calls `decode_step` once per fused step
+(numba compiles it at the decoder's warm-up and caches it on disk, so later processes
+load it); nothing here holds state.
+
+Why: a decode step of one sequence reads every weight once and does little else, so
+its floor is the weights' bytes over memory bandwidth (7 ms for SmolLM2-135M in
+bfloat16 on the development host). Through torch it took 16 ms: oneDNN's one-row
+products read the weights at about 28 GB/s (9.6 ms), and the step's 1,500 other small
+ops (norms, rotary, attention, residuals), a few microseconds of dispatch each, cost
+the rest. Here the products read the weights at about 35 GB/s (the host's read
+bandwidth) and nothing is dispatched per op: 8 ms a step.
+
+Numerics: weights, the KV cache and the embeddings are bfloat16; everything in between
+is float32 (the residual stream, norms, rotary, attention's scores and sums), and only
+the K/V stored into the cache are rounded to bfloat16 (to nearest even, as torch's
+cast). The torch path rounds to bfloat16 after every op, so the two differ in the last
+bits; this one is the nearer to the float32 model (`tests/unit/engine/test_fused_decode.py`).
+
+The float math is compiled with reassociation (so LLVM splits each dot product into
+vector lanes) but not with "no NaNs/infinities" (softmax starts from -inf).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+_F32 = np.float32
+#: LLVM fast-math flags: reassociate sums (vector lanes) and fuse multiply-adds.
+_FAST = {"reassoc", "contract", "arcp", "nsz"}
+
+
+def _bitcast_to_f32(typingctx, bits):  # type: ignore[no-untyped-def]
+    """A uint32 reinterpreted as the float32 with those bits (no conversion)."""
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+def _bitcast_to_u32(typingctx, value):  # type: ignore[no-untyped-def]
+    """A float32's bits as a uint32."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+
+# Any: called only inside compiled code, where numba supplies the typing context.
+_bits_as_f32: Any = intrinsic(_bitcast_to_f32)
+_f32_as_bits: Any = intrinsic(_bitcast_to_u32)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _bf16(bits: np.uint16) -> np.float32:
+    """bfloat16 bits (as uint16) as a float32: the top half of its bits."""
+    return _bits_as_f32(np.uint32(bits) << np.uint32(16))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _to_bf16(value: np.float32) -> np.uint16:
+    """A float32 rounded to the nearest bfloat16 (ties to even), as torch casts; NaN
+    stays a NaN."""
+    bits = _f32_as_bits(value)
+    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16(0x7FC0)
+    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return np.uint16(rounded >> np.uint32(16))
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def _matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """out[r] = w @ x[r] for bfloat16 `w` [n_out, n_in] and float32 `x` [rows, n_in].
+
+    Row by row of `w`, each row's dot product once per input row: one pass over the
+    weights, which is what bounds a decode step (a weight row stays in L1 for the
+    second input row)."""
+    n_out, n_in = w.shape
+    for o in range(n_out):
+        for r in range(x.shape[0]):
+            acc = _F32(0.0)
+            for j in range(n_in):
+                acc += _bf16(w[o, j]) * x[r, j]
+            out[r, o] = acc
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def _rms_norm(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray) -> None:
+    """out[r] = x[r] / rms(x[r]) * gain, in float32 (`gain` bfloat16 bits)."""
+    n = x.shape[1]
+    for r in range(x.shape[0]):
+        sq = _F32(0.0)
+        for j in range(n):
+            sq += x[r, j] * x[r, j]
+        inv = _F32(1.0) / math.sqrt(sq / n + eps)
+        for j in range(n):
+            out[r, j] = x[r, j] * inv * _bf16(gain[j])
+
+
+@numba.njit(cache=True, nogil=True)
+def _rotate(
+    vec: np.ndarray, start: int, heads: int, hd: int, cos: np.ndarray, sin: np.ndarray
+) -> None:
+    """Rotary embedding in place on `heads` heads of `vec` from `start` (HF's rotate_half
+    convention: the first half of a head pairs with the second)."""
+    half = hd // 2
+    for h in range(heads):
+        base = start + h * hd
+        for i in range(half):
+            a, b = vec[base + i], vec[base + half + i]
+            vec[base + i] = a * cos[i] - b * sin[i]
+            vec[base + half + i] = b * cos[half + i] + a * sin[half + i]
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def _attend(
+    q: np.ndarray,
+    pool: np.ndarray,
+    k_base: np.ndarray,
+    v_base: np.ndarray,
+    seq_len: int,
+    heads: int,
+    kv_heads: int,
+    hd: int,
+    out: np.ndarray,
+) -> None:
+    """Attention of one query row `q` ([heads * hd]) over `seq_len` cached tokens whose
+    K and V rows start at `k_base` and `v_base` (element offsets into the pool)."""
+    group = heads // kv_heads
+    scale = _F32(1.0 / math.sqrt(hd))
+    scores = np.empty(seq_len, dtype=np.float32)
+    for h in range(heads):
+        head = (h // group) * hd
+        qo = h * hd
+        top = _F32(-np.inf)
+        for p in range(seq_len):
+            kb = k_base[p] + head
+            s = _F32(0.0)
+            for d in range(hd):
+                s += q[qo + d] * _bf16(pool[kb + d])
+            s *= scale
+            scores[p] = s
+            top = max(top, s)
+        total = _F32(0.0)
+        for p in range(seq_len):
+            e = math.exp(scores[p] - top)
+            scores[p] = e
+            total += e
+        for d in range(hd):
+            out[qo + d] = _F32(0.0)
+        for p in range(seq_len):
+            prob = scores[p] / total
+            vb = v_base[p] + head
+            for d in range(hd):
+                out[qo + d] += prob * _bf16(pool[vb + d])
+
+
+@numba.njit(cache=True, nogil=True)
+def _row_offsets(
+    table: np.ndarray, seq_len: int, bs: int, block_elems: int, row: int
+) -> np.ndarray:
+    """Element offset of each position's K row of layer 0 in the pool."""
+    out = np.empty(seq_len, dtype=np.int64)
+    for p in range(seq_len):
+        out[p] = np.int64(table[p // bs]) * block_elems + (p % bs) * row
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def decode_step(
+    x: np.ndarray,
+    positions: np.ndarray,
+    tables: np.ndarray,
+    weights: tuple[np.ndarray, ...],
+    cos: np.ndarray,
+    sin: np.ndarray,
+    pool: np.ndarray,
+    dims: np.ndarray,
+    eps: float,
+    logits: np.ndarray,
+) -> None:
+    """Every layer of one decode step, then the final norm and the LM head.
+
+    `x` [rows, hidden] float32 holds the tokens' embeddings and is the residual stream;
+    `positions` [rows] each token's position (its sequence has position + 1 tokens with
+    it); `tables` [rows, blocks] their block ids; `weights` the `FusedDecoder` tuple;
+    `pool` the KV pool as uint16; `dims` (heads, kv_heads, head_dim, block_size,
+    elements per block); `logits` [rows, vocab] receives the result."""
+    qkv_w, qkv_b, o_w, gate_up_w, down_w, in_norm, post_norm, norm, lm_head = weights
+    heads, kv_heads, hd, bs, block_elems = dims[0], dims[1], dims[2], dims[3], dims[4]
+    rows, hidden = x.shape
+    layers = qkv_w.shape[0]
+    q_size, kv_size = heads * hd, kv_heads * hd
+    inter = gate_up_w.shape[1] // 2
+    h = np.empty((rows, hidden), dtype=np.float32)
+    qkv = np.empty((rows, qkv_w.shape[1]), dtype=np.float32)
+    attn = np.empty((rows, q_size), dtype=np.float32)
+    proj = np.empty((rows, hidden), dtype=np.float32)
+    gate_up = np.empty((rows, 2 * inter), dtype=np.float32)
+    act = np.empty((rows, inter), dtype=np.float32)
+    k_rows = [
+        _row_offsets(tables[r], positions[r] + 1, bs, block_elems, kv_size) for r in range(rows)
+    ]
+    for layer in range(layers):
+        layer_k = 2 * layer * bs * kv_size  # layer's K rows within a block
+        layer_v = layer_k + bs * kv_size
+        _rms_norm(x, in_norm[layer], eps, h)
+        _matvec(qkv_w[layer], h, qkv)
+        for r in range(rows):
+            for j in range(qkv.shape[1]):
+                qkv[r, j] += qkv_b[layer, j]
+            pos = positions[r]
+            _rotate(qkv[r], 0, heads + kv_heads, hd, cos[pos], sin[pos])
+            # The new token's K and V into the cache, then attention over all of it.
+            at = k_rows[r][pos]
+            for j in range(kv_size):
+                pool[at + layer_k + j] = _to_bf16(qkv[r, q_size + j])
+                pool[at + layer_v + j] = _to_bf16(qkv[r, q_size + kv_size + j])
+            base = k_rows[r]
+            _attend(qkv[r], pool, base + layer_k, base + layer_v, pos + 1, heads, kv_heads,
+                    hd, attn[r])  # fmt: skip
+        _matvec(o_w[layer], attn, proj)
+        x += proj
+        _rms_norm(x, post_norm[layer], eps, h)
+        _matvec(gate_up_w[layer], h, gate_up)
+        for r in range(rows):
+            for j in range(inter):
+                g = gate_up[r, j]
+                act[r, j] = g / (_F32(1.0) + math.exp(-g)) * gate_up[r, inter + j]
+        _matvec(down_w[layer], act, proj)
+        x += proj
+    _rms_norm(x, norm, eps, h)
+    _matvec(lm_head, h, logits)

@@ -1,0 +1,185 @@
+"""The fused decode: which steps run as one compiled kernel, and what it reads.
+
+Lifecycle: at engine start `fused_decode_wanted(config's DecodeKernel, ...)` decides once
+whether this engine may fuse (and refuses `fused` where it cannot run); `LlamaModel`
+then builds one `FusedDecoder` from the weights it loads, which compiles the kernel
+(`engine/decode_kernel.py`) and lives as long as the model. Each step, `ModelRunner`
+hands it the step when every row is a plain decode and there are at most `MAX_ROWS`
+(`FusedDecoder.rows_of`); `decode` writes the rows' K/V into the pool and returns their
+logits. Every other step runs the torch forward on the same pool, so a sequence moves
+between the two from step to step.
+
+The kernel takes bfloat16 weights and an unquantized bfloat16 cache on the CPU; LoRA
+rows, draft verification and prompt scoring stay on the torch path (see the kernel's
+docstring for why it exists and what it costs).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import platform
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engine.precision import WeightQuant
+
+if TYPE_CHECKING:
+    from engine.request import Request
+
+log = logging.getLogger(__name__)
+
+#: Most rows a fused step takes: at 3 rows oneDNN's packed products (bf16 dot-product
+#: instructions, which numba does not emit) were already faster than the kernel's.
+MAX_ROWS = 2
+
+
+class DecodeKernel(enum.StrEnum):
+    """How decode steps of one or two sequences run."""
+
+    AUTO = "auto"  # fused on x86 CPUs in bfloat16 with unquantized weights and KV
+    FUSED = "fused"  # the same, and refuse to start where it cannot run
+    TORCH = "torch"  # always the torch forward
+
+
+def fused_decode_wanted(
+    kernel: DecodeKernel,
+    device: torch.device,
+    dtype: torch.dtype,
+    quant: WeightQuant,
+    kv_dtype: torch.dtype,
+) -> bool:
+    """Whether this engine builds the fused decode; `fused` where it cannot run raises
+    ValueError naming what is missing."""
+    if kernel is DecodeKernel.TORCH:
+        return False
+    missing = [
+        what
+        for what, ok in (
+            (f"device cpu (got {device.type})", device.type == "cpu"),
+            (f"dtype bfloat16 (got {dtype})", dtype == torch.bfloat16),
+            (f"quantization none (got {quant})", quant is WeightQuant.NONE),
+            (f"kv_cache_dtype auto (stores {kv_dtype})", kv_dtype == dtype),
+        )
+        if not ok
+    ]
+    if kernel is DecodeKernel.FUSED and missing:
+        raise ValueError("decode_kernel fused needs " + ", ".join(missing))
+    # "auto" fuses only on x86, where the kernel was measured against oneDNN.
+    return not missing and platform.machine().lower() in ("x86_64", "amd64")
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One sequence of a fused step: the token it computes, that token's position, and
+    the sequence's block ids (the position's slot among them)."""
+
+    token: int
+    position: int
+    blocks: list[int]
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """A bfloat16 tensor's bits as a uint16 numpy array sharing its memory."""
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+class FusedDecoder:
+    """The model's weights as the kernel reads them, and the call that runs a step.
+
+    Holds its own copy of the layers' projections, stacked per kind ([layers, out, in]
+    bfloat16 bits): the torch path keeps only oneDNN's packed copies, which the kernel
+    cannot read (for SmolLM2-135M 213 MB more). A tied LM head is the embedding itself.
+    """
+
+    def __init__(
+        self,
+        projections: dict[str, torch.Tensor],
+        weights: dict[str, torch.Tensor],
+        dims: tuple[int, int, int, int],
+        rope: tuple[torch.Tensor, torch.Tensor],
+        eps: float,
+    ) -> None:
+        """`projections` and `weights` as `LlamaModel` loads them (bfloat16); `dims` the
+        model's (layers, heads, kv_heads, head_dim); `rope` its float32 cos and sin
+        tables ([positions, head_dim]). Compiles the kernel (or loads it from numba's
+        disk cache); raises if numba cannot."""
+        from engine import decode_kernel  # numba: loaded only where the engine fuses
+
+        self._kernel = decode_kernel.decode_step
+        layers = range(dims[0])
+
+        def stack(key: str) -> np.ndarray:
+            return _bits(torch.stack([projections[f"{i}.{key}"] for i in layers]))
+
+        qkv = stack("qkv")
+        zeros = torch.zeros(qkv.shape[1])
+        bias = torch.stack([weights.get(f"{i}.qkv_b", zeros).float() for i in layers])
+        self.weights = (
+            qkv,
+            bias.numpy(),
+            stack("o"),
+            stack("gate_up"),
+            stack("down"),
+            _bits(torch.stack([weights[f"{i}.in_norm"] for i in layers])),
+            _bits(torch.stack([weights[f"{i}.post_norm"] for i in layers])),
+            _bits(weights["norm"]),
+            _bits(projections["lm_head"]),
+        )
+        self.heads = dims[1:]
+        self.cos, self.sin = (t.float().contiguous().numpy() for t in rope)
+        self.eps = eps
+        self._embed = weights["embed"]
+        self._warm_up()
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.weights[-1].shape[0])
+
+    def rows_of(self, items: list[tuple[Request, int]], num_blocks: int) -> list[DecodeRow] | None:
+        """The step as fused rows, or None where it must run through torch: more than
+        `MAX_ROWS` rows, a row that is not one plain token (a prefill chunk, drafts to
+        verify), a LoRA adapter, prompt log-probabilities still to score, or a block or
+        position outside the pool or the rotary table (the kernel has no bounds checks)."""
+        if not items or len(items) > MAX_ROWS:
+            return None
+        rows = []
+        for req, n in items:
+            start = req.num_computed_tokens
+            plain = n == 1 and start + 1 == req.num_tokens and not req.draft_token_ids
+            scoring = req.sampling.prompt_logprobs is not None and start < req.num_prompt_tokens
+            if not plain or scoring or req.lora is not None:
+                return None
+            if max(req.block_ids) >= num_blocks or start >= len(self.cos):
+                return None
+            rows.append(DecodeRow(req.token_at(start), start, req.block_ids))
+        return rows
+
+    def decode(self, rows: list[DecodeRow], pool: torch.Tensor, block_size: int) -> torch.Tensor:
+        """One step of `rows` on `pool` (the KV cache's blocks, [num_blocks,
+        bytes_per_block] uint8 holding bfloat16): writes each row's K/V at its
+        position's slot and returns float32 logits [rows, vocab]."""
+        tables = np.zeros((len(rows), max(len(r.blocks) for r in rows)), dtype=np.int32)
+        for i, r in enumerate(rows):
+            tables[i, : len(r.blocks)] = r.blocks
+        ids = torch.tensor([r.token for r in rows])
+        x = self._embed.index_select(0, ids).float().numpy()
+        positions = np.array([r.position for r in rows], dtype=np.int64)
+        dims = np.array([*self.heads, block_size, pool.shape[1] // 2], dtype=np.int64)
+        logits = np.empty((len(rows), self.vocab_size), dtype=np.float32)
+        flat = pool.view(-1).view(torch.int16).numpy().view(np.uint16)
+        self._kernel(x, positions, tables, self.weights, self.cos, self.sin, flat, dims,
+                     self.eps, logits)  # fmt: skip
+        return torch.from_numpy(logits)
+
+    def _warm_up(self) -> None:
+        """One step on a scratch pool of one block, so the kernel compiles (or loads)
+        now and not inside the first request's step."""
+        _, kv_heads, head_dim = self.heads
+        layers = self.weights[0].shape[0]
+        block_size = 8
+        pool = torch.zeros(1, layers * 2 * block_size * kv_heads * head_dim * 2, dtype=torch.uint8)
+        self.decode([DecodeRow(0, 0, [0])], pool, block_size)

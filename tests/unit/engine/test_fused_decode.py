@@ -1,0 +1,180 @@
+"""The fused decode (`engine/fused_decode.py`, `engine/decode_kernel.py`): its pieces
+against torch, its steps against the float32 model (nearer than the torch bf16 path),
+which steps it takes, where it refuses to run, and its fallback."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+
+import numba
+import numpy as np
+import pytest
+import torch
+
+from engine import llama
+from engine.decode_kernel import _matvec, _to_bf16
+from engine.engine import LLMEngine
+from engine.fused_decode import MAX_ROWS, DecodeKernel, fused_decode_wanted
+from engine.precision import WeightQuant
+from engine.sampling_params import SamplingParams
+from tests.conftest import EngineFactory, assert_no_leaks
+from tests.prompts import CHAT, SHORT
+
+CPU = torch.device("cpu")
+BF16 = torch.bfloat16
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@numba.njit(cache=False)
+def _round_all(x: np.ndarray, out: np.ndarray) -> None:
+    for i in range(x.shape[0]):
+        out[i] = _to_bf16(x[i])
+
+
+def test_bf16_rounding_is_torchs_cast() -> None:
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(20_000, generator=gen) * torch.logspace(-40, 38, 20_000).float()
+    # Ties (low 16 bits exactly 0x8000) both ways, the largest finite values, subnormals.
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0x7F7F8000, 0x7F7FFFFF, 0x00018000, 0x80008000])
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 65504.0, 1e-45])
+    x = torch.cat((values, ties.int().view(torch.float32), specials))
+    out = np.empty(len(x), dtype=np.uint16)
+    _round_all(x.numpy(), out)
+    assert np.array_equal(out, x.to(BF16).view(torch.int16).numpy().view(np.uint16))
+    nan = np.empty(1, dtype=np.uint16)
+    _round_all(np.array([np.nan], dtype=np.float32), nan)
+    assert torch.tensor(nan.view(np.int16)).view(BF16).isnan().all()
+
+
+def test_matvec_is_the_float_product_of_bf16_weights() -> None:
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(37, 130, generator=gen).to(BF16)
+    x = torch.randn(MAX_ROWS, 130, generator=gen)
+    out = np.empty((MAX_ROWS, 37), dtype=np.float32)
+    _matvec(w.view(torch.int16).numpy().view(np.uint16), x.numpy(), out)
+    assert torch.allclose(torch.from_numpy(out), x @ w.float().T, rtol=1e-5, atol=1e-5)
+
+
+def _logits_per_step(engine: LLMEngine, prompts: list[str]) -> list[tuple[list[int], list]]:
+    """Each prompt's greedy tokens, run alone, and each decode step's logits."""
+    seen: list[torch.Tensor] = []
+    fused = engine.model.fused
+    if fused is not None:
+        decode = fused.decode
+        fused.decode = lambda *a: _keep(seen, decode(*a))  # type: ignore[method-assign]
+    else:
+        logits = engine.model.logits
+        engine.model.logits = lambda h: _keep(seen, logits(h))  # type: ignore[method-assign]
+    out = []
+    for p in prompts:
+        seen.clear()
+        tokens = engine.generate([engine.tokenizer.encode(p)], GREEDY)[0]
+        out.append((tokens, seen[-(len(tokens) - 1) :]))  # decodes only, not the prefill
+    return out
+
+
+def _keep(seen: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+    seen.append(logits[-1].clone())
+    return logits
+
+
+def test_fused_steps_are_nearer_the_float32_model(make_engine: EngineFactory) -> None:
+    """Its float32 insides (torch rounds to bf16 after every op): on the parity prompts'
+    decode steps, its logits' distance to float32's is well under the torch bf16
+    path's (measured: about half), and its greedy tokens agree with float32's at least
+    as often."""
+    prompts = SHORT[:4] + CHAT[:2]
+    ref = _logits_per_step(make_engine(), prompts)
+    plain = make_engine(dtype="bfloat16", decode_kernel="torch")
+    fused = make_engine(dtype="bfloat16")
+    assert plain.model.fused is None and fused.model.fused is not None
+    torch_bf16, fused_bf16 = _logits_per_step(plain, prompts), _logits_per_step(fused, prompts)
+    assert fused.runner.fused_steps == sum(len(t) - 1 for t, _ in fused_bf16)
+    errors: dict[str, list[float]] = {"torch": [], "fused": []}
+    agree = {"torch": 0, "fused": 0}
+    for (want, ref_steps), *runs in zip(ref, torch_bf16, fused_bf16, strict=True):
+        for name, (got, steps) in zip(("torch", "fused"), runs, strict=True):
+            agree[name] += sum(a == b for a, b in zip(want, got, strict=True))
+            same = next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b),
+                        len(want))  # fmt: skip
+            # Steps whose context is still float32's (step i computes token i + 1).
+            pairs = zip(ref_steps[: same - 1], steps[: same - 1], strict=True)
+            errors[name] += [float((s - r).norm() / r.norm()) for r, s in pairs]
+    assert len(errors["fused"]) >= 20
+    assert statistics.fmean(errors["fused"]) < 0.75 * statistics.fmean(errors["torch"])
+    assert agree["fused"] >= agree["torch"]
+    assert_no_leaks(fused)
+
+
+def test_only_small_plain_decode_steps_are_fused(make_engine: EngineFactory) -> None:
+    engine = make_engine(dtype="bfloat16", num_kv_blocks=64)
+    prompt = engine.tokenizer.encode(SHORT[0])
+    # Three decoding together run through torch; once one ends, the two left fuse.
+    lengths = [4, 10, 10]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    outs = engine.generate([prompt] * 3, params)
+    assert [len(o) for o in outs] == lengths
+    assert engine.runner.fused_steps == 10 - 4  # steps with two rows left: tokens 5-10
+    assert outs[1] == outs[2]
+    # Prompt log-probabilities are scored by the torch forward; the decode after fuses.
+    before = engine.runner.fused_steps
+    scored = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1)
+    engine.generate([prompt], scored)
+    assert engine.runner.fused_steps == before + 2
+    assert_no_leaks(engine)
+
+
+def test_blocks_outside_the_pool_are_not_fused(make_engine: EngineFactory) -> None:
+    engine = make_engine(dtype="bfloat16", num_kv_blocks=64)
+    fused = engine.model.fused
+    assert fused is not None
+    engine.add_request(engine.tokenizer.encode(SHORT[1]), GREEDY)
+    engine.step()  # prefill: now a plain decode
+    (req,) = engine.requests.values()
+    assert fused.rows_of([(req, 1)], num_blocks=64) is not None
+    assert fused.rows_of([(req, 1)], num_blocks=max(req.block_ids)) is None
+    assert fused.rows_of([(req, 2)], num_blocks=64) is None  # not one token
+    assert fused.rows_of([(req, 1)] * (MAX_ROWS + 1), num_blocks=64) is None
+    while engine.has_unfinished():
+        engine.step()
+    assert_no_leaks(engine)
+
+
+def test_where_it_cannot_run_fused_refuses_and_auto_stays_off() -> None:
+    def wanted(kernel: DecodeKernel, **kw: object) -> bool:
+        args: dict[str, object] = {"device": CPU, "dtype": BF16, "quant": WeightQuant.NONE,
+                                   "kv_dtype": BF16, **kw}  # fmt: skip
+        return fused_decode_wanted(kernel, **args)  # type: ignore[arg-type]
+
+    assert wanted(DecodeKernel.FUSED) and not wanted(DecodeKernel.TORCH)
+    for kw, named in (
+        ({"dtype": torch.float32, "kv_dtype": torch.float32}, "dtype bfloat16"),
+        ({"quant": WeightQuant.INT8}, "quantization none"),
+        ({"kv_dtype": torch.int8}, "kv_cache_dtype auto"),
+        ({"device": torch.device("cuda")}, "device cpu"),
+    ):
+        assert not wanted(DecodeKernel.AUTO, **kw)
+        with pytest.raises(ValueError, match=f"decode_kernel fused needs {named}"):
+            wanted(DecodeKernel.FUSED, **kw)
+
+
+def test_an_8bit_cache_engine_decodes_through_torch(make_engine: EngineFactory) -> None:
+    engine = make_engine(dtype="bfloat16", kv_cache_dtype="int8")
+    assert engine.model.fused is None
+    engine.generate([engine.tokenizer.encode(SHORT[0])], GREEDY)
+    assert engine.runner.fused_steps == 0
+
+
+def test_without_numba_the_torch_path_serves(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError("cannot cache numba kernels here")
+
+    monkeypatch.setattr(llama, "FusedDecoder", broken)
+    with caplog.at_level(logging.WARNING, logger="engine.llama"):
+        engine = make_engine(dtype="bfloat16")
+    assert engine.model.fused is None and "fused decode off" in caplog.text
+    assert len(engine.generate([engine.tokenizer.encode(SHORT[0])], GREEDY)[0]) == 12
+    assert engine.runner.fused_steps == 0
