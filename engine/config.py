@@ -85,7 +85,7 @@ class EngineConfig:
     decode_kernel: DecodeKernel = field(
         default=DecodeKernel.AUTO,
         metadata={
-            "help": "auto (steps of one or two plain decodes as one compiled kernel, on x86 "
+            "help": "auto (steps of up to four plain decodes as one compiled kernel, on x86 "
             "CPUs in bfloat16 with unquantized weights and KV cache), fused (the same, and "
             "refuse to start where it cannot run) or torch (every step through torch)"
         },

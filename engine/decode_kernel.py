@@ -1,8 +1,9 @@
-"""A decode step of one or two sequences as one compiled CPU kernel (numba), bfloat16.
+"""A decode step of a few sequences as one compiled CPU kernel (numba), in bfloat16.
 
-Lifecycle: `engine.fused_decode.FusedDecoder` calls `decode_step` once per fused step
-(numba compiles it at the decoder's warm-up and caches it on disk, so later processes
-load it); nothing here holds state.
+Lifecycle: `engine.fused_decode.FusedDecoder` asks `decode_step(heads, kv_heads,
+head_dim)` for the step compiled for its model's dimensions (numba compiles it at the
+decoder's warm-up and caches it on disk, so later processes load it) and calls it once
+per fused step; nothing here holds state.
 
 Why: a decode step of one sequence reads every weight once and does little else, so
 its floor is the weights' bytes over memory bandwidth (7 ms for SmolLM2-135M in
@@ -19,11 +20,13 @@ cast). The torch path rounds to bfloat16 after every op, so the two differ in th
 bits; this one is the nearer to the float32 model (`tests/unit/engine/test_fused_decode.py`).
 
 The float math is compiled with reassociation (so LLVM splits each dot product into
-vector lanes) but not with "no NaNs/infinities" (softmax starts from -inf).
+vector lanes) but not with "no NaNs/infinities", which would let it drop the checks
+an overflowed activation needs to stay visible.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -81,7 +84,7 @@ def _to_bf16(value: np.float32) -> np.uint16:
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+def matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[r] = w @ x[r] for bfloat16 `w` [n_out, n_in] and float32 `x` [rows, n_in].
 
     Row by row of `w`, each row's dot product once per input row: one pass over the
@@ -109,62 +112,69 @@ def _rms_norm(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray) -> N
             out[r, j] = x[r, j] * inv * _bf16(gain[j])
 
 
-@numba.njit(cache=True, nogil=True)
-def _rotate(
-    vec: np.ndarray, start: int, heads: int, hd: int, cos: np.ndarray, sin: np.ndarray
-) -> None:
-    """Rotary embedding in place on `heads` heads of `vec` from `start` (HF's rotate_half
-    convention: the first half of a head pairs with the second)."""
-    half = hd // 2
-    for h in range(heads):
-        base = start + h * hd
-        for i in range(half):
-            a, b = vec[base + i], vec[base + half + i]
-            vec[base + i] = a * cos[i] - b * sin[i]
-            vec[base + half + i] = b * cos[half + i] + a * sin[half + i]
+def _attention(heads: int, kv_heads: int, hd: int) -> Any:
+    """The attention of one query row for a model of these dimensions, compiled with
+    them as constants: LLVM then unrolls and vectorizes the loops over heads and the
+    head dimension whole. With the dimensions as arguments the same loops ran 3.5x
+    slower (short loops of unknown length: alias checks, remainders, a division per
+    head).
 
-
-@numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _attend(
-    q: np.ndarray,
-    pool: np.ndarray,
-    k_base: np.ndarray,
-    v_base: np.ndarray,
-    seq_len: int,
-    heads: int,
-    kv_heads: int,
-    hd: int,
-    out: np.ndarray,
-) -> None:
-    """Attention of one query row `q` ([heads * hd]) over `seq_len` cached tokens whose
-    K and V rows start at `k_base` and `v_base` (element offsets into the pool)."""
+    Cached rows are read through slices, never as `pool[base + e]`: numba wraps a
+    negative index around, and with an offset it cannot prove non-negative that check
+    stays in the loop and keeps LLVM from vectorizing it (converting a row took 12x as
+    long)."""
     group = heads // kv_heads
+    width = kv_heads * hd
     scale = _F32(1.0 / math.sqrt(hd))
-    scores = np.empty(seq_len, dtype=np.float32)
-    for h in range(heads):
-        head = (h // group) * hd
-        qo = h * hd
-        top = _F32(-np.inf)
+
+    @numba.njit(cache=True, nogil=True, fastmath=_FAST)
+    def attend(
+        q: np.ndarray, pool: np.ndarray, k_base: np.ndarray, v_base: np.ndarray,
+        seq_len: int, out: np.ndarray,
+    ) -> None:  # fmt: skip
+        """Attention of `q` ([heads * hd]) over `seq_len` cached tokens whose K and V
+        rows ([kv_heads * hd] each) start at `k_base` and `v_base` (element offsets
+        into the pool), into `out`.
+
+        One pass over the cached K rows, then one over the V rows: each row is converted
+        to float32 once and used by every query head (a query head reads its group's KV
+        head). A pass per KV head instead ran slower at 1,000 tokens (a layer's context,
+        0.75 MB there, fell out of L2 between passes)."""
+        scores = np.empty((heads, seq_len), dtype=np.float32)
+        row = np.empty(width, dtype=np.float32)
         for p in range(seq_len):
-            kb = k_base[p] + head
-            s = _F32(0.0)
-            for d in range(hd):
-                s += q[qo + d] * _bf16(pool[kb + d])
-            s *= scale
-            scores[p] = s
-            top = max(top, s)
-        total = _F32(0.0)
+            k = pool[k_base[p] : k_base[p] + width]  # a view: see `_attention`
+            for e in range(width):
+                row[e] = _bf16(k[e])
+            for h in range(heads):
+                qh, kh = h * hd, (h // group) * hd
+                s = _F32(0.0)
+                for d in range(hd):
+                    s += q[qh + d] * row[kh + d]
+                scores[h, p] = s * scale
+        for h in range(heads):
+            top = scores[h, 0]
+            for p in range(1, seq_len):
+                top = max(top, scores[h, p])
+            total = _F32(0.0)
+            for p in range(seq_len):
+                weight = math.exp(scores[h, p] - top)
+                scores[h, p] = weight
+                total += weight
+            for p in range(seq_len):
+                scores[h, p] /= total
+        out[: heads * hd] = 0.0
         for p in range(seq_len):
-            e = math.exp(scores[p] - top)
-            scores[p] = e
-            total += e
-        for d in range(hd):
-            out[qo + d] = _F32(0.0)
-        for p in range(seq_len):
-            prob = scores[p] / total
-            vb = v_base[p] + head
-            for d in range(hd):
-                out[qo + d] += prob * _bf16(pool[vb + d])
+            v = pool[v_base[p] : v_base[p] + width]
+            for e in range(width):
+                row[e] = _bf16(v[e])
+            for h in range(heads):
+                qh, vh = h * hd, (h // group) * hd
+                w = scores[h, p]
+                for d in range(hd):
+                    out[qh + d] += w * row[vh + d]
+
+    return attend
 
 
 @numba.njit(cache=True, nogil=True)
@@ -178,68 +188,80 @@ def _row_offsets(
     return out
 
 
-@numba.njit(cache=True, nogil=True)
-def decode_step(
-    x: np.ndarray,
-    positions: np.ndarray,
-    tables: np.ndarray,
-    weights: tuple[np.ndarray, ...],
-    cos: np.ndarray,
-    sin: np.ndarray,
-    pool: np.ndarray,
-    dims: np.ndarray,
-    eps: float,
-    logits: np.ndarray,
-) -> None:
-    """Every layer of one decode step, then the final norm and the LM head.
+@functools.cache
+def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
+    """The compiled step for a model of these attention dimensions (one per process and
+    shape; numba's disk cache keeps each across processes).
 
-    `x` [rows, hidden] float32 holds the tokens' embeddings and is the residual stream;
-    `positions` [rows] each token's position (its sequence has position + 1 tokens with
-    it); `tables` [rows, blocks] their block ids; `weights` the `FusedDecoder` tuple;
-    `pool` the KV pool as uint16; `dims` (heads, kv_heads, head_dim, block_size,
-    elements per block); `logits` [rows, vocab] receives the result."""
-    qkv_w, qkv_b, o_w, gate_up_w, down_w, in_norm, post_norm, norm, lm_head = weights
-    heads, kv_heads, hd, bs, block_elems = dims[0], dims[1], dims[2], dims[3], dims[4]
-    rows, hidden = x.shape
-    layers = qkv_w.shape[0]
-    q_size, kv_size = heads * hd, kv_heads * hd
-    inter = gate_up_w.shape[1] // 2
-    h = np.empty((rows, hidden), dtype=np.float32)
-    qkv = np.empty((rows, qkv_w.shape[1]), dtype=np.float32)
-    attn = np.empty((rows, q_size), dtype=np.float32)
-    proj = np.empty((rows, hidden), dtype=np.float32)
-    gate_up = np.empty((rows, 2 * inter), dtype=np.float32)
-    act = np.empty((rows, inter), dtype=np.float32)
-    k_rows = [
-        _row_offsets(tables[r], positions[r] + 1, bs, block_elems, kv_size) for r in range(rows)
-    ]
-    for layer in range(layers):
-        layer_k = 2 * layer * bs * kv_size  # layer's K rows within a block
-        layer_v = layer_k + bs * kv_size
-        _rms_norm(x, in_norm[layer], eps, h)
-        _matvec(qkv_w[layer], h, qkv)
-        for r in range(rows):
-            for j in range(qkv.shape[1]):
-                qkv[r, j] += qkv_b[layer, j]
-            pos = positions[r]
-            _rotate(qkv[r], 0, heads + kv_heads, hd, cos[pos], sin[pos])
-            # The new token's K and V into the cache, then attention over all of it.
-            at = k_rows[r][pos]
-            for j in range(kv_size):
-                pool[at + layer_k + j] = _to_bf16(qkv[r, q_size + j])
-                pool[at + layer_v + j] = _to_bf16(qkv[r, q_size + kv_size + j])
-            base = k_rows[r]
-            _attend(qkv[r], pool, base + layer_k, base + layer_v, pos + 1, heads, kv_heads,
-                    hd, attn[r])  # fmt: skip
-        _matvec(o_w[layer], attn, proj)
-        x += proj
-        _rms_norm(x, post_norm[layer], eps, h)
-        _matvec(gate_up_w[layer], h, gate_up)
-        for r in range(rows):
-            for j in range(inter):
-                g = gate_up[r, j]
-                act[r, j] = g / (_F32(1.0) + math.exp(-g)) * gate_up[r, inter + j]
-        _matvec(down_w[layer], act, proj)
-        x += proj
-    _rms_norm(x, norm, eps, h)
-    _matvec(lm_head, h, logits)
+    The step runs every layer of one decode step, then the final norm and the LM head:
+    `step(x, positions, tables, weights, cos, sin, pool, block_size, block_elems, eps,
+    logits)`. `x` [rows, hidden] float32 holds the tokens' embeddings and is the
+    residual stream; `positions` [rows] each token's position (its sequence has
+    position + 1 tokens with it); `tables` [rows, blocks] their block ids; `weights` the
+    `FusedDecoder` tuple; `pool` the KV pool as uint16, `block_elems` elements a block;
+    `logits` [rows, vocab] receives the result."""
+    attend = _attention(heads, kv_heads, hd)
+    q_size, kv_size, half = heads * hd, kv_heads * hd, hd // 2
+
+    @numba.njit(cache=True, nogil=True)
+    def rotate(vec: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+        """Rotary embedding in place on the q and k heads at the start of `vec` (HF's
+        rotate_half: the first half of a head pairs with the second)."""
+        for h in range(heads + kv_heads):
+            base = h * hd
+            for i in range(half):
+                a, b = vec[base + i], vec[base + half + i]
+                vec[base + i] = a * cos[i] - b * sin[i]
+                vec[base + half + i] = b * cos[half + i] + a * sin[half + i]
+
+    @numba.njit(cache=True, nogil=True)
+    def step(
+        x: np.ndarray, positions: np.ndarray, tables: np.ndarray,
+        weights: tuple[np.ndarray, ...], cos: np.ndarray, sin: np.ndarray, pool: np.ndarray,
+        bs: int, block_elems: int, eps: float, logits: np.ndarray,
+    ) -> None:  # fmt: skip
+        qkv_w, qkv_b, o_w, gate_up_w, down_w, in_norm, post_norm, norm, lm_head = weights
+        rows, hidden = x.shape
+        inter = gate_up_w.shape[1] // 2
+        h = np.empty((rows, hidden), dtype=np.float32)
+        qkv = np.empty((rows, qkv_w.shape[1]), dtype=np.float32)
+        attn = np.empty((rows, q_size), dtype=np.float32)
+        proj = np.empty((rows, hidden), dtype=np.float32)
+        gate_up = np.empty((rows, 2 * inter), dtype=np.float32)
+        act = np.empty((rows, inter), dtype=np.float32)
+        k_rows = [
+            _row_offsets(tables[r], positions[r] + 1, bs, block_elems, kv_size) for r in range(rows)
+        ]
+        for layer in range(qkv_w.shape[0]):
+            layer_k = 2 * layer * bs * kv_size  # the layer's K rows within a block
+            layer_v = layer_k + bs * kv_size
+            _rms_norm(x, in_norm[layer], eps, h)
+            matvec(qkv_w[layer], h, qkv)
+            for r in range(rows):
+                for j in range(qkv.shape[1]):
+                    qkv[r, j] += qkv_b[layer, j]
+                pos = positions[r]
+                rotate(qkv[r], cos[pos], sin[pos])
+                # The new token's K and V into the cache, then attention over all of it.
+                at = k_rows[r][pos]
+                k_out = pool[at + layer_k : at + layer_k + kv_size]
+                v_out = pool[at + layer_v : at + layer_v + kv_size]
+                for j in range(kv_size):
+                    k_out[j] = _to_bf16(qkv[r, q_size + j])
+                    v_out[j] = _to_bf16(qkv[r, q_size + kv_size + j])
+                base = k_rows[r]
+                attend(qkv[r], pool, base + layer_k, base + layer_v, pos + 1, attn[r])
+            matvec(o_w[layer], attn, proj)
+            x += proj
+            _rms_norm(x, post_norm[layer], eps, h)
+            matvec(gate_up_w[layer], h, gate_up)
+            for r in range(rows):
+                for j in range(inter):
+                    g = gate_up[r, j]
+                    act[r, j] = g / (_F32(1.0) + math.exp(-g)) * gate_up[r, inter + j]
+            matvec(down_w[layer], act, proj)
+            x += proj
+        _rms_norm(x, norm, eps, h)
+        matvec(lm_head, h, logits)
+
+    return step

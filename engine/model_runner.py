@@ -8,9 +8,9 @@ tokens (`engine/speculation.py`) one row per position of its chunk. A request th
 `prompt_logprobs` also gets the log-probability of each next prompt token its chunk's
 positions predict, appended to `Request.prompt_logprobs` here (positions it already has,
 after a preemption, are not computed again). Rows of requests with a LoRA adapter get
-their adapter's deltas in the same forward pass (`engine/lora_batch.py`). A step of one
-or two plain decodes runs as the model's fused decode instead, when it has one
-(`engine/fused_decode.py`): same KV writes, same logits rows.
+their adapter's deltas in the same forward pass (`engine/lora_batch.py`). A step of a
+few plain decodes (up to `fused_decode.MAX_ROWS`) runs as the model's fused decode
+instead, when it has one (`engine/fused_decode.py`): same KV writes, same logits rows.
 """
 
 from __future__ import annotations

@@ -6,9 +6,11 @@ the same run (and thread count) as the engine measurements it divides by them.
 A GEMM roof is the throughput of the model's own projections, every layer's set (q/k/v
 fused, o, gate/up fused, down; each layer its own weights, so that, as in a real step,
 no weight is still in cache when it is used again) plus the LM head when `lm_head` is
-set, multiplied in order at `rows` rows with the best kernel pdserve has for the dtype:
-oneDNN on pre-packed weights for float32 and bfloat16, `torch._int_mm` on int8 (no
-activation quantization counted: the roof is the multiply alone). Throughput is their
+set, multiplied in order at `rows` rows with the kernel pdserve uses for the dtype:
+oneDNN on pre-packed weights for float32 and bfloat16, except that bfloat16 at up to
+`fused_decode.MAX_ROWS` rows takes the fused decode's products where the engine fuses
+(they read the weights faster there); `torch._int_mm` on int8 (no activation
+quantization counted: the roof is the multiply alone). Throughput is their
 FLOPs over their time: what an engine that did nothing but these products would reach.
 At one row it is bound by memory, at 256 by arithmetic.
 
@@ -22,9 +24,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from engine.fused_decode import MAX_ROWS, DecodeKernel, fused_decode_wanted
 from engine.model_spec import ModelSpec
+from engine.precision import WeightQuant
 
 #: Seconds each timing loop runs for (after two untimed calls).
 TIME_S = 0.3
@@ -81,8 +86,20 @@ def _product(p: Projection, dtype: str, rows: int) -> Callable[[], object]:
     dt = getattr(torch, dtype)
     x = torch.randn(rows, p.rows_in, generator=gen).to(dt)
     w = torch.randn(p.rows_out, p.rows_in, generator=gen).to(dt)
+    if dt == torch.bfloat16 and rows <= MAX_ROWS and _fuses_here():
+        from engine.decode_kernel import matvec
+
+        bits = w.view(torch.int16).numpy().view(np.uint16)
+        xf, out = x.float().numpy(), np.empty((rows, p.rows_out), dtype=np.float32)
+        return lambda: matvec(bits, xf, out)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
     return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _fuses_here() -> bool:
+    """Whether a bfloat16 engine on this CPU runs its small decode steps fused."""
+    bf16, cpu = torch.bfloat16, torch.device("cpu")
+    return fused_decode_wanted(DecodeKernel.AUTO, cpu, bf16, WeightQuant.NONE, bf16)
 
 
 def gemm_roof(spec: ModelSpec, dtype: str, rows: int, *, lm_head: bool) -> float:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import llama
-from engine.decode_kernel import _matvec, _to_bf16
+from engine.decode_kernel import _to_bf16, matvec
 from engine.engine import LLMEngine
 from engine.fused_decode import MAX_ROWS, DecodeKernel, fused_decode_wanted
 from engine.precision import WeightQuant
@@ -52,7 +52,7 @@ def test_matvec_is_the_float_product_of_bf16_weights() -> None:
     w = torch.randn(37, 130, generator=gen).to(BF16)
     x = torch.randn(MAX_ROWS, 130, generator=gen)
     out = np.empty((MAX_ROWS, 37), dtype=np.float32)
-    _matvec(w.view(torch.int16).numpy().view(np.uint16), x.numpy(), out)
+    matvec(w.view(torch.int16).numpy().view(np.uint16), x.numpy(), out)
     assert torch.allclose(torch.from_numpy(out), x @ w.float().T, rtol=1e-5, atol=1e-5)
 
 
@@ -110,13 +110,13 @@ def test_fused_steps_are_nearer_the_float32_model(make_engine: EngineFactory) ->
 def test_only_small_plain_decode_steps_are_fused(make_engine: EngineFactory) -> None:
     engine = make_engine(dtype="bfloat16", num_kv_blocks=64)
     prompt = engine.tokenizer.encode(SHORT[0])
-    # Three decoding together run through torch; once one ends, the two left fuse.
-    lengths = [4, 10, 10]
+    # One row more than the kernel takes runs through torch; once one ends, the rest fuse.
+    lengths = [4] + [10] * MAX_ROWS
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
-    outs = engine.generate([prompt] * 3, params)
+    outs = engine.generate([prompt] * len(lengths), params)
     assert [len(o) for o in outs] == lengths
-    assert engine.runner.fused_steps == 10 - 4  # steps with two rows left: tokens 5-10
-    assert outs[1] == outs[2]
+    assert engine.runner.fused_steps == 10 - 4  # steps after the short one ended: 5-10
+    assert all(o == outs[1] for o in outs[2:])
     # Prompt log-probabilities are scored by the torch forward; the decode after fuses.
     before = engine.runner.fused_steps
     scored = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1)

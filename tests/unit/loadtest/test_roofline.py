@@ -61,6 +61,8 @@ def test_gemm_roof_is_a_real_rate(spec: ModelSpec, monkeypatch: pytest.MonkeyPat
     for dtype in ("float32", "bfloat16", "int8"):
         gflops = gemm_roof(small, dtype, 16, lm_head=False)
         assert 0.1 < gflops < 10_000, (dtype, gflops)
+    # One row of bf16: the fused decode's products where the engine fuses, else oneDNN.
+    assert 0.1 < gemm_roof(small, "bfloat16", 1, lm_head=True) < 10_000
 
 
 def _result(prefill: float, b16: float, bw: float) -> PrecisionResult:
