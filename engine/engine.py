@@ -43,7 +43,7 @@ from engine.config import EngineConfig
 from engine.draft_model import DraftModel
 from engine.errors import InvalidRequestError
 from engine.fork import Forker, fork_id
-from engine.fused_decode import MAX_ROWS, fused_decode_wanted
+from engine.fused_decode import MAX_ROWS, DecodeKernel, fused_decode_wanted
 from engine.grammar import GrammarCompiler, MaskJob
 from engine.kv_cache import KvCache, KvLayout, blocks_for_budget
 from engine.kv_handoff import HeldKv, HeldKvIndex, ImportSlot
@@ -95,6 +95,8 @@ class LLMEngine:
         fused = fused_decode_wanted(config.decode_kernel, device, dtype, quant, kv_dtype)
         self.model = LlamaModel(self.spec, dtype, device, kernel, fused=fused)
         self.model.load_weights(self.model_dir, progress=progress)
+        if config.decode_kernel is DecodeKernel.FUSED and self.model.fused is None:
+            raise RuntimeError("decode_kernel fused: its kernel failed to compile (see above)")
         log.info("decode of 1-%d sequences: %s", MAX_ROWS,
                  "fused kernel" if self.model.fused is not None else "torch")  # fmt: skip
         self.layout = KvLayout.from_spec(self.spec, kv_dtype, config.block_size, device)

@@ -69,8 +69,10 @@ def fused_decode_wanted(
         )
         if not ok
     ]
-    if kernel is DecodeKernel.FUSED and missing:
-        raise ValueError("decode_kernel fused needs " + ", ".join(missing))
+    if kernel is DecodeKernel.FUSED:
+        if missing:
+            raise ValueError("decode_kernel fused needs " + ", ".join(missing))
+        return True
     # "auto" fuses only on x86, where the kernel was measured against oneDNN.
     return not missing and platform.machine().lower() in ("x86_64", "amd64")
 
@@ -118,15 +120,20 @@ class FusedDecoder:
         def stack(key: str) -> np.ndarray:
             return _bits(torch.stack([projections[f"{i}.{key}"] for i in layers]))
 
-        qkv = stack("qkv")
-        zeros = torch.zeros(qkv.shape[1])
-        bias = torch.stack([weights.get(f"{i}.qkv_b", zeros).float() for i in layers])
+        def biases(key: str) -> np.ndarray:
+            """float32 [layers, out]: the projection's biases, zeros where it has none."""
+            zeros = torch.zeros(projections[f"0.{key}"].shape[0])
+            return torch.stack([weights.get(f"{i}.{key}_b", zeros).float() for i in layers]).numpy()
+
         self.weights = (
-            qkv,
-            bias.numpy(),
+            stack("qkv"),
+            biases("qkv"),
             stack("o"),
+            biases("o"),
             stack("gate_up"),
+            biases("gate_up"),
             stack("down"),
+            biases("down"),
             _bits(torch.stack([weights[f"{i}.in_norm"] for i in layers])),
             _bits(torch.stack([weights[f"{i}.post_norm"] for i in layers])),
             _bits(weights["norm"]),
@@ -142,11 +149,14 @@ class FusedDecoder:
     def vocab_size(self) -> int:
         return int(self.weights[-1].shape[0])
 
-    def rows_of(self, items: list[tuple[Request, int]], num_blocks: int) -> list[DecodeRow] | None:
+    def rows_of(
+        self, items: list[tuple[Request, int]], num_blocks: int, block_size: int
+    ) -> list[DecodeRow] | None:
         """The step as fused rows, or None where it must run through torch: more than
         `MAX_ROWS` rows, a row that is not one plain token (a prefill chunk, drafts to
-        verify), a LoRA adapter, prompt log-probabilities still to score, or a block or
-        position outside the pool or the rotary table (the kernel has no bounds checks)."""
+        verify), a LoRA adapter, or prompt log-probabilities still to score. A row the
+        kernel could not run safely (see `_in_bounds`) goes to torch too, which raises
+        on it as it would without the kernel."""
         if not items or len(items) > MAX_ROWS:
             return None
         rows = []
@@ -156,15 +166,32 @@ class FusedDecoder:
             scoring = req.sampling.prompt_logprobs is not None and start < req.num_prompt_tokens
             if not plain or scoring or req.lora is not None:
                 return None
-            if max(req.block_ids) >= num_blocks or start >= len(self.cos):
+            row = DecodeRow(req.token_at(start), start, req.block_ids)
+            if not self._in_bounds(row, num_blocks, block_size):
                 return None
-            rows.append(DecodeRow(req.token_at(start), start, req.block_ids))
+            rows.append(row)
         return rows
+
+    def _in_bounds(self, row: DecodeRow, num_blocks: int, block_size: int) -> bool:
+        """Whether the kernel, which has no bounds checks, stays inside its arrays for
+        `row`: block ids within the pool, blocks covering every position up to the
+        token's, and the position within the rotary tables."""
+        blocks = row.blocks
+        return (
+            0 <= row.position < len(self.cos)
+            and row.position // block_size < len(blocks)
+            and min(blocks) >= 0
+            and max(blocks) < num_blocks
+        )
 
     def decode(self, rows: list[DecodeRow], pool: torch.Tensor, block_size: int) -> torch.Tensor:
         """One step of `rows` on `pool` (the KV cache's blocks, [num_blocks,
         bytes_per_block] uint8 holding bfloat16): writes each row's K/V at its
-        position's slot and returns float32 logits [rows, vocab]."""
+        position's slot and returns float32 logits [rows, vocab]. Raises IndexError
+        for a row `rows_of` would not have let through (nothing is written then)."""
+        num_blocks = pool.shape[0]
+        if not all(self._in_bounds(r, num_blocks, block_size) for r in rows):
+            raise IndexError("fused decode row outside the KV pool or the rotary table")
         tables = np.zeros((len(rows), max(len(r.blocks) for r in rows)), dtype=np.int32)
         for i, r in enumerate(rows):
             tables[i, : len(r.blocks)] = r.blocks

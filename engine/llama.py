@@ -41,6 +41,14 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     return inv
 
 
+def rope_angles(spec: ModelSpec) -> torch.Tensor:
+    """float32 [max_position_embeddings, head_dim]: each position's rotary angles, the
+    frequencies repeated for both halves of a head (HF's layout)."""
+    pos = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
+    freqs = torch.outer(pos, rope_inv_freq(spec))
+    return torch.cat((freqs, freqs), dim=-1)
+
+
 def _llama3_scale(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
@@ -91,12 +99,9 @@ class LlamaModel:
         self.folded_gains: dict[str, torch.Tensor] = {}
         self._want_fused = fused
         self.fused: FusedDecoder | None = None  # built by load_weights when wanted
-        inv = rope_inv_freq(spec)
-        pos = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(pos, inv)
-        self._emb = torch.cat((freqs, freqs), dim=-1)  # float32 angles [positions, head_dim]
-        self._cos = self._emb.cos().to(device=device, dtype=dtype)
-        self._sin = self._emb.sin().to(device=device, dtype=dtype)
+        angles = rope_angles(spec)
+        self._cos = angles.cos().to(device=device, dtype=dtype)
+        self._sin = angles.sin().to(device=device, dtype=dtype)
 
     # -- weights -----------------------------------------------------------------
     def load_weights(self, model_dir: Path, *, progress: bool = False) -> None:
@@ -129,12 +134,13 @@ class LlamaModel:
         """The fused decode over these weights, or None (logged) if numba cannot compile
         or load its kernel: every step then runs through torch, only slower."""
         s = self.spec
+        angles = rope_angles(s)  # float32: the kernel rotates in float32
         try:
             return FusedDecoder(
                 projections,
                 weights,
                 (s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim),
-                (self._emb.cos(), self._emb.sin()),
+                (angles.cos(), angles.sin()),
                 s.rms_norm_eps,
             )
         except Exception as exc:  # e.g. no writable cache directory for numba's kernels

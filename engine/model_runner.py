@@ -64,7 +64,8 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepResult:
         items = batch.items
         fused = self.model.fused
-        plain = fused.rows_of(items, len(self.kv_cache.blocks)) if fused is not None else None
+        blocks = len(self.kv_cache.blocks)
+        plain = fused.rows_of(items, blocks, self.block_size) if fused is not None else None
         if fused is not None and plain is not None:
             self.fused_steps += 1
             logits = fused.decode(plain, self.kv_cache.blocks, self.block_size)

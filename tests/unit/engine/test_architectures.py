@@ -112,18 +112,21 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 
 def _run(
-    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, prompt: list[int]
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, prompt: list[int], *, fused: bool = False
 ) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens of one request and the logits row each was sampled from."""
+    """Greedy tokens of one request and the logits row each was sampled from (`fused`:
+    only the rows of the fused decode's steps)."""
     rows: list[torch.Tensor] = []
-    logits = engine.model.logits
+    owner: Any = engine.model.fused if fused else engine.model
+    name = "decode" if fused else "logits"
+    logits = getattr(owner, name)
 
-    def capture(hidden: torch.Tensor) -> torch.Tensor:
-        out = logits(hidden)
+    def capture(*args: Any) -> torch.Tensor:
+        out: torch.Tensor = logits(*args)
         rows.append(out.clone())
         return out
 
-    monkeypatch.setattr(engine.model, "logits", capture)
+    monkeypatch.setattr(owner, name, capture)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     (tokens,) = engine.generate([prompt], params)
     monkeypatch.undo()
@@ -170,6 +173,33 @@ def test_without_the_path_the_logits_differ(
     # Not just a nudge: most greedy choices change.
     assert (plain.argmax(-1) != torch.tensor(tokens)).sum() >= MAX_TOKENS // 2
     assert_no_leaks(engine)
+
+
+def test_fused_decode_takes_each_architectures_path(
+    tiny: Tiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In bfloat16 the fused decode (`engine/fused_decode.py`) runs every decode step,
+    and its logits are as near transformers' float32 ones as the torch bf16 path's:
+    a bias or rotary scaling it missed would put them as far off as the model without
+    that path (see the test above), thousands of times further."""
+    prompt = _prompt(3, PROMPT_LEN)
+    errors: dict[str, float] = {}
+    for kernel in ("torch", "fused"):
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(tiny.model_dir),
+                dtype="bfloat16",
+                decode_kernel=kernel,
+                kv_cache_bytes=1 << 20,
+                max_num_batched_tokens=32,
+            )
+        )
+        tokens, got = _run(engine, monkeypatch, prompt, fused=kernel == "fused")
+        assert engine.runner.fused_steps == (MAX_TOKENS - 1 if kernel == "fused" else 0)
+        ref = _reference(tiny.hf, prompt, tokens)[1:]  # the decode steps' positions
+        errors[kernel] = float((got[-(MAX_TOKENS - 1) :] - ref).abs().max() / ref.abs().max())
+        assert_no_leaks(engine)
+    assert errors["fused"] <= max(1.5 * errors["torch"], 0.01), errors
 
 
 def test_batch_with_chunked_prefill_matches_transformers(tiny: Tiny, engine: LLMEngine) -> None:

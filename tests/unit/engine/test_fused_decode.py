@@ -5,6 +5,7 @@ which steps it takes, where it refuses to run, and its fallback."""
 from __future__ import annotations
 
 import logging
+import platform
 import statistics
 
 import numba
@@ -15,7 +16,7 @@ import torch
 from engine import llama
 from engine.decode_kernel import _to_bf16, matvec
 from engine.engine import LLMEngine
-from engine.fused_decode import MAX_ROWS, DecodeKernel, fused_decode_wanted
+from engine.fused_decode import MAX_ROWS, DecodeKernel, DecodeRow, fused_decode_wanted
 from engine.precision import WeightQuant
 from engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory, assert_no_leaks
@@ -125,29 +126,47 @@ def test_only_small_plain_decode_steps_are_fused(make_engine: EngineFactory) -> 
     assert_no_leaks(engine)
 
 
-def test_blocks_outside_the_pool_are_not_fused(make_engine: EngineFactory) -> None:
+def test_rows_the_kernel_cannot_run_safely_go_to_torch(make_engine: EngineFactory) -> None:
+    """The kernel has no bounds checks: a row whose blocks fall outside the pool, whose
+    table does not reach its position, or that is not one token, is not fused, and
+    `decode` refuses such a row before it writes anything."""
     engine = make_engine(dtype="bfloat16", num_kv_blocks=64)
     fused = engine.model.fused
     assert fused is not None
     engine.add_request(engine.tokenizer.encode(SHORT[1]), GREEDY)
     engine.step()  # prefill: now a plain decode
     (req,) = engine.requests.values()
-    assert fused.rows_of([(req, 1)], num_blocks=64) is not None
-    assert fused.rows_of([(req, 1)], num_blocks=max(req.block_ids)) is None
-    assert fused.rows_of([(req, 2)], num_blocks=64) is None  # not one token
-    assert fused.rows_of([(req, 1)] * (MAX_ROWS + 1), num_blocks=64) is None
+    bs = engine.config.block_size
+    assert fused.rows_of([(req, 1)], 64, bs) is not None
+    assert fused.rows_of([(req, 1)], max(req.block_ids), bs) is None  # past the pool
+    assert fused.rows_of([(req, 2)], 64, bs) is None  # not one token
+    assert fused.rows_of([(req, 1)] * (MAX_ROWS + 1), 64, bs) is None
+    (row,) = fused.rows_of([(req, 1)], 64, bs) or []
+    short = DecodeRow(row.token, len(row.blocks) * bs, row.blocks)  # table ends before it
+    negative = DecodeRow(row.token, row.position, [-1, *row.blocks[1:]])
+    before = engine.kv_cache.blocks.clone()
+    for bad in (short, negative, DecodeRow(row.token, 10**6, row.blocks)):
+        with pytest.raises(IndexError, match="outside the KV pool or the rotary table"):
+            fused.decode([bad], engine.kv_cache.blocks, bs)
+    assert torch.equal(engine.kv_cache.blocks, before)
     while engine.has_unfinished():
         engine.step()
     assert_no_leaks(engine)
 
 
-def test_where_it_cannot_run_fused_refuses_and_auto_stays_off() -> None:
+def test_where_it_cannot_run_fused_refuses_and_auto_stays_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     def wanted(kernel: DecodeKernel, **kw: object) -> bool:
         args: dict[str, object] = {"device": CPU, "dtype": BF16, "quant": WeightQuant.NONE,
                                    "kv_dtype": BF16, **kw}  # fmt: skip
         return fused_decode_wanted(kernel, **args)  # type: ignore[arg-type]
 
     assert wanted(DecodeKernel.FUSED) and not wanted(DecodeKernel.TORCH)
+    # Asked for by name it runs on any CPU; auto only where it was measured (x86).
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert wanted(DecodeKernel.FUSED) and not wanted(DecodeKernel.AUTO)
+    monkeypatch.undo()
     for kw, named in (
         ({"dtype": torch.float32, "kv_dtype": torch.float32}, "dtype bfloat16"),
         ({"quant": WeightQuant.INT8}, "quantization none"),
@@ -178,3 +197,6 @@ def test_without_numba_the_torch_path_serves(
     assert engine.model.fused is None and "fused decode off" in caplog.text
     assert len(engine.generate([engine.tokenizer.encode(SHORT[0])], GREEDY)[0]) == 12
     assert engine.runner.fused_steps == 0
+    # Asked for by name, a kernel that cannot compile stops the engine instead.
+    with pytest.raises(RuntimeError, match="decode_kernel fused: its kernel failed"):
+        make_engine(dtype="bfloat16", decode_kernel="fused")
