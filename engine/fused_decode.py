@@ -44,7 +44,7 @@ class DecodeKernel(enum.StrEnum):
     """How decode steps of up to `MAX_ROWS` sequences run."""
 
     AUTO = "auto"  # fused on x86 CPUs in bfloat16 with unquantized weights and KV
-    FUSED = "fused"  # the same, and refuse to start where it cannot run
+    FUSED = "fused"  # the same on any CPU; refuse to start where it cannot run
     TORCH = "torch"  # always the torch forward
 
 
