@@ -16,6 +16,7 @@ import abc
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -89,6 +90,10 @@ class _PrefillSeq:
 class _TorchPlan:
     decode_groups: list[_DecodeGroup]
     prefills: list[_PrefillSeq]
+    # The compiled decode's offsets of each decode row's cached tokens and their
+    # counts ([rows, longest], [rows]): built at the step's first layer, shared by all.
+    bases: np.ndarray | None = None
+    lens: np.ndarray | None = None
 
 
 class TorchAttention(AttentionBackend):
@@ -104,6 +109,15 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
     GROUP_SPREAD = 1.5
+
+    def __init__(self, compiled_decode: bool = False) -> None:
+        """`compiled_decode`: decode rows over an unquantized bfloat16 cache on the CPU
+        attend through `engine.decode_kernel.decode_attention`, which reads K and V in
+        place in the pool, instead of gathering their blocks (copies) for two matmuls:
+        at 8 rows of ~620-token contexts the gather, its copies and the matmuls were 18
+        of a step's 38 ms."""
+        self.compiled_decode = compiled_decode
+        self._pools: dict[int, np.ndarray] = {}  # the pool's bits by storage address
 
     def plan(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> _TorchPlan:
         nd = meta.num_decodes
@@ -149,13 +163,72 @@ class TorchAttention(AttentionBackend):
         plan = meta.plan
         assert isinstance(plan, _TorchPlan), "ModelRunner must call plan() once per step"
         out = torch.empty_like(q)
-        for group in plan.decode_groups:
-            out[group.rows] = self._decode(q.index_select(0, group.rows), cache, group)
+        if self._compiles(q, cache) and meta.num_decodes:
+            nd = meta.num_decodes
+            out[:nd] = self._compiled_decode(q[:nd], cache, meta, plan)
+        else:
+            for group in plan.decode_groups:
+                out[group.rows] = self._decode(q.index_select(0, group.rows), cache, group)
         for seq in plan.prefills:
             out[seq.start : seq.start + seq.qlen] = self._prefill(
                 q[seq.start : seq.start + seq.qlen], cache, seq
             )
         return out
+
+    def _compiles(self, q: torch.Tensor, cache: LayerKv) -> bool:
+        return (
+            self.compiled_decode
+            and cache.scales is None
+            and q.dtype == cache.kv.dtype == torch.bfloat16
+            and q.device.type == "cpu"
+        )
+
+    def _compiled_decode(
+        self, q: torch.Tensor, cache: LayerKv, meta: AttentionMetadata, plan: _TorchPlan
+    ) -> torch.Tensor:
+        """The decode rows' attention by the compiled kernel, reading the pool in place:
+        a row's token p has its K row at element bases[p] + the layer view's own offset
+        (V one K/V stride further)."""
+        from engine import decode_kernel  # numba: loaded only where decode compiles
+
+        kv = cache.kv  # [blocks, 2 (K, V), block_size, kv_heads, head_dim], strided
+        nd, heads, hd = q.shape
+        if plan.bases is None or plan.lens is None:  # the step's first layer
+            plan.bases, plan.lens = self._bases(kv, meta, nd)
+        attend = decode_kernel.decode_attention(heads, kv.shape[3], hd)
+        qf = q.reshape(nd, heads * hd).float().numpy()
+        out = np.empty_like(qf)
+        k_off = kv.storage_offset()
+        attend(qf, self._pool(kv), plan.bases, plan.lens, k_off, k_off + kv.stride(1), out)
+        return torch.from_numpy(out).to(q.dtype).view(nd, heads, hd)
+
+    @staticmethod
+    def _bases(kv: torch.Tensor, meta: AttentionMetadata, nd: int) -> tuple[np.ndarray, np.ndarray]:
+        """Offsets of the decode rows' cached tokens, after checking that their blocks
+        are in the pool and cover their lengths (the kernel has no bounds checks; the
+        gather it replaces raised on a bad block id)."""
+        from engine import decode_kernel
+
+        tables = meta.block_table[:nd].numpy()
+        lens = np.asarray(meta.seq_lens_host[:nd], dtype=np.int64)
+        block_size = kv.shape[2]
+        if (
+            tables.min(initial=0) < 0
+            or tables.max(initial=0) >= kv.shape[0]
+            or lens.max(initial=0) > tables.shape[1] * block_size
+        ):
+            raise IndexError("decode attention over blocks outside the KV pool")
+        bases = decode_kernel.row_bases(tables, lens, block_size, kv.stride(0), kv.stride(2))
+        return bases, lens
+
+    def _pool(self, kv: torch.Tensor) -> np.ndarray:
+        """The whole pool under `kv`, as uint16 bits (one view per pool, kept)."""
+        storage = kv.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._pools:
+            flat = kv.as_strided((storage.nbytes() // kv.element_size(),), (1,), 0)
+            self._pools[key] = flat.view(torch.int16).numpy().view(np.uint16)
+        return self._pools[key]
 
     @staticmethod
     def _decode(q: torch.Tensor, cache: LayerKv, group: _DecodeGroup) -> torch.Tensor:
@@ -297,10 +370,15 @@ def flash_available(device: torch.device) -> bool:
 
 
 def select_backend(
-    name: str, device: torch.device, dtype: torch.dtype, *, quantized_kv: bool = False
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    quantized_kv: bool = False,
+    compiled_decode: bool = False,
 ) -> AttentionBackend:
     """`auto` takes flash on CUDA with fp16/bf16 and an unquantized cache when it
-    imports, torch otherwise."""
+    imports, torch otherwise. `compiled_decode` goes to `TorchAttention`."""
     if name not in ("auto", "torch", "flash"):
         raise ValueError(f"attention backend must be auto, torch or flash, got {name!r}")
     if name == "flash" and quantized_kv:
@@ -316,6 +394,6 @@ def select_backend(
             raise RuntimeError("attention backend 'flash' needs CUDA and vllm-flash-attn")
         backend: AttentionBackend = FlashAttention()
     else:
-        backend = TorchAttention()
+        backend = TorchAttention(compiled_decode)
     log.info("attention backend: %s on %s (%s)", backend.name, device, dtype)
     return backend

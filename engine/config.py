@@ -85,10 +85,10 @@ class EngineConfig:
     decode_kernel: DecodeKernel = field(
         default=DecodeKernel.AUTO,
         metadata={
-            "help": "auto (steps of up to four plain decodes as one compiled kernel, on x86 "
-            "CPUs in bfloat16 with unquantized weights and KV cache), fused (the same on "
-            "any CPU, refusing to start where it cannot run) or torch (every step through "
-            "torch)"
+            "help": "auto (steps of up to four plain decodes as one compiled kernel, and "
+            "larger steps' decode attention through its attention, on x86 CPUs in bfloat16 "
+            "with unquantized weights and KV cache), fused (the same on any CPU, refusing "
+            "to start where it cannot run) or torch (every step through torch)"
         },
     )
     num_threads: int | None = field(

@@ -114,12 +114,12 @@ def _rms_norm(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray) -> N
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
 def _attend(
-    q: np.ndarray, pool: np.ndarray, k_base: np.ndarray, v_base: np.ndarray, seq_len: int,
+    q: np.ndarray, pool: np.ndarray, base: np.ndarray, k_off: int, v_off: int, seq_len: int,
     out: np.ndarray, heads: int, kv_heads: int, hd: int,
 ) -> None:  # fmt: skip
-    """Attention of `q` ([heads * hd]) over `seq_len` cached tokens whose K and V rows
-    ([kv_heads * hd] each) start at `k_base` and `v_base` (element offsets into the
-    pool), into `out`.
+    """Attention of `q` ([heads * hd]) over `seq_len` cached tokens, into `out`: token
+    p's K row ([kv_heads * hd]) starts at element `base[p] + k_off` of the pool and its
+    V row at `base[p] + v_off`.
 
     One pass over the cached K rows, then one over the V rows: each row is converted to
     float32 once and used by every query head (a query head reads its group's KV head).
@@ -136,7 +136,7 @@ def _attend(
     scores = np.empty((heads, seq_len), dtype=np.float32)
     row = np.empty(width, dtype=np.float32)
     for p in range(seq_len):
-        k = pool[k_base[p] : k_base[p] + width]
+        k = pool[base[p] + k_off : base[p] + k_off + width]
         for e in range(width):
             row[e] = _bf16(k[e])
         for h in range(heads):
@@ -158,7 +158,7 @@ def _attend(
             scores[h, p] /= total
     out[: heads * hd] = 0.0
     for p in range(seq_len):
-        v = pool[v_base[p] : v_base[p] + width]
+        v = pool[base[p] + v_off : base[p] + v_off + width]
         for e in range(width):
             row[e] = _bf16(v[e])
         for h in range(heads):
@@ -251,8 +251,7 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
                 for j in range(kv_size):
                     k_out[j] = _to_bf16(qkv[r, q_size + j])
                     v_out[j] = _to_bf16(qkv[r, q_size + kv_size + j])
-                base = k_rows[r]
-                _attend(qkv[r], pool, base + layer_k, base + layer_v, pos + 1, attn[r],
+                _attend(qkv[r], pool, k_rows[r], layer_k, layer_v, pos + 1, attn[r],
                         heads, kv_heads, hd)  # fmt: skip
             matvec(o_w[layer], attn, proj)
             _add_bias(proj, o_b[layer])
@@ -271,3 +270,35 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
         matvec(lm_head, h, logits)
 
     return step
+
+
+@functools.cache
+def decode_attention(heads: int, kv_heads: int, hd: int) -> Any:
+    """Decode attention alone, compiled for these dimensions (as `decode_step`), for the
+    torch forward's larger decode steps (`engine.attention.TorchAttention`):
+    `attend(q, pool, bases, seq_lens, k_off, v_off, out)` attends each row of `q`
+    ([rows, heads * hd] float32) over its sequence's `seq_lens[r]` cached tokens, token
+    p's K row at element `bases[r, p] + k_off` of `pool` and its V row at `+ v_off`."""
+
+    @numba.njit(cache=True, nogil=True)
+    def attend(
+        q: np.ndarray, pool: np.ndarray, bases: np.ndarray, seq_lens: np.ndarray,
+        k_off: int, v_off: int, out: np.ndarray,
+    ) -> None:  # fmt: skip
+        for r in range(q.shape[0]):
+            _attend(q[r], pool, bases[r], k_off, v_off, seq_lens[r], out[r], heads, kv_heads, hd)
+
+    return attend
+
+
+@numba.njit(cache=True, nogil=True)
+def row_bases(
+    tables: np.ndarray, seq_lens: np.ndarray, bs: int, block_stride: int, row_stride: int
+) -> np.ndarray:
+    """[rows, longest] element offsets of each sequence's cached tokens within a layer's
+    K rows: block `tables[r, p // bs]`, slot `p % bs` (a layer adds its own offset)."""
+    out = np.zeros((tables.shape[0], max(seq_lens.max(), 1)), dtype=np.int64)
+    for r in range(tables.shape[0]):
+        for p in range(seq_lens[r]):
+            out[r, p] = np.int64(tables[r, p // bs]) * block_stride + (p % bs) * row_stride
+    return out

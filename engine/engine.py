@@ -115,7 +115,12 @@ class LLMEngine:
             self.pool.on_evict = self.offload.spill
             self.scheduler.tier = self.offload
         backend = select_backend(
-            config.attention_backend, device, dtype, quantized_kv=self.layout.quantized
+            config.attention_backend,
+            device,
+            dtype,
+            quantized_kv=self.layout.quantized,
+            # Where the fused decode runs, larger decode steps use its attention too.
+            compiled_decode=self.model.fused is not None,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, backend, config.block_size)
         self.max_model_len = min(

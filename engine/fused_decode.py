@@ -11,7 +11,9 @@ between the two from step to step.
 
 The kernel takes bfloat16 weights and an unquantized bfloat16 cache on the CPU; LoRA
 rows, draft verification and prompt scoring stay on the torch path (see the kernel's
-docstring for why it exists and what it costs).
+docstring for why it exists and what it costs). Where an engine fuses, the torch
+forward's larger decode steps also attend through the kernel's attention
+(`TorchAttention(compiled_decode=True)`).
 """
 
 from __future__ import annotations

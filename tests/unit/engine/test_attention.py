@@ -113,3 +113,69 @@ def test_decode_over_an_8bit_cache_matches_attention_over_its_dequantized_values
         want = _reference(q[s : s + 1], k, v, n - 1)[0]
         tol = 1e-5 if compute == torch.float32 else 0.05
         torch.testing.assert_close(out[s], want, atol=tol, rtol=tol)
+
+
+def _bf16_cache_with(lens: list[int], tables: list[list[int]]) -> tuple[KvCache, torch.Tensor]:
+    """A two-layer bf16 pool whose layer 1 holds random K/V for sequences of `lens`
+    tokens in blocks `tables` (layer 0 holds other values); returns it and the K/V
+    ([2, tokens, kv_heads, head_dim], float32 of the stored bf16)."""
+    layout = KvLayout(model_fingerprint="m", dtype="bfloat16", block_size=BLOCK, num_layers=2,
+                      num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, memory_kind="cpu")  # fmt: skip
+    cache = KvCache(layout, 8, torch.device("cpu"))
+    slots = torch.tensor([tables[s][p // BLOCK] * BLOCK + p % BLOCK
+                          for s, n in enumerate(lens) for p in range(n)])  # fmt: skip
+    kv = torch.randn(2, len(slots), KV_HEADS, HEAD_DIM).to(torch.bfloat16)
+    plan = cache.plan_write(slots)
+    cache.write(0, -kv[0], -kv[1], plan)
+    cache.write(1, kv[0], kv[1], plan)
+    return cache, kv.float()
+
+
+def _decode_meta(lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_table=torch.tensor(tables, dtype=torch.int32),
+        num_decodes=len(lens),
+        max_query_len=1,
+        max_seq_len=max(lens),
+        query_lens_host=[1] * len(lens),
+        seq_lens_host=lens,
+    )
+
+
+def test_compiled_decode_reads_the_pool_in_place() -> None:
+    """Decode rows over a bf16 cache through the compiled kernel: the attention of
+    each row over its own blocks of the right layer (float32 inside, so within bf16's
+    rounding of the output), for sequences of different lengths, one ending mid-block."""
+    torch.manual_seed(1)
+    lens, tables = [5, 11, 3], [[1, 6, 0], [4, 3, 7], [2, 0, 0]]
+    cache, kv = _bf16_cache_with(lens, tables)
+    meta = _decode_meta(lens, tables)
+    backend = TorchAttention(compiled_decode=True)
+    meta.plan = backend.plan(meta, BLOCK, torch.device("cpu"))
+    q = torch.randn(len(lens), HEADS, HEAD_DIM).to(torch.bfloat16)
+    out = backend.attend(q, cache.layer(1), meta)
+    assert meta.plan.bases is not None  # the compiled path ran
+    start = 0
+    for s, n in enumerate(lens):
+        k, v = kv[0, start : start + n], kv[1, start : start + n]
+        want = _reference(q[s : s + 1].float(), k, v, n - 1)[0]
+        torch.testing.assert_close(out[s].float(), want, atol=0.02, rtol=0.02)
+        start += n
+    # The gathered path on the same inputs agrees to bf16's rounding.
+    plain = TorchAttention()
+    meta.plan = plain.plan(meta, BLOCK, torch.device("cpu"))
+    torch.testing.assert_close(out, plain.attend(q, cache.layer(1), meta), atol=0.03, rtol=0.03)
+
+
+def test_compiled_decode_refuses_blocks_outside_the_pool() -> None:
+    lens, tables = [5], [[1, 9]]  # block 9 of a pool of 8
+    cache, _ = _bf16_cache_with([5], [[1, 2]])
+    meta = _decode_meta(lens, tables)
+    backend = TorchAttention(compiled_decode=True)
+    meta.plan = backend.plan(meta, BLOCK, torch.device("cpu"))
+    q = torch.randn(1, HEADS, HEAD_DIM).to(torch.bfloat16)
+    with pytest.raises(IndexError, match="outside the KV pool"):
+        backend.attend(q, cache.layer(1), meta)
