@@ -155,9 +155,17 @@ class NixlImportBackend(ImportBackend):
         remote_idx = np.asarray(src_blocks, dtype=np.int32)
         # No release notification rides on the read: the importer releases with a call
         # whose answer says whether the lease held for the whole read (lease_release.py).
-        xfer = self._agent.make_prepped_xfer(
-            "READ", self._local, local_idx, peer.prepped, remote_idx
-        )  # fmt: skip
+        try:
+            xfer = self._agent.make_prepped_xfer(
+                "READ", self._local, local_idx, peer.prepped, remote_idx
+            )  # fmt: skip
+        except Exception as exc:
+            # Another import's failed read can forget this peer (its exporter died)
+            # between our lookup and here: NIXL then refuses the released descriptors
+            # (NIXL_ERR_INVALID_PARAM), which means the same as a dead peer.
+            raise PeerUnavailableError(
+                f"KV read from {handle.transfer_address} could not start: {exc}"
+            ) from exc
         try:
             self._wait(xfer, deadline, handle.transfer_address)
         finally:

@@ -334,3 +334,33 @@ def test_restarted_exporter_is_re_handshaken(backend: str, decode: LLMEngine) ->
         imp.close()
         second.close()
         decode.pool.reset_prefix_cache()
+
+
+def test_a_peer_forgotten_mid_import_is_unavailable_not_a_nixl_error(
+    decode: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two imports from one exporter: the first one's failed read forgets the peer (its
+    exporter died) while the second has already looked it up. NIXL then refuses the
+    released descriptors (NIXL_ERR_INVALID_PARAM); the importer must see the same typed
+    error as for a dead peer (UNAVAILABLE: the gateway has the decode worker compute
+    the KV), not an internal error, and leave nothing reserved."""
+    p = PeerProcess("nixl")
+    imp = KvImporter(decode, TransferConfig(kv_backend="nixl", kv_transfer_timeout_s=5))
+    try:
+        prompt = decode.tokenizer.encode(long_prompt(2))
+        imp.import_kv(p.prefill(prompt), prompt, PARAMS, request_id="first")
+        _decode_all(decode, "first", 0)
+        handle = p.prefill(prompt)
+        decode.pool.reset_prefix_cache()  # so the second import reads every block
+        (key,) = imp.backend._peers  # type: ignore[attr-defined]
+        stale = imp.backend._peer(key)  # type: ignore[attr-defined]
+        imp.backend.forget(key)  # what the other import's failure does
+        monkeypatch.setattr(imp.backend, "_peer", lambda _key: stale)
+        with pytest.raises(PeerUnavailableError, match="could not start"):
+            imp.import_kv(handle, prompt, PARAMS, request_id="second")
+        assert_no_leaks(decode)
+    finally:
+        monkeypatch.undo()
+        imp.close()
+        p.close()
+        decode.pool.reset_prefix_cache()
