@@ -10,6 +10,7 @@ autoscaler growing the prefill pool under a load step and draining it after.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
 from collections.abc import Iterator
@@ -184,12 +185,18 @@ SHRINK_WITHIN_S = 60.0  # the low window, the cool-down, and a drain
 
 
 async def _drive(address: str, prompt: str, max_tokens: int, concurrency: int,
-                 until: Any) -> list[bool]:  # fmt: skip
-    """Keep `concurrency` requests in flight until `until()`; whether each finished."""
+                 until: Any, *, unique: bool = False) -> list[bool]:  # fmt: skip
+    """Keep `concurrency` requests in flight until `until()`; whether each finished.
+    `unique` starts each prompt with its own number, so that no request is a prefix-cache
+    hit: a repeated prompt is cached where it was decoded, and conditional
+    disaggregation then serves it there without a prefill (no load on the prefill pool,
+    whose growth the burst is meant to cause)."""
     done: list[bool] = []
+    numbers = itertools.count()
 
     async def one(client: GatewayClient) -> None:
-        request = build_request(prompt=prompt, max_tokens=max_tokens, ignore_eos=True)
+        text = f"{next(numbers)}: {prompt}" if unique else prompt
+        request = build_request(prompt=text, max_tokens=max_tokens, ignore_eos=True)
         msgs = [m async for m in client.generate(request)]
         done.append(bool(msgs) and msgs[-1].finished)
 
@@ -213,8 +220,12 @@ def test_autoscaling_grows_the_prefill_pool_under_load_and_drains_it_after(
     try:
         start = time.monotonic()
         grown = lambda: len(cluster.status()["pools"]["prefill"]) == 2  # noqa: E731
-        burst = asyncio.run(_drive(cluster.gateway_address, long_prompt(3), 2, 4, grown))
-        assert grown() and time.monotonic() - start < GROW_WITHIN_S
+        # Bounded: a drill that does not grow must fail, never hang.
+        burst = asyncio.run(_drive(
+            cluster.gateway_address, long_prompt(3), 2, 4,
+            lambda: grown() or time.monotonic() - start > GROW_WITHIN_S, unique=True,
+        ))  # fmt: skip
+        assert grown() and time.monotonic() - start < GROW_WITHIN_S, cluster.status()
         assert cluster.status()["pools"]["decode"] == ["decode-0"]  # its signals were low
         start = time.monotonic()
         shrunk = lambda: len(cluster.status()["pools"]["prefill"]) == 1  # noqa: E731
