@@ -188,17 +188,6 @@ def _add_bias(y: np.ndarray, bias: np.ndarray) -> None:
             y[r, j] += bias[j]
 
 
-@numba.njit(cache=True, nogil=True)
-def _row_offsets(
-    table: np.ndarray, seq_len: int, bs: int, block_elems: int, row: int
-) -> np.ndarray:
-    """Element offset of each position's K row of layer 0 in the pool."""
-    out = np.empty(seq_len, dtype=np.int64)
-    for p in range(seq_len):
-        out[p] = np.int64(table[p // bs]) * block_elems + (p % bs) * row
-    return out
-
-
 @functools.cache
 def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
     """The compiled step for a model of these attention dimensions (one per process and
@@ -232,9 +221,7 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
         proj = np.empty((rows, hidden), dtype=np.float32)
         gate_up = np.empty((rows, 2 * inter), dtype=np.float32)
         act = np.empty((rows, inter), dtype=np.float32)
-        k_rows = [
-            _row_offsets(tables[r], positions[r] + 1, bs, block_elems, kv_size) for r in range(rows)
-        ]
+        k_rows = row_bases(tables, positions + 1, bs, block_elems, kv_size)
         for layer in range(qkv_w.shape[0]):
             layer_k = 2 * layer * bs * kv_size  # the layer's K rows within a block
             layer_v = layer_k + bs * kv_size
@@ -245,7 +232,7 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
                 pos = positions[r]
                 _rotate(qkv[r], cos[pos], sin[pos], heads + kv_heads, hd)
                 # The new token's K and V into the cache, then attention over all of it.
-                at = k_rows[r][pos]
+                at = k_rows[r, pos]
                 k_out = pool[at + layer_k : at + layer_k + kv_size]
                 v_out = pool[at + layer_v : at + layer_v + kv_size]
                 for j in range(kv_size):
