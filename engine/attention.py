@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv_cache import LayerKv, lift_for
+from engine.tiled_attention import MIN_QUERIES, tiled_causal_attention
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +257,9 @@ class TorchAttention(AttentionBackend):
         k, v = cache.gather(seq.blocks, q.dtype)
         k = k.view(nblocks * bs, kvh, hd)[: seq.seq_len]
         v = v.view(nblocks * bs, kvh, hd)[: seq.seq_len]
+        # float32 keeps SDPA: its CPU kernel is what transformers runs (bit parity).
+        if q.dtype == torch.bfloat16 and q.device.type == "cpu" and seq.qlen >= MIN_QUERIES:
+            return tiled_causal_attention(q, k, v)
         # 4-D [1, heads, len, hd]: torch's CPU SDPA takes its fused (flash) kernel only for
         # batched 4-D inputs; 3-D falls back to the math path, which materialises every
         # score and made a 4k-token prompt 5-7x slower.
