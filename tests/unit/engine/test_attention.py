@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import attention
-from engine.attention import AttentionMetadata, TorchAttention
+from engine.attention import TorchAttention
 from engine.kv_cache import KvCache, KvLayout, LayerKv
+from tests.unit.engine.attention_meta import decode_meta, prefill_meta
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
 
@@ -45,17 +46,7 @@ def test_prefill_chunk_matches_causal_attention_on_4d_inputs(
     for pos in range(seq_len):
         k_cache[blocks[pos // BLOCK], pos % BLOCK] = k_all[pos]
         v_cache[blocks[pos // BLOCK], pos % BLOCK] = v_all[pos]
-    meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long),
-        query_start_loc=torch.tensor([0, qlen], dtype=torch.int32),
-        seq_lens=torch.tensor([seq_len], dtype=torch.int32),
-        block_table=blocks[None].to(torch.int32),
-        num_decodes=0,
-        max_query_len=qlen,
-        max_seq_len=seq_len,
-        query_lens_host=[qlen],
-        seq_lens_host=[seq_len],
-    )
+    meta = prefill_meta(qlen, seq_len, blocks)
     backend = TorchAttention()
     meta.plan = backend.plan(meta, BLOCK, torch.device("cpu"))
     seen: list[int] = []
@@ -92,17 +83,7 @@ def test_decode_over_an_8bit_cache_matches_attention_over_its_dequantized_values
         * torch.tensor([0.3, 4.0])[:, None, None, None]
     )
     cache.write(0, kv[0], kv[1], cache.plan_write(slots))
-    meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long),
-        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_table=torch.tensor(tables, dtype=torch.int32),
-        num_decodes=2,
-        max_query_len=1,
-        max_seq_len=max(lens),
-        query_lens_host=[1, 1],
-        seq_lens_host=lens,
-    )
+    meta = decode_meta(lens, tables)
     backend = TorchAttention()
     meta.plan = backend.plan(meta, BLOCK, torch.device("cpu"))
     q = torch.randn(2, HEADS, HEAD_DIM)
@@ -131,20 +112,6 @@ def _bf16_cache_with(lens: list[int], tables: list[list[int]]) -> tuple[KvCache,
     return cache, kv.float()
 
 
-def _decode_meta(lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
-    return AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long),
-        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_table=torch.tensor(tables, dtype=torch.int32),
-        num_decodes=len(lens),
-        max_query_len=1,
-        max_seq_len=max(lens),
-        query_lens_host=[1] * len(lens),
-        seq_lens_host=lens,
-    )
-
-
 def test_compiled_decode_reads_the_pool_in_place() -> None:
     """Decode rows over a bf16 cache through the compiled kernel: the attention of
     each row over its own blocks of the right layer (float32 inside, so within bf16's
@@ -152,7 +119,7 @@ def test_compiled_decode_reads_the_pool_in_place() -> None:
     torch.manual_seed(1)
     lens, tables = [5, 11, 3], [[1, 6, 0], [4, 3, 7], [2, 0, 0]]
     cache, kv = _bf16_cache_with(lens, tables)
-    meta = _decode_meta(lens, tables)
+    meta = decode_meta(lens, tables)
     backend = TorchAttention(compiled_decode=True)
     meta.plan = backend.plan(meta, BLOCK, torch.device("cpu"))
     q = torch.randn(len(lens), HEADS, HEAD_DIM).to(torch.bfloat16)
@@ -173,7 +140,7 @@ def test_compiled_decode_reads_the_pool_in_place() -> None:
 def test_compiled_decode_refuses_blocks_outside_the_pool() -> None:
     lens, tables = [5], [[1, 9]]  # block 9 of a pool of 8
     cache, _ = _bf16_cache_with([5], [[1, 2]])
-    meta = _decode_meta(lens, tables)
+    meta = decode_meta(lens, tables)
     backend = TorchAttention(compiled_decode=True)
     meta.plan = backend.plan(meta, BLOCK, torch.device("cpu"))
     q = torch.randn(1, HEADS, HEAD_DIM).to(torch.bfloat16)

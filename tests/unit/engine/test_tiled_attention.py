@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from engine import attention, tiled_attention
-from engine.attention import AttentionMetadata, TorchAttention
+from engine.attention import TorchAttention
 from engine.kv_cache import LayerKv
 from engine.tiled_attention import MIN_QUERIES, tiled_causal_attention
+from tests.unit.engine.attention_meta import prefill_meta
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's: three query heads per KV head
 
@@ -109,17 +110,7 @@ def test_torch_backend_tiles_long_bfloat16_chunks_only(
     for pos in range(seq_len):
         pool[blocks[pos // block], 0, pos % block] = k[pos]
         pool[blocks[pos // block], 1, pos % block] = v[pos]
-    meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long),
-        query_start_loc=torch.tensor([0, qlen], dtype=torch.int32),
-        seq_lens=torch.tensor([seq_len], dtype=torch.int32),
-        block_table=blocks[None].to(torch.int32),
-        num_decodes=0,
-        max_query_len=qlen,
-        max_seq_len=seq_len,
-        query_lens_host=[qlen],
-        seq_lens_host=[seq_len],
-    )
+    meta = prefill_meta(qlen, seq_len, blocks)
     backend = TorchAttention()
     meta.plan = backend.plan(meta, block, torch.device("cpu"))
     calls: list[int] = []
