@@ -84,7 +84,16 @@ class _PrefillSeq:
     qlen: int
     seq_len: int
     blocks: torch.Tensor  # [nblocks] long
-    mask: torch.Tensor | None  # additive float mask for a later chunk; None = causal
+    device: torch.device
+    _mask: torch.Tensor | None = None
+
+    def sdpa_mask(self) -> torch.Tensor | None:
+        """SDPA's additive float mask for a later chunk (None for a first one: causal).
+        Built at the first layer that needs it and kept for the step's others; the
+        tiled path never asks (at 512 queries over 8,192 keys it is 16 MB)."""
+        if self._mask is None and self.qlen != self.seq_len:
+            self._mask = _chunk_mask(self.qlen, self.seq_len, self.device)
+        return self._mask
 
 
 @dataclass
@@ -132,9 +141,7 @@ class TorchAttention(AttentionBackend):
             qlen, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
             nblocks = -(-seq_len // block_size)
             blocks = meta.block_table[i, :nblocks].long()
-            prefills.append(
-                _PrefillSeq(start, qlen, seq_len, blocks, _chunk_mask(qlen, seq_len, device))
-            )
+            prefills.append(_PrefillSeq(start, qlen, seq_len, blocks, device))
             start += qlen
         return _TorchPlan(groups, prefills)
 
@@ -265,10 +272,11 @@ class TorchAttention(AttentionBackend):
         # score and made a 4k-token prompt 5-7x slower.
         qh = q.transpose(0, 1).unsqueeze(0)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        if seq.mask is None:
+        mask = seq.sdpa_mask()
+        if mask is None:
             out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
         else:
-            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=seq.mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=True)
         return out[0].transpose(0, 1)
 
 
@@ -323,10 +331,8 @@ def _by_block(x: torch.Tensor, per_block: torch.Tensor) -> torch.Tensor:
     return x.view(*x.shape[:-1], per_block.shape[-2], -1)
 
 
-def _chunk_mask(qlen: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
+def _chunk_mask(qlen: int, seq_len: int, device: torch.device) -> torch.Tensor:
     """Additive mask of a later prefill chunk: query i sits at position seq_len - qlen + i."""
-    if qlen == seq_len:
-        return None
     qpos = torch.arange(seq_len - qlen, seq_len, device=device)
     kpos = torch.arange(seq_len, device=device)
     mask = torch.zeros(qlen, seq_len, device=device)

@@ -13,18 +13,25 @@ values (oneDNN, about 400 GFLOPS): 1.5-2.1x SDPA's speed from 256 to 8,192 keys
 (`loadtest/roofline_bench` measures the prefill it speeds up). Below `MIN_QUERIES`
 SDPA is as fast or faster.
 
-Tiles are sized so one key-value head's scores fit in `SCORE_BUDGET` elements (inside
-a core's L2): larger tiles spilled and ran slower than SDPA at 4,096 keys. Each KV head
+Tiles are sized so one key-value head's scores fit in about `SCORE_BUDGET` elements
+(inside a core's L2; sized by the tile's first query, so up to 9% over, and `MIN_TILE`
+overrides it past about 5,500 keys): larger tiles spilled and ran slower than SDPA at
+4,096 keys. Each KV head
 is its own 2-D product so the key and value slices stay contiguous (a batched product
 copied them every tile). oneDNN builds a kernel per product shape on first sight (about
 0.5 ms); the step's layers all have the same tiles, so 30 layers share each build.
 
-Numerics, as SDPA's flash kernel: float32 scores and softmax, bfloat16 probabilities,
-products that sum in float32; the output is within 1.3x SDPA's distance from exact
-(`tests/unit/engine/test_tiled_attention.py`). Why the scores' product is float32:
-a bfloat16 product rounds the scores themselves, which at scores of +-15 put the output
-3-7x further from exact than SDPA, for 1.2-1.6x more speed. oneDNN's float32 product
-ran 2.2x MKL's (`torch.mm`) at these shapes on the development host.
+Numerics, as SDPA's flash kernel's but for one order: float32 scores and softmax,
+bfloat16 probabilities, products that sum in float32. It normalises the probabilities
+before rounding them to bfloat16 (SDPA divides the output after), and lands within 1.3x
+SDPA's distance from exact (`tests/unit/engine/test_tiled_attention.py`).
+
+Why the scores' product is float32: a bfloat16 product rounds the scores themselves,
+which at scores of +-15 put the output 3-7x further from exact than SDPA, for 1.2-1.6x
+more speed. oneDNN's float32 product
+ran 2.2x MKL's (`torch.mm`) at these shapes on the development host. (Nothing in
+pdserve lowers torch's float32 matmul precision, which would let oneDNN run this
+product in bfloat16.)
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ def tiled_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     # rows, query-major, so its output rows land in place.
     qs = (q.float() * hd**-0.5).view(t, kvh, group, hd).transpose(0, 1).contiguous()
     kh, vh = k.float().transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
-    out = torch.empty(kvh, t * group, hd, dtype=q.dtype)
+    out = torch.empty(kvh, t * group, hd, dtype=q.dtype, device=q.device)
     start = 0
     while start < t:
         n = _tile(group * (cached + start + 1), t - start)
