@@ -83,8 +83,7 @@ class _PrefillSeq:
     start: int
     qlen: int
     seq_len: int
-    blocks: torch.Tensor  # [nblocks] long
-    device: torch.device
+    blocks: torch.Tensor  # [nblocks] long, on the step's device
     _mask: torch.Tensor | None = None
 
     def sdpa_mask(self) -> torch.Tensor | None:
@@ -92,7 +91,7 @@ class _PrefillSeq:
         Built at the first layer that needs it and kept for the step's others; the
         tiled path never asks (at 512 queries over 8,192 keys it is 16 MB)."""
         if self._mask is None and self.qlen != self.seq_len:
-            self._mask = _chunk_mask(self.qlen, self.seq_len, self.device)
+            self._mask = _chunk_mask(self.qlen, self.seq_len, self.blocks.device)
         return self._mask
 
 
@@ -141,7 +140,7 @@ class TorchAttention(AttentionBackend):
             qlen, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
             nblocks = -(-seq_len // block_size)
             blocks = meta.block_table[i, :nblocks].long()
-            prefills.append(_PrefillSeq(start, qlen, seq_len, blocks, device))
+            prefills.append(_PrefillSeq(start, qlen, seq_len, blocks))
             start += qlen
         return _TorchPlan(groups, prefills)
 

@@ -16,10 +16,10 @@ SDPA is as fast or faster.
 Tiles are sized so one key-value head's scores fit in about `SCORE_BUDGET` elements
 (inside a core's L2; sized by the tile's first query, so up to 9% over, and `MIN_TILE`
 overrides it past about 5,500 keys): larger tiles spilled and ran slower than SDPA at
-4,096 keys. Each KV head
-is its own 2-D product so the key and value slices stay contiguous (a batched product
-copied them every tile). oneDNN builds a kernel per product shape on first sight (about
-0.5 ms); the step's layers all have the same tiles, so 30 layers share each build.
+4,096 keys. Each KV head is its own 2-D product so the key and value slices stay
+contiguous (a batched product copied them every tile). oneDNN builds a kernel per
+product shape on first sight (about 0.5 ms); the step's layers all have the same tiles,
+so 30 layers share each build.
 
 Numerics, as SDPA's flash kernel's but for one order: float32 scores and softmax,
 bfloat16 probabilities, products that sum in float32. It normalises the probabilities
@@ -28,10 +28,9 @@ SDPA's distance from exact (`tests/unit/engine/test_tiled_attention.py`).
 
 Why the scores' product is float32: a bfloat16 product rounds the scores themselves,
 which at scores of +-15 put the output 3-7x further from exact than SDPA, for 1.2-1.6x
-more speed. oneDNN's float32 product
-ran 2.2x MKL's (`torch.mm`) at these shapes on the development host. (Nothing in
-pdserve lowers torch's float32 matmul precision, which would let oneDNN run this
-product in bfloat16.)
+more speed. oneDNN's float32 product ran 2.2x MKL's (`torch.mm`) at these shapes on
+the development host. (Nothing in pdserve lowers torch's float32 matmul precision,
+which would let oneDNN run this product in bfloat16.)
 """
 
 from __future__ import annotations
@@ -72,8 +71,8 @@ def tiled_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
         n = _tile(group * (cached + start + 1), t - start)
         end = cached + start + n  # the tile's last query sees keys [0, end)
         future = _future(n, group, q.device)
+        rows = slice(start * group, (start + n) * group)  # the tile's rows of `out`
         for h in range(kvh):
-            rows = slice(start * group, (start + n) * group)
             scores = _scores(qs[h, start : start + n].view(n * group, hd), kh[h, :end])
             scores[:, cached + start : end].masked_fill_(future, float("-inf"))
             probs = torch.softmax(scores, -1).to(v.dtype)
