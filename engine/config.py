@@ -85,8 +85,8 @@ class EngineConfig:
     decode_kernel: DecodeKernel = field(
         default=DecodeKernel.AUTO,
         metadata={
-            "help": "auto (steps of up to four plain decodes as one compiled kernel, and "
-            "larger steps' decode attention through its attention, on x86 CPUs in bfloat16 "
+            "help": "auto (decode-only steps of up to 128 rows as one compiled kernel, and "
+            "other steps' decode attention through its attention, on x86 CPUs in bfloat16 "
             "with unquantized weights and KV cache), fused (the same on any CPU, refusing "
             "to start where it cannot run) or torch (every step through torch)"
         },

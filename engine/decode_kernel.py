@@ -1,4 +1,4 @@
-"""A decode step of a few sequences as one compiled CPU kernel (numba), in bfloat16.
+"""A decode step as one compiled CPU kernel (numba), in bfloat16.
 
 Lifecycle: `engine.fused_decode.FusedDecoder` asks `decode_step(heads, kv_heads,
 head_dim)` for the step compiled for its model's dimensions (numba compiles it at the
@@ -10,14 +10,18 @@ its floor is the weights' bytes over memory bandwidth (7 ms for SmolLM2-135M in
 bfloat16 on the development host). Through torch it took 16 ms: oneDNN's one-row
 products read the weights at about 28 GB/s (9.6 ms), and the step's 1,500 other small
 ops (norms, rotary, attention, residuals), a few microseconds of dispatch each, cost
-the rest. Here the products read the weights at about 35 GB/s (the host's read
-bandwidth) and nothing is dispatched per op: 8 ms a step.
+the rest. Here nothing is dispatched per op, and the products (`engine.weight_tiles`)
+stream the weights once for every row of the step: 7.6 ms a step at one row, and
+about 1.3x to 2.3x faster than the torch forward from 1 to 128 rows
+(`engine.fused_decode.MAX_ROWS`).
 
-Numerics: weights, the KV cache and the embeddings are bfloat16; everything in between
-is float32 (the residual stream, norms, rotary, attention's scores and sums), and only
-the K/V stored into the cache are rounded to bfloat16 (to nearest even, as torch's
-cast). The torch path rounds to bfloat16 after every op, so the two differ in the last
-bits; this one is the nearer to the float32 model (`tests/unit/engine/test_fused_decode.py`).
+Numerics: weights, the KV cache and the embeddings are bfloat16, and so are the
+activations entering each projection (rounded once per product, as torch's bf16 path
+holds them); everything else is float32 (the products' sums, the residual stream,
+norms, rotary, attention's scores and sums), and only the K/V stored into the cache
+are rounded to bfloat16 (to nearest even, as torch's cast). The torch path rounds to
+bfloat16 after every op, so the two differ in the last bits; this one is the nearer to
+the float32 model (`tests/unit/engine/test_fused_decode.py`).
 
 The float math is compiled with reassociation (so LLVM splits each dot product into
 vector lanes) but not with "no NaNs/infinities", which would let it drop the checks
@@ -27,76 +31,35 @@ an overflowed activation needs to stay visible.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
+
+from engine import bf16_bits, weight_tiles
+from engine.bf16_bits import to_bf16, widen
+from engine.weight_tiles import matmul
 
 _F32 = np.float32
+
+
+def _digest(*modules: ModuleType) -> int:
+    """A 63-bit digest of these modules' source files."""
+    text = b"".join(Path(m.__file__ or "").read_bytes() for m in modules)
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
+
+
+#: The step compiles in code from these modules, but numba's disk cache checks only the
+#: stamp of the file that defines the cached function (this one): the modules' digest
+#: rides in the step's closure, which the cache's key includes, so editing them
+#: rebuilds the cached step instead of loading a stale one.
+_INLINED_DIGEST = _digest(bf16_bits, weight_tiles)
 #: LLVM fast-math flags: reassociate sums (vector lanes) and fuse multiply-adds.
 _FAST = {"reassoc", "contract", "arcp", "nsz"}
-
-
-def _bitcast_to_f32(typingctx, bits):  # type: ignore[no-untyped-def]
-    """A uint32 reinterpreted as the float32 with those bits (no conversion)."""
-    sig = types.float32(types.uint32)
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return sig, codegen
-
-
-def _bitcast_to_u32(typingctx, value):  # type: ignore[no-untyped-def]
-    """A float32's bits as a uint32."""
-    sig = types.uint32(types.float32)
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return sig, codegen
-
-
-# Any: called only inside compiled code, where numba supplies the typing context.
-_bits_as_f32: Any = intrinsic(_bitcast_to_f32)
-_f32_as_bits: Any = intrinsic(_bitcast_to_u32)
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _bf16(bits: np.uint16) -> np.float32:
-    """bfloat16 bits (as uint16) as a float32: the top half of its bits."""
-    return _bits_as_f32(np.uint32(bits) << np.uint32(16))
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _to_bf16(value: np.float32) -> np.uint16:
-    """A float32 rounded to the nearest bfloat16 (ties to even), as torch casts; NaN
-    stays a NaN."""
-    bits = _f32_as_bits(value)
-    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-        return np.uint16(0x7FC0)
-    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-    return np.uint16(rounded >> np.uint32(16))
-
-
-@numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out[r] = w @ x[r] for bfloat16 `w` [n_out, n_in] and float32 `x` [rows, n_in].
-
-    Row by row of `w`, each row's dot product once per input row: one pass over the
-    weights from memory, which is what bounds a decode step (a weight row stays in L1
-    for the other input rows)."""
-    n_out, n_in = w.shape
-    for o in range(n_out):
-        for r in range(x.shape[0]):
-            acc = _F32(0.0)
-            for j in range(n_in):
-                acc += _bf16(w[o, j]) * x[r, j]
-            out[r, o] = acc
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
@@ -109,7 +72,7 @@ def _rms_norm(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray) -> N
             sq += x[r, j] * x[r, j]
         inv = _F32(1.0) / math.sqrt(sq / n + eps)
         for j in range(n):
-            out[r, j] = x[r, j] * inv * _bf16(gain[j])
+            out[r, j] = x[r, j] * inv * widen(gain[j])
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
@@ -138,7 +101,7 @@ def _attend(
     for p in range(seq_len):
         k = pool[base[p] + k_off : base[p] + k_off + width]
         for e in range(width):
-            row[e] = _bf16(k[e])
+            row[e] = widen(k[e])
         for h in range(heads):
             qh, kh = h * hd, (h // group) * hd
             s = _F32(0.0)
@@ -160,7 +123,7 @@ def _attend(
     for p in range(seq_len):
         v = pool[base[p] + v_off : base[p] + v_off + width]
         for e in range(width):
-            row[e] = _bf16(v[e])
+            row[e] = widen(v[e])
         for h in range(heads):
             qh, vh = h * hd, (h // group) * hd
             w = scores[h, p]
@@ -193,16 +156,18 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
     """The compiled step for a model of these attention dimensions (one per process and
     shape). The step holds them as constants, which LLVM carries into the attention and
     rotary loops it inlines: with them as run-time values a 1,000-token step took 22 ms
-    against 10.4. It closes over these three integers only, which numba's cache key
-    includes, so its disk cache serves later processes.
+    against 10.4. It closes over these three integers and `_INLINED_DIGEST` only, which
+    numba's cache key includes, so its disk cache serves later processes.
 
     `step(x, positions, tables, weights, cos, sin, pool, block_size, block_elems, eps,
     logits)` runs every layer of one decode step, then the final norm and the LM head.
     `x` [rows, hidden] float32 holds the tokens' embeddings and is the residual stream;
     `positions` [rows] each token's position (its sequence has position + 1 tokens with
     it); `tables` [rows, blocks] their block ids, covering every position; `weights` the
-    `FusedDecoder` tuple; `pool` the KV pool as uint16, `block_elems` elements a block;
-    `logits` [rows, vocab] receives the result."""
+    `FusedDecoder` tuple (projections packed by `engine.weight_tiles.pack`); `pool` the
+    KV pool as uint16, `block_elems` elements a block; `logits` [rows, vocab] receives
+    the result."""
+    digest = _INLINED_DIGEST
 
     @numba.njit(cache=True, nogil=True)
     def step(
@@ -210,13 +175,14 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
         weights: tuple[np.ndarray, ...], cos: np.ndarray, sin: np.ndarray, pool: np.ndarray,
         bs: int, block_elems: int, eps: float, logits: np.ndarray,
     ) -> None:  # fmt: skip
+        digest  # noqa: B018 -- read so that the closure, which the cache keys on, holds it
         (qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b,
          in_norm, post_norm, norm, lm_head) = weights  # fmt: skip
         q_size, kv_size = heads * hd, kv_heads * hd
         rows, hidden = x.shape
-        inter = gate_up_w.shape[1] // 2
+        inter = gate_up_b.shape[1] // 2  # the packed weights' tiles are padded; biases not
         h = np.empty((rows, hidden), dtype=np.float32)
-        qkv = np.empty((rows, qkv_w.shape[1]), dtype=np.float32)
+        qkv = np.empty((rows, qkv_b.shape[1]), dtype=np.float32)
         attn = np.empty((rows, q_size), dtype=np.float32)
         proj = np.empty((rows, hidden), dtype=np.float32)
         gate_up = np.empty((rows, 2 * inter), dtype=np.float32)
@@ -226,7 +192,7 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
             layer_k = 2 * layer * bs * kv_size  # the layer's K rows within a block
             layer_v = layer_k + bs * kv_size
             _rms_norm(x, in_norm[layer], eps, h)
-            matvec(qkv_w[layer], h, qkv)
+            matmul(qkv_w[layer], h, qkv)
             _add_bias(qkv, qkv_b[layer])
             for r in range(rows):
                 pos = positions[r]
@@ -236,25 +202,25 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
                 k_out = pool[at + layer_k : at + layer_k + kv_size]
                 v_out = pool[at + layer_v : at + layer_v + kv_size]
                 for j in range(kv_size):
-                    k_out[j] = _to_bf16(qkv[r, q_size + j])
-                    v_out[j] = _to_bf16(qkv[r, q_size + kv_size + j])
+                    k_out[j] = to_bf16(qkv[r, q_size + j])
+                    v_out[j] = to_bf16(qkv[r, q_size + kv_size + j])
                 _attend(qkv[r], pool, k_rows[r], layer_k, layer_v, pos + 1, attn[r],
                         heads, kv_heads, hd)  # fmt: skip
-            matvec(o_w[layer], attn, proj)
+            matmul(o_w[layer], attn, proj)
             _add_bias(proj, o_b[layer])
             x += proj
             _rms_norm(x, post_norm[layer], eps, h)
-            matvec(gate_up_w[layer], h, gate_up)
+            matmul(gate_up_w[layer], h, gate_up)
             _add_bias(gate_up, gate_up_b[layer])
             for r in range(rows):
                 for j in range(inter):
                     g = gate_up[r, j]
                     act[r, j] = g / (_F32(1.0) + math.exp(-g)) * gate_up[r, inter + j]
-            matvec(down_w[layer], act, proj)
+            matmul(down_w[layer], act, proj)
             _add_bias(proj, down_b[layer])
             x += proj
         _rms_norm(x, norm, eps, h)
-        matvec(lm_head, h, logits)
+        matmul(lm_head, h, logits)
 
     return step
 

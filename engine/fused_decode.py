@@ -34,12 +34,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Most rows a fused step takes. The kernel's products read each weight once but take
-#: no bf16 dot-product instructions (numba does not emit them), so from a few rows on
-#: oneDNN's packed products are faster; whole engine steps (200-token contexts, one
-#: thread) measured 9.1 / 11.3 / 13.7 / 16.9 ms fused against 16.7 / 18.8 / 19.3 /
-#: 20.7 ms through torch at 1-4 rows, and 29.6 against 23.1 ms at 6.
-MAX_ROWS = 4
+#: Most rows a fused step takes. Its products stream the weights once per step and,
+#: where the CPU has AVX-512 BF16, use its dot products (`engine.weight_tiles`), so the
+#: fused step beat the torch forward at every decode batch measured: whole engine steps
+#: of short contexts on the development host (one thread, 2026-11-27) took 7.6 / 10.5 /
+#: 18.2 / 29.8 / 56.2 / 111 ms fused against 17.6 / 21.1 / 27.0 / 43.2 / 70.3 / 129 ms
+#: through torch at 1 / 8 / 16 / 32 / 64 / 128 rows. Past 128 was not measured.
+MAX_ROWS = 128
 
 
 class DecodeKernel(enum.StrEnum):
@@ -97,9 +98,11 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 class FusedDecoder:
     """The model's weights as the kernel reads them, and the call that runs a step.
 
-    Holds its own copy of the layers' projections, stacked per kind ([layers, out, in]
-    bfloat16 bits): the torch path keeps only oneDNN's packed copies, which the kernel
-    cannot read (for SmolLM2-135M 213 MB more). A tied LM head is the embedding itself.
+    Holds its own copy of the layers' projections and the LM head, packed in the
+    kernel's tiles (`engine.weight_tiles.pack`, stacked per kind over layers): the torch
+    path keeps only oneDNN's packed copies, which the kernel cannot read. For
+    SmolLM2-135M that is 269 MB more (213 MB of projections and 56 MB of LM head, a
+    copy even where the head is tied to the embedding).
     """
 
     def __init__(
@@ -115,12 +118,13 @@ class FusedDecoder:
         tables ([positions, head_dim]). Compiles the kernel (or loads it from numba's
         disk cache); raises if numba cannot."""
         from engine import decode_kernel  # numba: loaded only where the engine fuses
+        from engine.weight_tiles import pack
 
         self._kernel = decode_kernel.decode_step(*dims[1:])
         layers = range(dims[0])
 
         def stack(key: str) -> np.ndarray:
-            return _bits(torch.stack([projections[f"{i}.{key}"] for i in layers]))
+            return pack(_bits(torch.stack([projections[f"{i}.{key}"] for i in layers])))
 
         def biases(key: str) -> np.ndarray:
             """float32 [layers, out]: the projection's biases, zeros where it has none."""
@@ -139,17 +143,14 @@ class FusedDecoder:
             _bits(torch.stack([weights[f"{i}.in_norm"] for i in layers])),
             _bits(torch.stack([weights[f"{i}.post_norm"] for i in layers])),
             _bits(weights["norm"]),
-            _bits(projections["lm_head"]),
+            pack(_bits(projections["lm_head"])),
         )
+        self.vocab_size = int(projections["lm_head"].shape[0])
         self.heads = dims[1:]
         self.cos, self.sin = (t.float().contiguous().numpy() for t in rope)
         self.eps = eps
         self._embed = weights["embed"]
         self._warm_up()
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.weights[-1].shape[0])
 
     def rows_of(
         self, items: list[tuple[Request, int]], num_blocks: int, block_size: int

@@ -8,8 +8,8 @@ tokens (`engine/speculation.py`) one row per position of its chunk. A request th
 `prompt_logprobs` also gets the log-probability of each next prompt token its chunk's
 positions predict, appended to `Request.prompt_logprobs` here (positions it already has,
 after a preemption, are not computed again). Rows of requests with a LoRA adapter get
-their adapter's deltas in the same forward pass (`engine/lora_batch.py`). A step of a
-few plain decodes (up to `fused_decode.MAX_ROWS`) runs as the model's fused decode
+their adapter's deltas in the same forward pass (`engine/lora_batch.py`). A step of
+plain decodes only (up to `fused_decode.MAX_ROWS`) runs as the model's fused decode
 instead, when it has one (`engine/fused_decode.py`): same KV writes, same logits rows.
 """
 

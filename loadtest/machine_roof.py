@@ -9,10 +9,10 @@ no weight is still in cache when it is used again) plus the LM head when `lm_hea
 set, multiplied in order at `rows` rows with the kernel pdserve uses for the dtype:
 oneDNN on pre-packed weights for float32 and bfloat16, except that bfloat16 at up to
 `fused_decode.MAX_ROWS` rows takes the fused decode's products where the engine fuses
-(they read the weights faster there); `torch._int_mm` on int8 (no activation
-quantization counted: the roof is the multiply alone). Throughput is their
-FLOPs over their time: what an engine that did nothing but these products would reach.
-At one row it is bound by memory, at 256 by arithmetic.
+(`engine.weight_tiles`, which is faster there at every such row count); `torch._int_mm`
+on int8 (no activation quantization counted: the roof is the multiply alone).
+Throughput is their FLOPs over their time: what an engine that did nothing but these
+products would reach. At one row it is bound by memory, at 256 by arithmetic.
 
 Bandwidth is a copy of a buffer far larger than the caches (bytes read plus bytes
 written, over time): the bound of a step that must stream every weight once.
@@ -87,11 +87,11 @@ def _product(p: Projection, dtype: str, rows: int) -> Callable[[], object]:
     x = torch.randn(rows, p.rows_in, generator=gen).to(dt)
     w = torch.randn(p.rows_out, p.rows_in, generator=gen).to(dt)
     if dt == torch.bfloat16 and rows <= MAX_ROWS and _fuses_here():
-        from engine.decode_kernel import matvec
+        from engine.weight_tiles import matmul, pack
 
-        bits = w.view(torch.int16).numpy().view(np.uint16)
+        tiles = pack(w.view(torch.int16).numpy().view(np.uint16))
         xf, out = x.float().numpy(), np.empty((rows, p.rows_out), dtype=np.float32)
-        return lambda: matvec(bits, xf, out)
+        return lambda: matmul(tiles, xf, out)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
     return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 

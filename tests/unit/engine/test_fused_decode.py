@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine import llama
+from engine import fused_decode, llama
 from engine.attention import TorchAttention
-from engine.decode_kernel import _to_bf16, matvec
+from engine.bf16_bits import to_bf16
 from engine.engine import LLMEngine
 from engine.fused_decode import MAX_ROWS, DecodeKernel, DecodeRow, fused_decode_wanted
 from engine.precision import WeightQuant
 from engine.sampling_params import SamplingParams
+from engine.weight_tiles import PASS_ROWS
 from tests.conftest import EngineFactory, assert_no_leaks
 from tests.prompts import CHAT, SHORT
 
@@ -32,7 +33,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 @numba.njit(cache=False)
 def _round_all(x: np.ndarray, out: np.ndarray) -> None:
     for i in range(x.shape[0]):
-        out[i] = _to_bf16(x[i])
+        out[i] = to_bf16(x[i])
 
 
 def test_bf16_rounding_is_torchs_cast() -> None:
@@ -48,15 +49,6 @@ def test_bf16_rounding_is_torchs_cast() -> None:
     nan = np.empty(1, dtype=np.uint16)
     _round_all(np.array([np.nan], dtype=np.float32), nan)
     assert torch.tensor(nan.view(np.int16)).view(BF16).isnan().all()
-
-
-def test_matvec_is_the_float_product_of_bf16_weights() -> None:
-    gen = torch.Generator().manual_seed(1)
-    w = torch.randn(37, 130, generator=gen).to(BF16)
-    x = torch.randn(MAX_ROWS, 130, generator=gen)
-    out = np.empty((MAX_ROWS, 37), dtype=np.float32)
-    matvec(w.view(torch.int16).numpy().view(np.uint16), x.numpy(), out)
-    assert torch.allclose(torch.from_numpy(out), x @ w.float().T, rtol=1e-5, atol=1e-5)
 
 
 def _logits_per_step(engine: LLMEngine, prompts: list[str]) -> list[tuple[list[int], list]]:
@@ -110,11 +102,14 @@ def test_fused_steps_are_nearer_the_float32_model(make_engine: EngineFactory) ->
     assert_no_leaks(fused)
 
 
-def test_only_small_plain_decode_steps_are_fused(make_engine: EngineFactory) -> None:
+def test_only_small_plain_decode_steps_are_fused(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fused_decode, "MAX_ROWS", 4)  # the real bound takes 129 requests
     engine = make_engine(dtype="bfloat16", num_kv_blocks=64)
     prompt = engine.tokenizer.encode(SHORT[0])
     # One row more than the kernel takes runs through torch; once one ends, the rest fuse.
-    lengths = [4] + [10] * MAX_ROWS
+    lengths = [4] + [10] * fused_decode.MAX_ROWS
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     outs = engine.generate([prompt] * len(lengths), params)
     assert [len(o) for o in outs] == lengths
@@ -125,6 +120,20 @@ def test_only_small_plain_decode_steps_are_fused(make_engine: EngineFactory) -> 
     scored = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1)
     engine.generate([prompt], scored)
     assert engine.runner.fused_steps == before + 2
+    assert_no_leaks(engine)
+
+
+def test_a_fused_row_is_the_same_alone_or_in_a_batch(make_engine: EngineFactory) -> None:
+    """Each row's products, norms and attention are its own (in a batch of more than
+    one pass's rows the passes only split the rows): a request's tokens do not depend on
+    what it was batched with."""
+    engine = make_engine(dtype="bfloat16", kv_cache_bytes=128 << 20)
+    prompts = [engine.tokenizer.encode(p) for p in (SHORT + CHAT)[: PASS_ROWS + 2]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    together = engine.generate(prompts, params)
+    assert engine.runner.fused_steps >= 5  # every decode step, all rows at once
+    alone = [engine.generate([p], params)[0] for p in prompts]
+    assert together == alone
     assert_no_leaks(engine)
 
 
@@ -220,6 +229,7 @@ def test_larger_decode_steps_attend_through_the_compiled_kernel(
         return compiled(self, q, *args)
 
     monkeypatch.setattr(TorchAttention, "_compiled_decode", counted)
+    monkeypatch.setattr(fused_decode, "MAX_ROWS", len(prompts) - 1)
     outs, agree = {}, {}
     for name, kw in (("fp32", {}), ("torch", {"dtype": "bfloat16", "decode_kernel": "torch"}),
                      ("compiled", {"dtype": "bfloat16"})):  # fmt: skip

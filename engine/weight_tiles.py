@@ -1,0 +1,315 @@
+"""bfloat16 weights packed in tiles of output rows, and the compiled product that streams
+them for a few input rows at a time (numba, with the inner loop written in LLVM IR).
+
+Lifecycle: `engine.fused_decode.FusedDecoder` packs each projection once at load
+(`pack`, stacked over layers) and keeps the packed copy; the fused decode step
+(`engine.decode_kernel`) calls `matmul(tiles, x, out)` for every projection of every
+step. Nothing here holds state.
+
+Layout: a weight [n_out, n_in] becomes [tiles, pairs, 2 * TILE] bfloat16 bits, pairs =
+ceil(n_in / 2): tile t holds output rows t*TILE .. t*TILE + TILE - 1, and each 128 bytes
+of it one pair of input features for those outputs, each output's two weights side by
+side (zeros pad the last tile and an odd last feature). That is the operand of AVX-512
+BF16's dot-product instruction (`vdpbf16ps`: per 32-bit lane, acc += a0*b0 + a1*b1 of
+bfloat16 pairs, summed in float32), and a tile is then a product of TILE outputs by up
+to `PASS_ROWS` input rows with every accumulator in a vector register: per pair of
+features, two loads of weights, one broadcast of each row's pair and two dot products
+per row. Nothing is summed across vector lanes. Rows are rounded to bfloat16 once per
+call, as the torch path's activations already are; products and sums are float32.
+
+Where the CPU lacks AVX-512 BF16 (llvmlite's host features say so) the same loop widens
+each weight pair and each row's pair to float32 and runs fused multiply-adds: the same
+numbers up to the order of the sum, at about half the speed in arithmetic.
+
+Why not numba's own vectorizer: written as loops over a row-major weight, LLVM
+vectorizes each output's dot product along the input features, which needs a lane-wise
+sum per output and row and converts each weight once per row; from 4 rows on that ran
+slower than oneDNN's packed products (SmolLM2-135M's projections at 8 rows: 39 ms,
+against oneDNN's 12.2). numba cannot keep a small accumulator array in registers, so
+the tile's loop is emitted as LLVM IR through `numba.extending.intrinsic`, once for each
+row count from 1 to `PASS_ROWS`.
+
+Why the prefetch: in cache a float32 version of the tile reached this host's float32
+roof at 8 rows (256 GFLOPS); streaming weights from memory it reached half of that,
+because the hardware prefetcher did not run far enough ahead of a loop that computes
+between loads. Each step of the loop therefore asks for the lines `PREFETCH_BYTES`
+ahead (past the tile's end that is the next tile's start, which is contiguous).
+Measured on the development host, one thread, every projection of SmolLM2-135M's 30
+layers and its LM head, float32 version (ms at 1 / 4 / 8 rows): no prefetch 6.3 / 10.8
+/ 16.5, 4 KiB ahead 5.9 / 7.2 / 10.0, 8 KiB 5.4 / 6.1 / 9.2, 16 KiB 5.6 / 5.5 / 8.6,
+32 KiB 5.6 / 5.6 / 8.7; oneDNN's packed bfloat16 products 8.2 / 9.9 / 12.2. With the
+dot products: 5.7 / 6.7 / 6.8 ms, and 14 rows in 8.7 ms (430 GFLOPS).
+
+numba's disk cache checks only the source file of the function it caches, so
+`decode_kernel`, which compiles this module's code into its step, keys its cache on a
+digest of this file too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import llvmlite.binding as llvm
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core.errors import TypingError
+from numba.extending import intrinsic
+
+from engine.bf16_bits import to_bf16
+
+#: Output rows per tile: two vectors of 16 float32 lanes.
+TILE = 32
+LANES = 16
+#: Most input rows one pass over the weights serves (more rows take more passes, of
+#: equal size). At 12 the dot-product loop keeps 24 accumulators and two weight vectors
+#: in the 32 vector registers (the float32 fallback four).
+PASS_ROWS = 12
+#: How far ahead of the loop the weights are prefetched (see the module docstring).
+PREFETCH_BYTES = 16 << 10
+
+
+def _host_has_bf16_dot() -> bool:
+    """Whether numba compiles for this host's CPU and it has AVX-512 BF16."""
+    if getattr(numba.config, "CPU_NAME", None) not in (None, "host"):
+        return False  # a generic target (portable caches) may run on any CPU
+    return bool(llvm.get_host_cpu_features().get("avx512bf16", False))
+
+
+#: Whether the tiles run `vdpbf16ps` here; else the float32 fallback.
+BF16_DOT = _host_has_bf16_dot()
+
+
+class _BFloat(ir.Type):
+    """LLVM's `bfloat`, which llvmlite's IR builder lacks (the dot product's operand)."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _BFloat)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
+_I64 = ir.IntType(64)
+_I32 = ir.IntType(32)
+_BYTE_PTR = ir.IntType(8).as_pointer()
+_F32X = ir.VectorType(ir.FloatType(), LANES)
+_I32X = ir.VectorType(_I32, LANES)
+_BF16X = ir.VectorType(_BFloat(), 2 * LANES)
+
+
+def pack(bits: np.ndarray) -> np.ndarray:
+    """Weights [..., n_out, n_in] (bfloat16 bits as uint16) as tiles [..., tiles, pairs,
+    2 * TILE], padded with zeros."""
+    *lead, n_out, n_in = bits.shape
+    tiles, pairs = -(-n_out // TILE), -(-n_in // 2)
+    padded = np.zeros((*lead, tiles * TILE, pairs * 2), dtype=np.uint16)
+    padded[..., :n_out, :n_in] = bits
+    by_pair = padded.reshape(*lead, tiles, TILE, pairs, 2).swapaxes(-2, -3)
+    return np.ascontiguousarray(by_pair).reshape(*lead, tiles, pairs, 2 * TILE)
+
+
+class _TileLoop:
+    """Emits one tile's product for `rows` input rows: acc[r, :TILE] = tile t times row
+    r0 + r of the bfloat16 pairs, for r < rows (the caller copies acc out)."""
+
+    def __init__(self, builder: ir.IRBuilder, rows: int, dot: bool) -> None:
+        self.b = builder
+        self.rows = rows
+        self.dot = dot
+        module = builder.module
+        if dot:
+            self.dpbf16 = cgutils.get_or_insert_function(
+                module,
+                ir.FunctionType(_F32X, [_F32X, _BF16X, _BF16X]),
+                "llvm.x86.avx512bf16.dpbf16ps.512",
+            )
+        else:
+            self.fma = cgutils.get_or_insert_function(
+                module, ir.FunctionType(_F32X, [_F32X, _F32X, _F32X]), "llvm.fma.v16f32"
+            )
+        prefetch_type = ir.FunctionType(ir.VoidType(), [_BYTE_PTR, _I32, _I32, _I32])
+        self.prefetch = cgutils.get_or_insert_function(module, prefetch_type, "llvm.prefetch.p0")
+
+    def emit(self, w: Any, pairs: Any, x: Any, x_stride: Any, acc: Any) -> None:
+        """`w` (i32*) points at the tile's first weight pair, `x` (i32*) at row r0's
+        first pair; rows are `x_stride` pairs apart."""
+        b = self.b
+        entry = b.block
+        loop, done = b.append_basic_block("tile.loop"), b.append_basic_block("tile.done")
+        b.branch(loop)
+        b.position_at_end(loop)
+        k = b.phi(_I64)
+        k.add_incoming(ir.Constant(_I64, 0), entry)
+        sums = [b.phi(_F32X) for _ in range(self.rows * 2)]
+        for s in sums:
+            s.add_incoming(ir.Constant(_F32X, None), entry)
+        line = b.gep(w, [b.mul(k, ir.Constant(_I64, TILE))])
+        self._prefetch(line)
+        weights = [self._load(b.gep(line, [ir.Constant(_I64, v * LANES)])) for v in (0, 1)]
+        new = []
+        for r in range(self.rows):
+            pair = b.load(b.gep(x, [b.add(b.mul(ir.Constant(_I64, r), x_stride), k)]))
+            new += self._accumulate(weights, self._splat(pair), sums[2 * r : 2 * r + 2])
+        k_next = b.add(k, ir.Constant(_I64, 1))
+        k.add_incoming(k_next, loop)
+        for s, n in zip(sums, new, strict=True):
+            s.add_incoming(n, loop)
+        b.cbranch(b.icmp_signed("<", k_next, pairs), loop, done)
+        b.position_at_end(done)
+        for i, n in enumerate(new):
+            at = b.gep(acc, [ir.Constant(_I64, i * LANES)])
+            b.store(n, b.bitcast(at, _F32X.as_pointer()), align=4)
+
+    def _load(self, at: Any) -> Any:
+        """16 weight pairs (one per output) as 16 x i32."""
+        return self.b.load(self.b.bitcast(at, _I32X.as_pointer()), align=4)
+
+    def _splat(self, pair: Any) -> Any:
+        b = self.b
+        one = b.insert_element(ir.Constant(_I32X, ir.Undefined), pair, ir.Constant(_I32, 0))
+        return b.shuffle_vector(one, ir.Constant(_I32X, ir.Undefined), ir.Constant(_I32X, None))
+
+    def _accumulate(self, weights: list[Any], pair: Any, sums: list[Any]) -> list[Any]:
+        """sums[v] + the dot products of weight vector v's pairs with the row's pair."""
+        b = self.b
+        if self.dot:
+            x = b.bitcast(pair, _BF16X)
+            pairs = zip(weights, sums, strict=True)
+            return [b.call(self.dpbf16, [s, b.bitcast(w, _BF16X), x]) for w, s in pairs]
+        x_lo, x_hi = self._halves(pair)
+        out = []
+        for w, s in zip(weights, sums, strict=True):
+            w_lo, w_hi = self._halves(w)
+            out.append(b.call(self.fma, [w_hi, x_hi, b.call(self.fma, [w_lo, x_lo, s])]))
+        return out
+
+    def _halves(self, pairs: Any) -> tuple[Any, Any]:
+        """Each lane's two bfloat16 (first in the low half) as two float32 vectors."""
+        b = self.b
+        lo = b.shl(pairs, ir.Constant(_I32X, [16] * LANES))
+        hi = b.and_(pairs, ir.Constant(_I32X, [-(1 << 16)] * LANES))
+        return b.bitcast(lo, _F32X), b.bitcast(hi, _F32X)
+
+    def _prefetch(self, line: Any) -> None:
+        """Ask for the step's two lines PREFETCH_BYTES ahead (read, keep in all caches)."""
+        b = self.b
+        flags = [ir.Constant(_I32, f) for f in (0, 3, 1)]
+        for offset in (PREFETCH_BYTES, PREFETCH_BYTES + 64):
+            ahead = b.gep(b.bitcast(line, _BYTE_PTR), [ir.Constant(_I64, offset)])
+            b.call(self.prefetch, [ahead, *flags])
+
+
+def _tile_product(rows: int, dot: bool = BF16_DOT) -> Any:
+    """The intrinsic `product(tiles, t, x, r0, acc)`: acc[r, :TILE] = tile t of `tiles`
+    ([tiles, pairs, 2 * TILE] uint16, pairs >= 1) times row r0 + r of `x` ([rows,
+    2 * pairs] bfloat16 bits), for the first `rows` rows of `acc` ([PASS_ROWS, TILE]
+    float32). No bounds checks: the caller keeps t and r0 + rows in range. `dot` picks
+    the instruction (only on a CPU that has it)."""
+
+    def typer(typingctx: Any, tiles: Any, t: Any, x: Any, r0: Any, acc: Any) -> Any:
+        for name, arr, ndim, dtype in (
+            ("tiles", tiles, 3, types.uint16),
+            ("x", x, 2, types.uint16),
+            ("acc", acc, 2, types.float32),
+        ):
+            ok = isinstance(arr, types.Array) and arr.layout == "C" and arr.ndim == ndim
+            if not ok or arr.dtype != dtype:
+                raise TypingError(f"{name} must be a C-contiguous {ndim}-D {dtype} array")
+        sig = types.void(tiles, types.intp, x, types.intp, acc)
+
+        def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+            w_arr, x_arr, acc_arr = (
+                context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 2, 4)
+            )
+            pairs = builder.extract_value(w_arr.shape, 1)
+            x_stride = builder.lshr(builder.extract_value(x_arr.shape, 1), ir.Constant(_I64, 1))
+            w32 = builder.bitcast(w_arr.data, _I32.as_pointer())
+            tile_pairs = builder.mul(pairs, ir.Constant(_I64, TILE))  # i32 pairs in a tile
+            w = builder.gep(w32, [builder.mul(args[1], tile_pairs)])
+            x32 = builder.bitcast(x_arr.data, _I32.as_pointer())
+            x0 = builder.gep(x32, [builder.mul(args[3], x_stride)])
+            _TileLoop(builder, rows, dot).emit(w, pairs, x0, x_stride, acc_arr.data)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return intrinsic(typer)
+
+
+# One per row count: the count fixes how many accumulators the loop keeps.
+(_P1, _P2, _P3, _P4, _P5, _P6, _P7, _P8, _P9, _P10, _P11,
+ _P12) = (_tile_product(r) for r in range(1, PASS_ROWS + 1))  # fmt: skip
+
+
+@numba.njit(cache=True, nogil=True)
+def _product(tiles: np.ndarray, t: int, x: np.ndarray, r0: int, rows: int, acc: np.ndarray) -> None:
+    """Tile t times `rows` (1..PASS_ROWS) rows of x from r0, into acc."""
+    if rows == 1:
+        _P1(tiles, t, x, r0, acc)
+    elif rows == 2:
+        _P2(tiles, t, x, r0, acc)
+    elif rows == 3:
+        _P3(tiles, t, x, r0, acc)
+    elif rows == 4:
+        _P4(tiles, t, x, r0, acc)
+    elif rows == 5:
+        _P5(tiles, t, x, r0, acc)
+    elif rows == 6:
+        _P6(tiles, t, x, r0, acc)
+    elif rows == 7:
+        _P7(tiles, t, x, r0, acc)
+    elif rows == 8:
+        _P8(tiles, t, x, r0, acc)
+    elif rows == 9:
+        _P9(tiles, t, x, r0, acc)
+    elif rows == 10:
+        _P10(tiles, t, x, r0, acc)
+    elif rows == 11:
+        _P11(tiles, t, x, r0, acc)
+    else:
+        _P12(tiles, t, x, r0, acc)
+
+
+@numba.njit(cache=True, nogil=True)
+def _as_bf16_pairs(x: np.ndarray, pairs: int) -> np.ndarray:
+    """x [rows, n_in] float32 rounded to bfloat16 bits [rows, 2 * pairs], zero-padded."""
+    out = np.zeros((x.shape[0], 2 * pairs), dtype=np.uint16)
+    for r in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            out[r, j] = to_bf16(x[r, j])
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def matmul(tiles: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """out[r] = W @ x[r] for the packed weight `tiles` ([tiles, pairs, 2 * TILE] from
+    `pack`), float32 `x` [rows, n_in] (rounded to bfloat16 here) and `out` [rows, n_out]
+    (n_out at most tiles * TILE: the padding's outputs are dropped). Raises ValueError on
+    shapes that disagree (the compiled loop has no bounds checks)."""
+    rows, n_in = x.shape
+    pairs = tiles.shape[1]
+    if n_in < 1 or pairs != (n_in + 1) // 2 or tiles.shape[2] != 2 * TILE:
+        raise ValueError("matmul: x's features do not match the packed weight's")
+    n_out = out.shape[1]
+    if out.shape[0] != rows or n_out > tiles.shape[0] * TILE:
+        raise ValueError("matmul: out's shape does not match x and the packed weight")
+    xb = _as_bf16_pairs(x, pairs)
+    acc = np.empty((PASS_ROWS, TILE), dtype=np.float32)
+    passes = -(-rows // PASS_ROWS)
+    per_pass = max(-(-rows // max(passes, 1)), 1)  # equal passes: 16 rows as 8 + 8
+    # Every pass over a tile before the next tile: the tile (36 KiB at 576 features) is
+    # then read from memory once and from cache by the later passes.
+    for t in range(tiles.shape[0]):
+        o0 = t * TILE
+        for r0 in range(0, rows, per_pass):
+            count = min(per_pass, rows - r0)
+            _product(tiles, t, xb, r0, count, acc)
+            for r in range(count):
+                for c in range(min(TILE, n_out - o0)):
+                    out[r0 + r, o0 + c] = acc[r, c]
