@@ -40,14 +40,15 @@ def _bitcast_to_u32(typingctx, value):  # type: ignore[no-untyped-def]
 
 
 # Any: called only inside compiled code, where numba supplies the typing context.
-_bits_as_f32: Any = intrinsic(_bitcast_to_f32)
+#: bits_as_f32(uint32) -> float32 with those bits; f32_as_bits the other way.
+bits_as_f32: Any = intrinsic(_bitcast_to_f32)
 _f32_as_bits: Any = intrinsic(_bitcast_to_u32)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def widen(bits: np.uint16) -> np.float32:
     """bfloat16 bits (as uint16) as a float32: the top half of its bits."""
-    return _bits_as_f32(np.uint32(bits) << np.uint32(16))
+    return bits_as_f32(np.uint32(bits) << np.uint32(16))
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import fused_decode, llama
+from engine import decode_kernel, fused_decode, llama
 from engine.attention import TorchAttention
 from engine.bf16_bits import to_bf16
 from engine.engine import LLMEngine
@@ -72,6 +72,31 @@ def _logits_per_step(engine: LLMEngine, prompts: list[str]) -> list[tuple[list[i
 def _keep(seen: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
     seen.append(logits[-1].clone())
     return logits
+
+
+@numba.njit(cache=False)
+def _exp_all(x: np.ndarray, out: np.ndarray) -> None:
+    for i in range(x.shape[0]):
+        out[i] = decode_kernel._exp(x[i])
+
+
+def test_the_kernels_exp_is_within_libms_error() -> None:
+    """Within 1.5 units in the last place of exact over the range it does not clamp
+    (libm's expf: 2.4 here), and NaN, infinities and the clamped ends as documented."""
+    gen = np.random.default_rng(0)
+    x = np.concatenate([np.linspace(-86.9, 87.9, 400_001), gen.standard_normal(100_000) * 4])
+    x = x.astype(np.float32)
+    out = np.empty_like(x)
+    _exp_all(x, out)
+    exact = np.exp(x.astype(np.float64))
+    ulps = np.abs(out - exact) / np.spacing(exact.astype(np.float32))
+    assert ulps.max() <= 1.5
+    edges = np.array([np.nan, np.inf, -np.inf, 1000.0, -1000.0, 0.0], dtype=np.float32)
+    got = np.empty_like(edges)
+    _exp_all(edges, got)
+    assert np.isnan(got[0]) and got[5] == 1.0
+    assert got[1] == got[3] and np.isclose(got[1], np.exp(88.0), rtol=1e-6)  # clamped, finite
+    assert got[2] == got[4] and np.isclose(got[2], np.exp(-87.0), rtol=1e-6)
 
 
 def test_fused_steps_are_nearer_the_float32_model(make_engine: EngineFactory) -> None:
