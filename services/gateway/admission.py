@@ -73,7 +73,7 @@ class Admission:
         self.board = board
         self.fair = fair
         self.metrics = metrics or AdmissionMetrics.disabled()
-        self.capacity = Capacity(local_prefill=config.local_prefill_max_tokens > 0)
+        self.capacity = Capacity(config.local_prefill_max_tokens)
         self.room = WaitingRoom(config.waiting_room_size)
         self.view = FairView()
         self.signalled = False  # some signal was read: capacity means something

@@ -15,6 +15,14 @@ signal was taken, plus its own prompt. The pool computes `prefill_tokens_per_s` 
 over workers, each measured while busy), less what higher classes have been taking
 lately (they arrive while it waits, and go first). Until some worker has measured its
 speed there is no estimate (admission lets a few requests in at a time until there is).
+
+With conditional disaggregation the decode pool prefills too, and a prompt that the
+gateway may prefill there (`prefill_site`: up to `BUSY_FACTOR` times the local limit)
+is estimated on each pool it may take and gets the sooner: a chat prompt is not held
+back by 4k-token prompts queued on the prefill pool, which it never waits behind (when
+the two pools were one estimate, the disaggregated headline refused chat requests for
+"no capacity within the TTFT budget" while the decode worker that would prefill them
+was idle). A longer prompt waits on the prefill pool alone.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from engine.priority import Priority
 from services.common.role import Role
+from services.gateway.prefill_site import BUSY_FACTOR
 
 if TYPE_CHECKING:  # only its fields are read here
     from services.router.worker_signal import WorkerSignal
@@ -150,13 +159,15 @@ def _view(signals: Sequence[WorkerSignal], now: float) -> PoolView:
 
 
 class Capacity:
-    """`local_prefill`: decode workers prefill some prompts themselves (conditional
-    disaggregation), so their queued prompt tokens and prefill speed count in the
-    prefill estimate too: the work ahead of a request is all prefill work queued."""
+    """`local_prefill_max_tokens`: the gateway's conditional-disaggregation limit (0:
+    every prompt takes the prefill hop). Above 0, decode workers prefill the prompts
+    the gateway keeps local, so a prompt it may keep local is also estimated on the
+    decode pool (`local`), and gets the sooner of the two estimates."""
 
-    def __init__(self, local_prefill: bool = False) -> None:
-        self.local_prefill = local_prefill
+    def __init__(self, local_prefill_max_tokens: int = 0) -> None:
+        self.local_max_tokens = local_prefill_max_tokens
         self.prefill = PoolView()
+        self.local = PoolView()  # the decode pool as a prefill site; empty when none
         self.decode = PoolView()
         self.by_worker: dict[str, WorkerSignal] = {}
         self._passes: list[Pass] = []
@@ -165,14 +176,14 @@ class Capacity:
 
     def update(self, signals: Sequence[WorkerSignal], now: float | None = None) -> None:
         """Take a tick's signals. Prefill work goes to prefill workers (mixed ones when
-        the cluster has no prefill pool); the KV lives on decode (or mixed) workers."""
+        the cluster has no prefill pool), and to decode workers for the prompts the
+        gateway keeps local; the KV lives on decode (or mixed) workers."""
         now = time.monotonic() if now is None else now
         prefill = [s for s in signals if s.role is Role.PREFILL]
         decode = [s for s in signals if s.role is Role.DECODE]
         mixed = [s for s in signals if s.role is Role.MIXED]
-        if prefill and self.local_prefill:
-            prefill = prefill + decode
         self.prefill = _view(prefill or mixed, now)
+        self.local = _view(decode if prefill and self.local_max_tokens > 0 else [], now)
         self.decode = _view(decode or mixed, now)
         self.by_worker = {s.worker_id: s for s in signals}
         for p in self._passes:
@@ -191,8 +202,8 @@ class Capacity:
 
     @property
     def known(self) -> bool:
-        """Whether there is an estimate at all (some prefill worker measured its speed)."""
-        return self.prefill.rate > 0
+        """Whether there is an estimate at all (some prefill site measured its speed)."""
+        return self.prefill.rate > 0 or self.local.rate > 0
 
     def start_delay_s(self, cost: Cost, priority: Priority) -> float:
         """Seconds until the request's prefill could be done, calibrated; 0 when there
@@ -200,25 +211,41 @@ class Capacity:
         return self.raw_delay_s(cost, priority) * self.calibration.factor
 
     def raw_delay_s(self, cost: Cost, priority: Priority) -> float:
-        """The uncalibrated estimate: tokens ahead over the speed left to its class."""
-        rate = self.prefill.rate
-        if rate <= 0:
-            return 0.0
-        taken = self.prefill.taken
-        unseen = sum(
-            p.cost.prompt_tokens
-            for p in self._unsettled()
-            if p.priority >= priority and p.unseen_at(taken)
-        )
-        # Higher classes that arrive while it waits go first (the engines admit them
-        # first): only the speed they leave over is its own.
-        left = max(rate * MIN_RATE_SHARE, rate - self._arrivals.rate_above(priority))
-        return (self.prefill.tokens_ahead(priority) + unseen + cost.prompt_tokens) / left
+        """The uncalibrated estimate on the soonest pool that may prefill it."""
+        delays = [self._delay_on(pool, cost, priority) for pool in self._sites(cost)]
+        return min(delays, default=0.0)
 
     def idle_delay_s(self, cost: Cost) -> float:
         """Seconds its prefill takes on an idle pool (0 without an estimate)."""
-        rate = self.prefill.rate
+        rate = max((pool.rate for pool in self._sites(cost)), default=0.0)
         return cost.prompt_tokens / rate * self.calibration.factor if rate > 0 else 0.0
+
+    def _sites(self, cost: Cost) -> list[PoolView]:
+        """The pools with a measured speed that may prefill the request: the prefill
+        pool, and the decode pool for a prompt the gateway may keep local."""
+        pools = [self.prefill, self.local] if self._may_stay_local(cost) else [self.prefill]
+        return [pool for pool in pools if pool.rate > 0]
+
+    def _may_stay_local(self, cost: Cost) -> bool:
+        return 0 < cost.prompt_tokens <= BUSY_FACTOR * self.local_max_tokens
+
+    def _delay_on(self, pool: PoolView, cost: Cost, priority: Priority) -> float:
+        """Tokens ahead on `pool` over the speed left to the request's class. Admitted
+        prompts its signals cannot show yet count on each pool that may have taken
+        them (which one did is not known here)."""
+        local = pool is self.local
+        unseen = sum(
+            p.cost.prompt_tokens
+            for p in self._unsettled()
+            if p.priority >= priority
+            and p.unseen_at(pool.taken)
+            and (not local or self._may_stay_local(p.cost))
+        )
+        # Higher classes that arrive while it waits go first (the engines admit them
+        # first): only the speed they leave over is its own.
+        rate = pool.rate
+        left = max(rate * MIN_RATE_SHARE, rate - self._arrivals.rate_above(priority))
+        return (pool.tokens_ahead(priority) + unseen + cost.prompt_tokens) / left
 
     def decode_fits(self, cost: Cost) -> bool:
         """Whether the decode pool has room for the request beside the ones admitted

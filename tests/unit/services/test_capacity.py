@@ -127,3 +127,31 @@ def test_a_request_larger_than_any_prefill_pool_never_fits() -> None:
     assert cap.never_fits(Cost(16 * 50, 16 * 51))
     assert cap.never_fits(Cost(16 * 600, 16 * 600))  # past the decode pool too
     assert not Capacity().never_fits(Cost(10**6, 0))  # no signals: nothing is known
+
+
+def test_a_prompt_that_may_stay_local_waits_on_the_sooner_pool() -> None:
+    """Conditional disaggregation (local limit 512): a chat prompt is estimated on the
+    decode pool too and is not held back by long prompts queued on the prefill pool; a
+    prompt past 4x the limit waits on the prefill pool alone; without the limit the
+    decode pool prefills nothing."""
+    long_queue = ClassCounts(standard=8000)  # two 4k-token prompts: 8 s at 1,000 tok/s
+    chat_queue = ClassCounts(standard=300)
+    signals = [signal(Role.PREFILL, waiting=long_queue, rate=1000.0, wid="p"),
+               signal(Role.DECODE, waiting=chat_queue, rate=600.0, wid="d")]  # fmt: skip
+    cap = Capacity(local_prefill_max_tokens=512)
+    cap.update(signals)
+    assert cap.start_delay_s(Cost(300, 10), STD) == pytest.approx(1.0)  # (300 + 300) / 600
+    assert cap.start_delay_s(Cost(4000, 10), STD) == pytest.approx(12.0)  # prefill pool
+    assert cap.idle_delay_s(Cost(300, 10)) == pytest.approx(0.3)  # the faster pool
+    # A long prompt admitted before the signals show it counts on the prefill pool only.
+    cap.admitted(Cost(4000, 10), STD)
+    assert cap.start_delay_s(Cost(300, 10), STD) == pytest.approx(1.0)
+    cap.admitted(Cost(300, 10), STD)  # a chat prompt may have gone either way: both
+    assert cap.start_delay_s(Cost(300, 10), STD) == pytest.approx(1.5)
+    hop_only = Capacity()
+    hop_only.update(signals)
+    assert hop_only.start_delay_s(Cost(300, 10), STD) == pytest.approx(8.3)
+    # A decode pool that has not measured a prefill is no site: the prefill pool's wait.
+    unmeasured = Capacity(local_prefill_max_tokens=512)
+    unmeasured.update([signals[0], signal(Role.DECODE, wid="d")])
+    assert unmeasured.known and unmeasured.start_delay_s(Cost(300, 10), STD) == pytest.approx(8.3)

@@ -67,7 +67,7 @@ def test_zero_thresholds_turn_the_decision_off() -> None:
 
 
 def test_queue_seconds_come_from_each_workers_signal() -> None:
-    cap = Capacity(local_prefill=True)
+    cap = Capacity(local_prefill_max_tokens=512)
     waiting = ClassCounts(standard=1200, critical=300)
     cap.update([
         signal(Role.PREFILL, waiting=waiting, rate=500.0, wid="p0"),
@@ -77,11 +77,11 @@ def test_queue_seconds_come_from_each_workers_signal() -> None:
     assert cap.queue_s("p0") == pytest.approx(3.0)
     assert cap.queue_s("d0") == pytest.approx(0.5)
     assert cap.queue_s("d1") == 0.0 and cap.queue_s("gone") == 0.0
-    # Decode workers prefill too: their queues and speeds join the prefill estimate.
-    assert cap.prefill.rate == pytest.approx(700.0)
+    # Decode workers prefill too: they are a second prefill site (`local`).
+    assert cap.prefill.rate == pytest.approx(500.0) and cap.local.rate == pytest.approx(200.0)
     hop_only = Capacity()
     hop_only.update([signal(Role.PREFILL, rate=500.0), signal(Role.DECODE, rate=200.0)])
-    assert hop_only.prefill.rate == pytest.approx(500.0)
+    assert hop_only.prefill.rate == pytest.approx(500.0) and hop_only.local.rate == 0.0
 
 
 def test_a_short_prompt_is_prefilled_by_its_decode_worker(
