@@ -53,10 +53,13 @@ def _digest(*modules: ModuleType) -> int:
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
 
 
-#: The step compiles in code from these modules, but numba's disk cache checks only the
-#: stamp of the file that defines the cached function (this one): the modules' digest
-#: rides in the step's closure, which the cache's key includes, so editing them
-#: rebuilds the cached step instead of loading a stale one.
+#: The compiled entry points (`decode_step`'s step, `decode_attention`'s attend) take in
+#: code from these modules, but numba's disk cache checks only the stamp of the file
+#: that defines the function it caches: the modules' digest rides in each entry point's
+#: closure, which the cache's key includes, so editing them rebuilds the cached entry
+#: point instead of loading a stale one. The helpers between (`_attend`, `_rms_norm`,
+#: `_silu_mul`, `weight_tiles.matmul`) are not cached on their own for the same reason:
+#: they compile into the entry point that calls them, and are cached only inside it.
 _INLINED_DIGEST = _digest(bf16_bits, weight_tiles)
 #: LLVM fast-math flags: reassociate sums (vector lanes) and fuse multiply-adds.
 _FAST = {"reassoc", "contract", "arcp", "nsz"}
@@ -86,7 +89,10 @@ def _exp(x: np.float32) -> np.float32:
     `test_fused_decode.py`). x is clamped to [-87, 88] first, so that 2**n stays a
     normal float: e**x below e**-87 (1.6e-38) comes back as 1.6e-38 and above e**88 as
     1.7e38 (finite), which moves no softmax weight or SiLU by a representable amount.
-    NaN stays NaN. Written without branches (selects only), which LLVM vectorizes."""
+    NaN stays NaN. Written without branches (selects only), which LLVM vectorizes.
+    Inlined into `_attend`, which is compiled with reassociation, LLVM may fold the
+    split reduction back into one product: a few ulp more there, nothing a softmax
+    weight notices (the test holds the copy compiled without it)."""
     c = x if x > _F32(-87.0) else _F32(-87.0)
     c = c if c < _F32(88.0) else _F32(88.0)
     n = np.floor(c * _LOG2E + _F32(0.5))
@@ -97,7 +103,7 @@ def _exp(x: np.float32) -> np.float32:
     return e if x == x else x
 
 
-@numba.njit(cache=True, nogil=True, error_model=_NUMPY_ERRORS)
+@numba.njit(nogil=True, error_model=_NUMPY_ERRORS)  # uncached: see _INLINED_DIGEST
 def _silu_mul(gate_up: np.ndarray, out: np.ndarray) -> None:
     """out[r] = silu(gate) * up for each row's halves [gate | up] of `gate_up`. Through
     slices: a computed index (`gate_up[r, inter + j]`) that numba cannot prove
@@ -110,7 +116,7 @@ def _silu_mul(gate_up: np.ndarray, out: np.ndarray) -> None:
             row[j] = g / (_F32(1.0) + _exp(-g)) * up[j]
 
 
-@numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model=_NUMPY_ERRORS)
+@numba.njit(nogil=True, fastmath=_FAST, error_model=_NUMPY_ERRORS)  # uncached, as _silu_mul
 def _rms_norm(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray) -> None:
     """out[r] = x[r] / rms(x[r]) * gain, in float32 (`gain` bfloat16 bits)."""
     n = x.shape[1]
@@ -123,7 +129,7 @@ def _rms_norm(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray) -> N
             out[r, j] = x[r, j] * inv * widen(gain[j])
 
 
-@numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model=_NUMPY_ERRORS)
+@numba.njit(nogil=True, fastmath=_FAST, error_model=_NUMPY_ERRORS)  # uncached, as _silu_mul
 def _attend(
     q: np.ndarray, pool: np.ndarray, base: np.ndarray, k_off: int, v_off: int, seq_len: int,
     out: np.ndarray, heads: int, kv_heads: int, hd: int,
@@ -200,6 +206,13 @@ def _add_bias(y: np.ndarray, bias: np.ndarray) -> None:
             y[r, j] += bias[j]
 
 
+def _check_heads(heads: int, kv_heads: int, hd: int) -> None:
+    """The attention dimensions the kernels divide by (compiled under numpy's error
+    model, an integer division by zero would not raise there)."""
+    if kv_heads <= 0 or hd <= 0 or heads % kv_heads:
+        raise ValueError(f"heads {heads} must be a positive multiple of kv_heads {kv_heads}")
+
+
 @functools.cache
 def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
     """The compiled step for a model of these attention dimensions (one per process and
@@ -216,6 +229,7 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
     `FusedDecoder` tuple (projections packed by `engine.weight_tiles.pack`); `pool` the
     KV pool as uint16, `block_elems` elements a block; `logits` [rows, vocab] receives
     the result."""
+    _check_heads(heads, kv_heads, hd)
     digest = _INLINED_DIGEST
 
     @numba.njit(cache=True, nogil=True)
@@ -279,11 +293,14 @@ def decode_attention(heads: int, kv_heads: int, hd: int) -> Any:
     ([rows, heads * hd] float32) over its sequence's `seq_lens[r]` cached tokens, token
     p's K row at element `bases[r, p] + k_off` of `pool` and its V row at `+ v_off`."""
 
+    digest = _INLINED_DIGEST
+
     @numba.njit(cache=True, nogil=True)
     def attend(
         q: np.ndarray, pool: np.ndarray, bases: np.ndarray, seq_lens: np.ndarray,
         k_off: int, v_off: int, out: np.ndarray,
     ) -> None:  # fmt: skip
+        digest  # noqa: B018 -- read so that the closure, which the cache keys on, holds it
         for r in range(q.shape[0]):
             _attend(q[r], pool, bases[r], k_off, v_off, seq_lens[r], out[r], heads, kv_heads, hd)
 

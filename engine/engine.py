@@ -43,7 +43,7 @@ from engine.config import EngineConfig
 from engine.draft_model import DraftModel
 from engine.errors import InvalidRequestError
 from engine.fork import Forker, fork_id
-from engine.fused_decode import MAX_ROWS, DecodeKernel, fused_decode_wanted
+from engine.fused_decode import DecodeKernel, fused_decode_wanted
 from engine.grammar import GrammarCompiler, MaskJob
 from engine.kv_cache import KvCache, KvLayout, blocks_for_budget
 from engine.kv_handoff import HeldKv, HeldKvIndex, ImportSlot
@@ -97,8 +97,10 @@ class LLMEngine:
         self.model.load_weights(self.model_dir, progress=progress)
         if config.decode_kernel is DecodeKernel.FUSED and self.model.fused is None:
             raise RuntimeError("decode_kernel fused: its kernel failed to compile (see above)")
-        log.info("decode of 1-%d sequences: %s", MAX_ROWS,
-                 "fused kernel" if self.model.fused is not None else "torch")  # fmt: skip
+        if self.model.fused is not None:
+            log.info("decode-only steps of 1-%d sequences: fused kernel", self.model.fused.max_rows)
+        else:
+            log.info("decode: torch forward")
         self.layout = KvLayout.from_spec(self.spec, kv_dtype, config.block_size, device)
         num_blocks = config.num_kv_blocks or blocks_for_budget(self.layout, config.kv_cache_bytes)
         self.kv_cache = KvCache(self.layout, num_blocks, device)

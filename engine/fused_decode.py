@@ -41,6 +41,18 @@ log = logging.getLogger(__name__)
 #: 18.2 / 29.8 / 56.2 / 111 ms fused against 17.6 / 21.1 / 27.0 / 43.2 / 70.3 / 129 ms
 #: through torch at 1 / 8 / 16 / 32 / 64 / 128 rows. Past 128 was not measured.
 MAX_ROWS = 128
+#: Most rows on a CPU without AVX-512 BF16, where the tiles multiply in float32 FMAs:
+#: that path was not measured against torch on such a CPU (on AVX2 its 512-bit vectors
+#: split in two, and the accumulators no longer fit the registers), so it keeps the
+#: bound the float32 products had before the tiles.
+FALLBACK_MAX_ROWS = 4
+
+
+def max_rows() -> int:
+    """Most rows a fused step takes on this CPU (imports numba)."""
+    from engine import weight_tiles
+
+    return MAX_ROWS if weight_tiles.BF16_DOT else min(MAX_ROWS, FALLBACK_MAX_ROWS)
 
 
 class DecodeKernel(enum.StrEnum):
@@ -121,6 +133,7 @@ class FusedDecoder:
         from engine.weight_tiles import pack
 
         self._kernel = decode_kernel.decode_step(*dims[1:])
+        self.max_rows = max_rows()
         layers = range(dims[0])
 
         def stack(key: str) -> np.ndarray:
@@ -156,11 +169,11 @@ class FusedDecoder:
         self, items: list[tuple[Request, int]], num_blocks: int, block_size: int
     ) -> list[DecodeRow] | None:
         """The step as fused rows, or None where it must run through torch: more than
-        `MAX_ROWS` rows, a row that is not one plain token (a prefill chunk, drafts to
+        `max_rows` rows, a row that is not one plain token (a prefill chunk, drafts to
         verify), a LoRA adapter, or prompt log-probabilities still to score. A row the
         kernel could not run safely (see `_in_bounds`) goes to torch too, which raises
         on it as it would without the kernel."""
-        if not items or len(items) > MAX_ROWS:
+        if not items or len(items) > self.max_rows:
             return None
         rows = []
         for req, n in items:

@@ -19,7 +19,8 @@ call, as the torch path's activations already are; products and sums are float32
 
 Where the CPU lacks AVX-512 BF16 (llvmlite's host features say so) the same loop widens
 each weight pair and each row's pair to float32 and runs fused multiply-adds: the same
-numbers up to the order of the sum, at about half the speed in arithmetic.
+numbers up to the order of the sum (and `vdpbf16ps` flushing subnormal inputs and
+outputs to zero), at about half the speed in arithmetic.
 
 Why not numba's own vectorizer: written as loops over a row-major weight, LLVM
 vectorizes each output's dot product along the input features, which needs a lane-wise
@@ -75,7 +76,13 @@ def _host_has_bf16_dot() -> bool:
     """Whether numba compiles for this host's CPU and it has AVX-512 BF16."""
     if getattr(numba.config, "CPU_NAME", None) not in (None, "host"):
         return False  # a generic target (portable caches) may run on any CPU
-    return bool(llvm.get_host_cpu_features().get("avx512bf16", False))
+    features = getattr(numba.config, "CPU_FEATURES", None)
+    if features:  # numba told which features to compile for: those, not the host's
+        return "+avx512bf16" in str(features).split(",")
+    try:
+        return bool(llvm.get_host_cpu_features().get("avx512bf16", False))
+    except RuntimeError:  # llvmlite cannot read this host's features
+        return False
 
 
 #: Whether the tiles run `vdpbf16ps` here; else the float32 fallback.
@@ -276,7 +283,9 @@ def _product(tiles: np.ndarray, t: int, x: np.ndarray, r0: int, rows: int, acc: 
         _P12(tiles, t, x, r0, acc)
 
 
-@numba.njit(cache=True, nogil=True)
+# Uncached, as matmul: they inline `bf16_bits`, which their file's stamp does not cover
+# (see `decode_kernel._INLINED_DIGEST`).
+@numba.njit(nogil=True)
 def _as_bf16_pairs(x: np.ndarray, pairs: int) -> np.ndarray:
     """x [rows, n_in] float32 rounded to bfloat16 bits [rows, 2 * pairs], zero-padded."""
     out = np.zeros((x.shape[0], 2 * pairs), dtype=np.uint16)
@@ -286,7 +295,7 @@ def _as_bf16_pairs(x: np.ndarray, pairs: int) -> np.ndarray:
     return out
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(nogil=True)
 def matmul(tiles: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[r] = W @ x[r] for the packed weight `tiles` ([tiles, pairs, 2 * TILE] from
     `pack`), float32 `x` [rows, n_in] (rounded to bfloat16 here) and `out` [rows, n_out]

@@ -8,7 +8,7 @@ fused, o, gate/up fused, down; each layer its own weights, so that, as in a real
 no weight is still in cache when it is used again) plus the LM head when `lm_head` is
 set, multiplied in order at `rows` rows with the kernel pdserve uses for the dtype:
 oneDNN on pre-packed weights for float32 and bfloat16, except that bfloat16 at up to
-`fused_decode.MAX_ROWS` rows takes the fused decode's products where the engine fuses
+`fused_decode.max_rows()` rows takes the fused decode's products where the engine fuses
 (`engine.weight_tiles`, which is faster there at every such row count); `torch._int_mm`
 on int8 (no activation quantization counted: the roof is the multiply alone).
 Throughput is their FLOPs over their time: what an engine that did nothing but these
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.fused_decode import MAX_ROWS, DecodeKernel, fused_decode_wanted
+from engine.fused_decode import DecodeKernel, fused_decode_wanted, max_rows
 from engine.model_spec import ModelSpec
 from engine.precision import WeightQuant
 
@@ -86,7 +86,7 @@ def _product(p: Projection, dtype: str, rows: int) -> Callable[[], object]:
     dt = getattr(torch, dtype)
     x = torch.randn(rows, p.rows_in, generator=gen).to(dt)
     w = torch.randn(p.rows_out, p.rows_in, generator=gen).to(dt)
-    if dt == torch.bfloat16 and rows <= MAX_ROWS and _fuses_here():
+    if dt == torch.bfloat16 and _fuses_here() and rows <= max_rows():
         from engine.weight_tiles import matmul, pack
 
         tiles = pack(w.view(torch.int16).numpy().view(np.uint16))

@@ -73,7 +73,7 @@ class Admission:
         self.board = board
         self.fair = fair
         self.metrics = metrics or AdmissionMetrics.disabled()
-        self.capacity = Capacity(config.local_prefill_max_tokens)
+        self.capacity = Capacity(config.local_prefill_max_tokens, config.local_prefill_busy_s)
         self.room = WaitingRoom(config.waiting_room_size)
         self.view = FairView()
         self.signalled = False  # some signal was read: capacity means something
@@ -158,7 +158,7 @@ class Admission:
             return True  # no signals: fail open
         if self.capacity.never_fits(cost):
             return True  # no pool could hold it: the worker refuses it at once (a 400)
-        if not self.capacity.known:
+        if not self.capacity.known(cost):
             return self.capacity.pending < UNMEASURED_PENDING
         delay = self.capacity.start_delay_s(cost, priority)
         budget = self.config.budget_s(priority)
@@ -166,7 +166,7 @@ class Admission:
         # the waiting room is still in class and fairness order, one in an engine's
         # queue is not (a tenant admitted up to the whole budget would keep the next
         # request of a quieter tenant waiting behind it).
-        queue_limit = self.capacity.idle_delay_s(cost) + QUEUE_TARGET_S
+        queue_limit = self.capacity.idle_delay_s(cost, priority) + QUEUE_TARGET_S
         return (
             waited + delay <= budget * HEADROOM
             and delay <= queue_limit
@@ -257,7 +257,7 @@ class Admission:
 
     def _doomed(self, ticket: Ticket, now: float) -> bool:
         """It has waited so long it could not make its budget even on an idle pool."""
-        idle = self.capacity.idle_delay_s(ticket.cost) if self.signalled else 0.0
+        idle = self.capacity.idle_delay_s(ticket.cost, ticket.priority) if self.signalled else 0.0
         return ticket.waited(now) + idle > ticket.budget_s * HEADROOM
 
     async def _sync_fairness(self, now: float) -> None:

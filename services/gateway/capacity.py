@@ -159,13 +159,17 @@ def _view(signals: Sequence[WorkerSignal], now: float) -> PoolView:
 
 
 class Capacity:
-    """`local_prefill_max_tokens`: the gateway's conditional-disaggregation limit (0:
-    every prompt takes the prefill hop). Above 0, decode workers prefill the prompts
-    the gateway keeps local, so a prompt it may keep local is also estimated on the
-    decode pool (`local`), and gets the sooner of the two estimates."""
+    """`local_prefill_max_tokens` and `local_prefill_busy_s`: the gateway's
+    conditional-disaggregation thresholds (`prefill_site.SitePolicy`; a limit of 0:
+    every prompt takes the prefill hop). Above 0, decode workers prefill the prompts the
+    gateway keeps local, so a prompt it may keep local is also estimated on the decode
+    pool (`local`), and gets the sooner of the two estimates."""
 
-    def __init__(self, local_prefill_max_tokens: int = 0) -> None:
+    def __init__(
+        self, local_prefill_max_tokens: int = 0, local_prefill_busy_s: float = 0.0
+    ) -> None:
         self.local_max_tokens = local_prefill_max_tokens
+        self.busy_s = local_prefill_busy_s
         self.prefill = PoolView()
         self.local = PoolView()  # the decode pool as a prefill site; empty when none
         self.decode = PoolView()
@@ -200,10 +204,10 @@ class Capacity:
             return 0.0
         return signal.queued_tokens / signal.prefill_tokens_per_s
 
-    @property
-    def known(self) -> bool:
-        """Whether there is an estimate at all (some prefill site measured its speed)."""
-        return self.prefill.rate > 0 or self.local.rate > 0
+    def known(self, cost: Cost) -> bool:
+        """Whether there is an estimate for this request at all: some pool that may
+        prefill it has measured its speed."""
+        return bool(self._sites(cost))
 
     def start_delay_s(self, cost: Cost, priority: Priority) -> float:
         """Seconds until the request's prefill could be done, calibrated; 0 when there
@@ -212,22 +216,50 @@ class Capacity:
 
     def raw_delay_s(self, cost: Cost, priority: Priority) -> float:
         """The uncalibrated estimate on the soonest pool that may prefill it."""
-        delays = [self._delay_on(pool, cost, priority) for pool in self._sites(cost)]
-        return min(delays, default=0.0)
+        site = self._soonest(cost, priority)
+        return 0.0 if site is None else self._delay_on(site, cost, priority)
 
-    def idle_delay_s(self, cost: Cost) -> float:
-        """Seconds its prefill takes on an idle pool (0 without an estimate)."""
-        rate = max((pool.rate for pool in self._sites(cost)), default=0.0)
-        return cost.prompt_tokens / rate * self.calibration.factor if rate > 0 else 0.0
+    def idle_delay_s(self, cost: Cost, priority: Priority = Priority.STANDARD) -> float:
+        """Seconds its prefill takes on the soonest pool were that pool idle (0 without
+        an estimate): what of its start delay is not queueing."""
+        site = self._soonest(cost, priority)
+        if site is None:
+            return 0.0
+        return cost.prompt_tokens / site.rate * self.calibration.factor
+
+    def _soonest(self, cost: Cost, priority: Priority) -> PoolView | None:
+        sites = self._sites(cost)
+        return min(sites, key=lambda pool: self._delay_on(pool, cost, priority), default=None)
 
     def _sites(self, cost: Cost) -> list[PoolView]:
-        """The pools with a measured speed that may prefill the request: the prefill
-        pool, and the decode pool for a prompt the gateway may keep local."""
-        pools = [self.prefill, self.local] if self._may_stay_local(cost) else [self.prefill]
+        """The pools with a measured speed that may prefill the request, as
+        `prefill_site.SitePolicy` places it: a prompt within the local limit on the
+        decode pool, or on the prefill pool where the busy rule may send it there; one
+        of up to `BUSY_FACTOR` times the limit on the prefill pool, or on the decode
+        pool while the prefill pool's queue is past `busy_s`; a longer one on the
+        prefill pool."""
+        if self._may_stay_local(cost):
+            short = cost.prompt_tokens <= self.local_max_tokens
+            if short:
+                pools = [self.local, self.prefill] if self.busy_s > 0 else [self.local]
+            else:
+                pools = [self.prefill, self.local] if self._prefill_busy() else [self.prefill]
+        else:
+            pools = [self.prefill]
         return [pool for pool in pools if pool.rate > 0]
 
     def _may_stay_local(self, cost: Cost) -> bool:
-        return 0 < cost.prompt_tokens <= BUSY_FACTOR * self.local_max_tokens
+        """Whether the gateway may prefill it on its decode worker at all."""
+        if not self.local.signals:
+            return False
+        limit = self.local_max_tokens * (BUSY_FACTOR if self.busy_s > 0 else 1)
+        return 0 < cost.prompt_tokens <= limit
+
+    def _prefill_busy(self) -> bool:
+        """Whether every prefill worker's queue is past `busy_s` (the one a prompt is
+        routed to would be)."""
+        queues = [self.queue_s(s.worker_id) for s in self.prefill.signals]
+        return self.busy_s > 0 and bool(queues) and min(queues) > self.busy_s
 
     def _delay_on(self, pool: PoolView, cost: Cost, priority: Priority) -> float:
         """Tokens ahead on `pool` over the speed left to the request's class. Admitted
@@ -260,9 +292,12 @@ class Capacity:
         """Whether no worker of either pool could ever hold the request (its prompt plus
         max_tokens). Waiting would only run out its budget, so admission lets it through
         and the worker refuses it at once, naming max_tokens and its pool (a 400)."""
+        # The decode pool prefills too with conditional disaggregation: the prefill
+        # side holds a request if either pool does.
+        prefill_room = max(self.prefill.largest_pool, self.local.largest_pool)
+        rooms = ((self.prefill, prefill_room), (self.decode, self.decode.largest_pool))
         return any(
-            bool(pool.signals) and cost.blocks(pool.block_size) > pool.largest_pool
-            for pool in (self.prefill, self.decode)
+            bool(pool.signals) and cost.blocks(pool.block_size) > room for pool, room in rooms
         )
 
     def kv_block_seconds(self, cost: Cost) -> float:

@@ -27,7 +27,7 @@ def signal(role: Role, *, waiting: ClassCounts = NONE_WAITING, rate: float = 0.0
 def test_no_measured_speed_means_no_estimate() -> None:
     cap = Capacity()
     cap.update([signal(Role.PREFILL), signal(Role.DECODE)])
-    assert not cap.known and cap.start_delay_s(Cost(100, 10), STD) == 0.0
+    assert not cap.known(Cost(100, 10)) and cap.start_delay_s(Cost(100, 10), STD) == 0.0
 
 
 def test_delay_counts_only_classes_at_or_above() -> None:
@@ -65,7 +65,7 @@ def test_decode_room_includes_pending_passes() -> None:
 def test_mixed_workers_stand_in_for_both_pools() -> None:
     cap = Capacity()
     cap.update([signal(Role.MIXED, rate=200.0, free=50)])
-    assert cap.known and cap.start_delay_s(Cost(200, 1), STD) == pytest.approx(1.0)
+    assert cap.known(Cost(200, 1)) and cap.start_delay_s(Cost(200, 1), STD) == pytest.approx(1.0)
     assert cap.decode_fits(Cost(16 * 50, 0)) and not cap.decode_fits(Cost(16 * 51, 0))
 
 
@@ -130,28 +130,56 @@ def test_a_request_larger_than_any_prefill_pool_never_fits() -> None:
 
 
 def test_a_prompt_that_may_stay_local_waits_on_the_sooner_pool() -> None:
-    """Conditional disaggregation (local limit 512): a chat prompt is estimated on the
-    decode pool too and is not held back by long prompts queued on the prefill pool; a
-    prompt past 4x the limit waits on the prefill pool alone; without the limit the
-    decode pool prefills nothing."""
+    """Conditional disaggregation (local limit 512, busy rule at 1 s), placed as
+    `SitePolicy` places it: a chat prompt is estimated on the decode pool too and is
+    not held back by long prompts queued on the prefill pool; a prompt of up to 4x the
+    limit may stay local only while the prefill pool is busy; a longer one waits on the
+    prefill pool alone."""
     long_queue = ClassCounts(standard=8000)  # two 4k-token prompts: 8 s at 1,000 tok/s
     chat_queue = ClassCounts(standard=300)
     signals = [signal(Role.PREFILL, waiting=long_queue, rate=1000.0, wid="p"),
                signal(Role.DECODE, waiting=chat_queue, rate=600.0, wid="d")]  # fmt: skip
-    cap = Capacity(local_prefill_max_tokens=512)
+    cap = Capacity(local_prefill_max_tokens=512, local_prefill_busy_s=1.0)
     cap.update(signals)
     assert cap.start_delay_s(Cost(300, 10), STD) == pytest.approx(1.0)  # (300 + 300) / 600
+    assert cap.idle_delay_s(Cost(300, 10), STD) == pytest.approx(0.5)  # on the same pool
+    assert cap.start_delay_s(Cost(1000, 10), STD) == pytest.approx(1300 / 600)  # busy rule
     assert cap.start_delay_s(Cost(4000, 10), STD) == pytest.approx(12.0)  # prefill pool
-    assert cap.idle_delay_s(Cost(300, 10)) == pytest.approx(0.3)  # the faster pool
     # A long prompt admitted before the signals show it counts on the prefill pool only.
     cap.admitted(Cost(4000, 10), STD)
     assert cap.start_delay_s(Cost(300, 10), STD) == pytest.approx(1.0)
     cap.admitted(Cost(300, 10), STD)  # a chat prompt may have gone either way: both
     assert cap.start_delay_s(Cost(300, 10), STD) == pytest.approx(1.5)
+    # Without the busy rule a short prompt always stays local and a longer one never.
+    no_busy = Capacity(local_prefill_max_tokens=512)
+    no_busy.update(signals)
+    assert no_busy.start_delay_s(Cost(300, 10), STD) == pytest.approx(1.0)
+    assert no_busy.start_delay_s(Cost(1000, 10), STD) == pytest.approx(9.0)
     hop_only = Capacity()
     hop_only.update(signals)
     assert hop_only.start_delay_s(Cost(300, 10), STD) == pytest.approx(8.3)
-    # A decode pool that has not measured a prefill is no site: the prefill pool's wait.
-    unmeasured = Capacity(local_prefill_max_tokens=512)
-    unmeasured.update([signals[0], signal(Role.DECODE, wid="d")])
-    assert unmeasured.known and unmeasured.start_delay_s(Cost(300, 10), STD) == pytest.approx(8.3)
+
+
+def test_an_estimate_needs_a_measured_pool_that_may_prefill_the_request() -> None:
+    """Decode workers often measure first (they prefill the chat prompts): a long
+    prompt has no estimate until the prefill pool has one (admission then lets a few in
+    at a time), and a short one without the busy rule none until the decode pool has."""
+    decode_only = Capacity(local_prefill_max_tokens=512)
+    decode_only.update([signal(Role.PREFILL, wid="p"), signal(Role.DECODE, rate=600.0, wid="d")])
+    assert decode_only.known(Cost(300, 10)) and not decode_only.known(Cost(4000, 10))
+    assert decode_only.start_delay_s(Cost(4000, 10), STD) == 0.0
+    prefill_only = Capacity(local_prefill_max_tokens=512)
+    prefill_only.update([signal(Role.PREFILL, rate=1000.0, wid="p"), signal(Role.DECODE, wid="d")])
+    assert prefill_only.known(Cost(4000, 10)) and not prefill_only.known(Cost(300, 10))
+
+
+def test_with_local_prefill_the_decode_pool_holds_what_the_prefill_pool_cannot() -> None:
+    small = WorkerSignal(
+        worker_id="p-small", role=Role.PREFILL, waiting_tokens=NONE_WAITING, waiting=0,
+        running=0, free_blocks=10, total_blocks=100, block_size=16,
+        prefill_tokens_per_s=100.0, decode_step_s=0.02, age_s=0.0,
+    )  # fmt: skip
+    local = Capacity(local_prefill_max_tokens=512)
+    local.update([small, signal(Role.DECODE)])  # 1,000 blocks
+    assert not local.never_fits(Cost(16 * 50, 16 * 51))  # past the prefill pool only
+    assert local.never_fits(Cost(16 * 600, 16 * 600))
