@@ -40,6 +40,7 @@ from services.gateway.admission_metrics import AdmissionMetrics
 from services.gateway.capacity import Capacity, Cost, Pass
 from services.gateway.config import GatewayConfig
 from services.gateway.fair_share import FairShare, FairView
+from services.gateway.prefill_site import SitePolicy
 from services.gateway.waiting_room import Ticket, WaitingRoom
 from services.router.redis_client import REDIS_DOWN_ERRORS
 from services.router.worker_signal import SignalBoard, WorkerSignal
@@ -73,7 +74,8 @@ class Admission:
         self.board = board
         self.fair = fair
         self.metrics = metrics or AdmissionMetrics.disabled()
-        self.capacity = Capacity(config.local_prefill_max_tokens, config.local_prefill_busy_s)
+        sites = SitePolicy(config.local_prefill_max_tokens, config.local_prefill_busy_s)
+        self.capacity = Capacity(sites)
         self.room = WaitingRoom(config.waiting_room_size)
         self.view = FairView()
         self.signalled = False  # some signal was read: capacity means something

@@ -17,12 +17,12 @@ lately (they arrive while it waits, and go first). Until some worker has measure
 speed there is no estimate (admission lets a few requests in at a time until there is).
 
 With conditional disaggregation the decode pool prefills too, and a prompt that the
-gateway may prefill there (`prefill_site`: up to `BUSY_FACTOR` times the local limit)
-is estimated on each pool it may take and gets the sooner: a chat prompt is not held
-back by 4k-token prompts queued on the prefill pool, which it never waits behind (when
-the two pools were one estimate, the disaggregated headline refused chat requests for
-"no capacity within the TTFT budget" while the decode worker that would prefill them
-was idle). A longer prompt waits on the prefill pool alone.
+gateway may prefill there (`SitePolicy.local_limit`: up to `BUSY_FACTOR` times the
+local limit) is estimated on each pool it may take and gets the sooner: a chat prompt
+is not held back by 4k-token prompts queued on the prefill pool, which it never waits
+behind (when the two pools were one estimate, the disaggregated headline refused chat
+requests for "no capacity within the TTFT budget" while the decode worker that would
+prefill them was idle). A longer prompt waits on the prefill pool alone.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from engine.priority import Priority
 from services.common.role import Role
-from services.gateway.prefill_site import BUSY_FACTOR
+from services.gateway.prefill_site import SitePolicy
 
 if TYPE_CHECKING:  # only its fields are read here
     from services.router.worker_signal import WorkerSignal
@@ -159,17 +159,14 @@ def _view(signals: Sequence[WorkerSignal], now: float) -> PoolView:
 
 
 class Capacity:
-    """`local_prefill_max_tokens` and `local_prefill_busy_s`: the gateway's
-    conditional-disaggregation thresholds (`prefill_site.SitePolicy`; a limit of 0:
-    every prompt takes the prefill hop). Above 0, decode workers prefill the prompts the
-    gateway keeps local, so a prompt it may keep local is also estimated on the decode
-    pool (`local`), and gets the sooner of the two estimates."""
+    """`sites`: the gateway's conditional-disaggregation thresholds (its queue lengths
+    unused here; none, or a local limit of 0: every prompt takes the prefill hop). Above
+    0, decode workers prefill the prompts the gateway keeps local, so a prompt it may
+    keep local is also estimated on the decode pool (`local`), and gets the sooner of
+    the two estimates."""
 
-    def __init__(
-        self, local_prefill_max_tokens: int = 0, local_prefill_busy_s: float = 0.0
-    ) -> None:
-        self.local_max_tokens = local_prefill_max_tokens
-        self.busy_s = local_prefill_busy_s
+    def __init__(self, sites: SitePolicy | None = None) -> None:
+        self.sites = sites or SitePolicy(local_max_tokens=0, busy_s=0.0)
         self.prefill = PoolView()
         self.local = PoolView()  # the decode pool as a prefill site; empty when none
         self.decode = PoolView()
@@ -187,7 +184,7 @@ class Capacity:
         decode = [s for s in signals if s.role is Role.DECODE]
         mixed = [s for s in signals if s.role is Role.MIXED]
         self.prefill = _view(prefill or mixed, now)
-        self.local = _view(decode if prefill and self.local_max_tokens > 0 else [], now)
+        self.local = _view(decode if prefill and self.sites.local_limit() > 0 else [], now)
         self.decode = _view(decode or mixed, now)
         self.by_worker = {s.worker_id: s for s in signals}
         for p in self._passes:
@@ -216,20 +213,21 @@ class Capacity:
 
     def raw_delay_s(self, cost: Cost, priority: Priority) -> float:
         """The uncalibrated estimate on the soonest pool that may prefill it."""
-        site = self._soonest(cost, priority)
-        return 0.0 if site is None else self._delay_on(site, cost, priority)
+        soonest = self._soonest(cost, priority)
+        return 0.0 if soonest is None else soonest[0]
 
     def idle_delay_s(self, cost: Cost, priority: Priority = Priority.STANDARD) -> float:
         """Seconds its prefill takes on the soonest pool were that pool idle (0 without
         an estimate): what of its start delay is not queueing."""
-        site = self._soonest(cost, priority)
-        if site is None:
+        soonest = self._soonest(cost, priority)
+        if soonest is None:
             return 0.0
-        return cost.prompt_tokens / site.rate * self.calibration.factor
+        return cost.prompt_tokens / soonest[1].rate * self.calibration.factor
 
-    def _soonest(self, cost: Cost, priority: Priority) -> PoolView | None:
-        sites = self._sites(cost)
-        return min(sites, key=lambda pool: self._delay_on(pool, cost, priority), default=None)
+    def _soonest(self, cost: Cost, priority: Priority) -> tuple[float, PoolView] | None:
+        """(the uncalibrated delay, the pool) of the soonest site, None without one."""
+        delays = [(self._delay_on(pool, cost, priority), pool) for pool in self._sites(cost)]
+        return min(delays, key=lambda delay: delay[0], default=None)
 
     def _sites(self, cost: Cost) -> list[PoolView]:
         """The pools with a measured speed that may prefill the request, as
@@ -239,9 +237,9 @@ class Capacity:
         pool while the prefill pool's queue is past `busy_s`; a longer one on the
         prefill pool."""
         if self._may_stay_local(cost):
-            short = cost.prompt_tokens <= self.local_max_tokens
+            short = cost.prompt_tokens <= self.sites.local_max_tokens
             if short:
-                pools = [self.local, self.prefill] if self.busy_s > 0 else [self.local]
+                pools = [self.local, self.prefill] if self.sites.busy_s > 0 else [self.local]
             else:
                 pools = [self.prefill, self.local] if self._prefill_busy() else [self.prefill]
         else:
@@ -250,16 +248,14 @@ class Capacity:
 
     def _may_stay_local(self, cost: Cost) -> bool:
         """Whether the gateway may prefill it on its decode worker at all."""
-        if not self.local.signals:
-            return False
-        limit = self.local_max_tokens * (BUSY_FACTOR if self.busy_s > 0 else 1)
-        return 0 < cost.prompt_tokens <= limit
+        return bool(self.local.signals) and 0 < cost.prompt_tokens <= self.sites.local_limit()
 
     def _prefill_busy(self) -> bool:
         """Whether every prefill worker's queue is past `busy_s` (the one a prompt is
         routed to would be)."""
+        busy_s = self.sites.busy_s
         queues = [self.queue_s(s.worker_id) for s in self.prefill.signals]
-        return self.busy_s > 0 and bool(queues) and min(queues) > self.busy_s
+        return busy_s > 0 and bool(queues) and min(queues) > busy_s
 
     def _delay_on(self, pool: PoolView, cost: Cost, priority: Priority) -> float:
         """Tokens ahead on `pool` over the speed left to the request's class. Admitted

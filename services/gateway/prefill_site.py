@@ -84,11 +84,15 @@ class SitePolicy:
             if prompt_tokens <= self.local_max_tokens:
                 reason = SiteReason.SHORT_PROMPT  # short whatever the cache holds
             return SiteChoice(PrefillSite.LOCAL, reason, uncached)
-        if uncached <= BUSY_FACTOR * self.local_max_tokens and self._busier(
-            prefill_worker, than=decode_worker
-        ):
+        if uncached <= self.local_limit() and self._busier(prefill_worker, than=decode_worker):
             return SiteChoice(PrefillSite.LOCAL, SiteReason.PREFILL_BUSY, uncached)
         return SiteChoice(PrefillSite.DISAGGREGATED, SiteReason.LONG_PROMPT, uncached)
+
+    def local_limit(self) -> int:
+        """The most prompt tokens a decode worker may ever prefill: `BUSY_FACTOR` times
+        the local limit under the busy rule, the limit itself without it (0: none)."""
+        factor = BUSY_FACTOR if self.busy_s > 0 else 1
+        return max(self.local_max_tokens, 0) * factor
 
     def _busier(self, worker: str, *, than: str) -> bool:
         """Whether `worker`'s prefill queue is past `busy_s` and longer than `than`'s."""

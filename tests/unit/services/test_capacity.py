@@ -9,6 +9,7 @@ from engine.priority import Priority
 from engine.stats import ClassCounts
 from services.common.role import Role
 from services.gateway.capacity import Capacity, Cost
+from services.gateway.prefill_site import SitePolicy
 from services.router.worker_signal import WorkerSignal
 
 NONE_WAITING = ClassCounts()
@@ -139,7 +140,7 @@ def test_a_prompt_that_may_stay_local_waits_on_the_sooner_pool() -> None:
     chat_queue = ClassCounts(standard=300)
     signals = [signal(Role.PREFILL, waiting=long_queue, rate=1000.0, wid="p"),
                signal(Role.DECODE, waiting=chat_queue, rate=600.0, wid="d")]  # fmt: skip
-    cap = Capacity(local_prefill_max_tokens=512, local_prefill_busy_s=1.0)
+    cap = Capacity(SitePolicy(512, busy_s=1.0))
     cap.update(signals)
     assert cap.start_delay_s(Cost(300, 10), STD) == pytest.approx(1.0)  # (300 + 300) / 600
     assert cap.idle_delay_s(Cost(300, 10), STD) == pytest.approx(0.5)  # on the same pool
@@ -151,7 +152,7 @@ def test_a_prompt_that_may_stay_local_waits_on_the_sooner_pool() -> None:
     cap.admitted(Cost(300, 10), STD)  # a chat prompt may have gone either way: both
     assert cap.start_delay_s(Cost(300, 10), STD) == pytest.approx(1.5)
     # Without the busy rule a short prompt always stays local and a longer one never.
-    no_busy = Capacity(local_prefill_max_tokens=512)
+    no_busy = Capacity(SitePolicy(512, busy_s=0.0))
     no_busy.update(signals)
     assert no_busy.start_delay_s(Cost(300, 10), STD) == pytest.approx(1.0)
     assert no_busy.start_delay_s(Cost(1000, 10), STD) == pytest.approx(9.0)
@@ -164,11 +165,11 @@ def test_an_estimate_needs_a_measured_pool_that_may_prefill_the_request() -> Non
     """Decode workers often measure first (they prefill the chat prompts): a long
     prompt has no estimate until the prefill pool has one (admission then lets a few in
     at a time), and a short one without the busy rule none until the decode pool has."""
-    decode_only = Capacity(local_prefill_max_tokens=512)
+    decode_only = Capacity(SitePolicy(512, busy_s=0.0))
     decode_only.update([signal(Role.PREFILL, wid="p"), signal(Role.DECODE, rate=600.0, wid="d")])
     assert decode_only.known(Cost(300, 10)) and not decode_only.known(Cost(4000, 10))
     assert decode_only.start_delay_s(Cost(4000, 10), STD) == 0.0
-    prefill_only = Capacity(local_prefill_max_tokens=512)
+    prefill_only = Capacity(SitePolicy(512, busy_s=0.0))
     prefill_only.update([signal(Role.PREFILL, rate=1000.0, wid="p"), signal(Role.DECODE, wid="d")])
     assert prefill_only.known(Cost(4000, 10)) and not prefill_only.known(Cost(300, 10))
 
@@ -179,7 +180,7 @@ def test_with_local_prefill_the_decode_pool_holds_what_the_prefill_pool_cannot()
         running=0, free_blocks=10, total_blocks=100, block_size=16,
         prefill_tokens_per_s=100.0, decode_step_s=0.02, age_s=0.0,
     )  # fmt: skip
-    local = Capacity(local_prefill_max_tokens=512)
+    local = Capacity(SitePolicy(512, busy_s=0.0))
     local.update([small, signal(Role.DECODE)])  # 1,000 blocks
     assert not local.never_fits(Cost(16 * 50, 16 * 51))  # past the prefill pool only
     assert local.never_fits(Cost(16 * 600, 16 * 600))

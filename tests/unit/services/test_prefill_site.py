@@ -67,7 +67,7 @@ def test_zero_thresholds_turn_the_decision_off() -> None:
 
 
 def test_queue_seconds_come_from_each_workers_signal() -> None:
-    cap = Capacity(local_prefill_max_tokens=512)
+    cap = Capacity(SitePolicy(512, busy_s=0.0))
     waiting = ClassCounts(standard=1200, critical=300)
     cap.update([
         signal(Role.PREFILL, waiting=waiting, rate=500.0, wid="p0"),
