@@ -27,8 +27,8 @@ vectorizes each output's dot product along the input features, which needs a lan
 sum per output and row and converts each weight once per row; from 4 rows on that ran
 slower than oneDNN's packed products (SmolLM2-135M's projections at 8 rows: 39 ms,
 against oneDNN's 12.2). numba cannot keep a small accumulator array in registers, so
-the tile's loop is emitted as LLVM IR through `numba.extending.intrinsic`, once for each
-row count from 1 to `PASS_ROWS`.
+the tile's loop is emitted as LLVM IR through `numba.extending.intrinsic`: one loop for
+each row count from 1 to `PASS_ROWS`, chosen by a switch on the count.
 
 Why the prefetch: in cache a float32 version of the tile reached this host's float32
 roof at 8 rows (256 GFLOPS); streaming weights from memory it reached half of that,
@@ -212,14 +212,16 @@ class _TileLoop:
             b.call(self.prefetch, [ahead, *flags])
 
 
-def _tile_product(rows: int, dot: bool = BF16_DOT) -> Any:
-    """The intrinsic `product(tiles, t, x, r0, acc)`: acc[r, :TILE] = tile t of `tiles`
-    ([tiles, pairs, 2 * TILE] uint16, pairs >= 1) times row r0 + r of `x` ([rows,
-    2 * pairs] bfloat16 bits), for the first `rows` rows of `acc` ([PASS_ROWS, TILE]
-    float32). No bounds checks: the caller keeps t and r0 + rows in range. `dot` picks
+def _tile_product(dot: bool = BF16_DOT) -> Any:
+    """The intrinsic `product(tiles, t, x, r0, rows, acc)`: acc[r, :TILE] = tile t of
+    `tiles` ([tiles, pairs, 2 * TILE] uint16, pairs >= 1) times row r0 + r of `x`
+    ([rows, 2 * pairs] bfloat16 bits), for the first `rows` (1..PASS_ROWS) rows of `acc`
+    ([PASS_ROWS, TILE] float32). The row count fixes how many accumulators a loop keeps,
+    so the intrinsic holds one loop per count and switches to it (any other count does
+    nothing). No bounds checks: the caller keeps t and r0 + rows in range. `dot` picks
     the instruction (only on a CPU that has it)."""
 
-    def typer(typingctx: Any, tiles: Any, t: Any, x: Any, r0: Any, acc: Any) -> Any:
+    def typer(typingctx: Any, tiles: Any, t: Any, x: Any, r0: Any, rows: Any, acc: Any) -> Any:
         for name, arr, ndim, dtype in (
             ("tiles", tiles, 3, types.uint16),
             ("x", x, 2, types.uint16),
@@ -228,11 +230,11 @@ def _tile_product(rows: int, dot: bool = BF16_DOT) -> Any:
             ok = isinstance(arr, types.Array) and arr.layout == "C" and arr.ndim == ndim
             if not ok or arr.dtype != dtype:
                 raise TypingError(f"{name} must be a C-contiguous {ndim}-D {dtype} array")
-        sig = types.void(tiles, types.intp, x, types.intp, acc)
+        sig = types.void(tiles, types.intp, x, types.intp, types.intp, acc)
 
         def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
             w_arr, x_arr, acc_arr = (
-                context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 2, 4)
+                context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 2, 5)
             )
             pairs = builder.extract_value(w_arr.shape, 1)
             x_stride = builder.lshr(builder.extract_value(x_arr.shape, 1), ir.Constant(_I64, 1))
@@ -241,7 +243,15 @@ def _tile_product(rows: int, dot: bool = BF16_DOT) -> Any:
             w = builder.gep(w32, [builder.mul(args[1], tile_pairs)])
             x32 = builder.bitcast(x_arr.data, _I32.as_pointer())
             x0 = builder.gep(x32, [builder.mul(args[3], x_stride)])
-            _TileLoop(builder, rows, dot).emit(w, pairs, x0, x_stride, acc_arr.data)
+            end = builder.append_basic_block("tile.end")
+            switch = builder.switch(args[4], end)
+            for rows in range(1, PASS_ROWS + 1):
+                case = builder.append_basic_block(f"tile.rows{rows}")
+                switch.add_case(ir.Constant(_I64, rows), case)
+                builder.position_at_end(case)
+                _TileLoop(builder, rows, dot).emit(w, pairs, x0, x_stride, acc_arr.data)
+                builder.branch(end)
+            builder.position_at_end(end)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -249,38 +259,7 @@ def _tile_product(rows: int, dot: bool = BF16_DOT) -> Any:
     return intrinsic(typer)
 
 
-# One per row count: the count fixes how many accumulators the loop keeps.
-(_P1, _P2, _P3, _P4, _P5, _P6, _P7, _P8, _P9, _P10, _P11,
- _P12) = (_tile_product(r) for r in range(1, PASS_ROWS + 1))  # fmt: skip
-
-
-@numba.njit(cache=True, nogil=True)
-def _product(tiles: np.ndarray, t: int, x: np.ndarray, r0: int, rows: int, acc: np.ndarray) -> None:
-    """Tile t times `rows` (1..PASS_ROWS) rows of x from r0, into acc."""
-    if rows == 1:
-        _P1(tiles, t, x, r0, acc)
-    elif rows == 2:
-        _P2(tiles, t, x, r0, acc)
-    elif rows == 3:
-        _P3(tiles, t, x, r0, acc)
-    elif rows == 4:
-        _P4(tiles, t, x, r0, acc)
-    elif rows == 5:
-        _P5(tiles, t, x, r0, acc)
-    elif rows == 6:
-        _P6(tiles, t, x, r0, acc)
-    elif rows == 7:
-        _P7(tiles, t, x, r0, acc)
-    elif rows == 8:
-        _P8(tiles, t, x, r0, acc)
-    elif rows == 9:
-        _P9(tiles, t, x, r0, acc)
-    elif rows == 10:
-        _P10(tiles, t, x, r0, acc)
-    elif rows == 11:
-        _P11(tiles, t, x, r0, acc)
-    else:
-        _P12(tiles, t, x, r0, acc)
+_PRODUCT = _tile_product()
 
 
 # Uncached, as matmul: they inline `bf16_bits`, which their file's stamp does not cover
@@ -318,7 +297,7 @@ def matmul(tiles: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
         o0 = t * TILE
         for r0 in range(0, rows, per_pass):
             count = min(per_pass, rows - r0)
-            _product(tiles, t, xb, r0, count, acc)
+            _PRODUCT(tiles, t, xb, r0, count, acc)
             for r in range(count):
                 for c in range(min(TILE, n_out - o0)):
                     out[r0 + r, o0 + c] = acc[r, c]

@@ -64,12 +64,12 @@ def test_no_rows_is_no_work() -> None:
 def _fallback(rows: int) -> Any:
     """matmul's tile loop for `rows` rows with the float32 instructions, compiled here
     (the module compiles only the one its host runs)."""
-    product = weight_tiles._tile_product(rows, dot=False)
+    product = weight_tiles._tile_product(dot=False)
 
     @numba.njit(cache=False)
     def run(tiles: np.ndarray, x: np.ndarray, acc: np.ndarray) -> None:
         for t in range(tiles.shape[0]):
-            product(tiles, t, x, 0, acc[t])
+            product(tiles, t, x, 0, rows, acc[t])
 
     return run
 
