@@ -63,15 +63,14 @@ class Mode:
 
 
 BASELINE = Mode("float32", DType.FLOAT32, max_ppl_rise=0.0, min_agreement=1.0)
-#: int8's bounds are looser than the +3% / 0.9 asked for it: per-token int8 activations
-#: on this 135M model measured +1.5% to +4.8% perplexity and 0.83-0.85 agreement, and
-#: which end depends on rounding a different CPU may do differently (a 4e-6 change in
-#: one activation moved the perplexity by 2 points). Weight-only int8 measured +0.7%
-#: and 0.94, at a third of bf16's speed at batch 16. docs/engine.md "Precision".
+#: int8 weights are held to the bounds first asked for them (+3%, 0.90) since their
+#: kernel multiplies the activation outlier columns in float (LLM.int8()'s split,
+#: `engine.linear_kernel.OUTLIER_THRESHOLD`); without the split per-token int8
+#: activations measured +1.5% to +4.8% and 0.83-0.85 here. docs/engine.md "Precision".
 MODES = (
     Mode("bfloat16", DType.BFLOAT16, max_ppl_rise=0.01),
-    Mode("int8, float32", DType.FLOAT32, WeightQuant.INT8, 0.06, min_agreement=0.78),
-    Mode("int8, bfloat16", DType.BFLOAT16, WeightQuant.INT8, 0.06, min_agreement=0.78),
+    Mode("int8, float32", DType.FLOAT32, WeightQuant.INT8, max_ppl_rise=0.03),
+    Mode("int8, bfloat16", DType.BFLOAT16, WeightQuant.INT8, max_ppl_rise=0.03),
     # 8-bit KV caches against the unquantized (float32) cache: issue 21's +2% / 0.90.
     Mode("kv int8", DType.FLOAT32, max_ppl_rise=0.02, kv_cache_dtype=KvCacheDType.INT8),
     Mode("kv fp8_e4m3", DType.FLOAT32, max_ppl_rise=0.02, kv_cache_dtype=KvCacheDType.FP8_E4M3),
