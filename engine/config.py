@@ -68,7 +68,10 @@ class EngineConfig:
     )
     quantization: WeightQuant = field(
         default=WeightQuant.NONE,
-        metadata={"help": "none, or int8 weights with dynamic int8 activations (CPU)"},
+        metadata={
+            "help": "none, or int8 weights with dynamic int8 activations, outlier columns "
+            "in float (CPU)"
+        },
     )
     kv_cache_dtype: KvCacheDType = field(
         default=KvCacheDType.AUTO,

@@ -43,7 +43,7 @@ class WeightQuant(enum.StrEnum):
     """How the projection weights are stored and multiplied."""
 
     NONE = "none"  # in the compute dtype
-    INT8 = "int8"  # per-channel int8 weights, per-token dynamic int8 activations (CPU)
+    INT8 = "int8"  # per-channel int8 weights, per-token int8 activations bar outlier columns (CPU)
 
 
 class KvCacheDType(enum.StrEnum):
