@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.torch
 import torch
 
 from engine.errors import InvalidRequestError
@@ -159,6 +158,11 @@ class MaskJob:
         self._bits = torch.full((self.count, words), -1, dtype=torch.int32)
         pairs = [(g.matcher, i) for i, g in enumerate(grammars)]
         pool, executor = self._workers()
+        # Imported here, on the first constrained step: the module defines a
+        # torch.compile'd function, so importing it loads torch._dynamo (0.8 s), which
+        # every gateway and worker process would otherwise pay at start.
+        import llguidance.torch
+
         self._done: Future[None] = pool.submit(
             llguidance.torch.fill_next_token_bitmask_par, executor, pairs, self._bits
         )

@@ -27,6 +27,16 @@ os.environ.setdefault("PDSERVE_DTYPE", "float32")
 # the tests start takes the hop unless a test turns the decision on itself
 # (test_conditional_disaggregation.py, and the unit tests of `prefill_site`).
 os.environ.setdefault("PDSERVE_LOCAL_PREFILL_MAX_TOKENS", "0")
+# Under pytest-xdist (`make test` runs the unit tests on one process per core) each
+# process computes on one thread, so the processes do not oversubscribe the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: one process per core this process may run on (xdist's own count asks
+    psutil for the machine's cores, which in a container can be the whole host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
