@@ -38,14 +38,16 @@ lint: install
 	$(BIN)/lint-imports
 	$(BIN)/python -m loadtest.results --check true
 
-# The unit tests run on one process per core (pytest-xdist; a test file stays in one
-# process, with its module fixtures), then the rest one at a time: each integration test
-# starts a cluster of several processes, and timing-bound ones (deadlines, fair shares)
-# must not share the cores. Bytecode is cached even where the environment says not to
-# (PYTHONDONTWRITEBYTECODE): the suite starts a few hundred Python processes.
+# Two phases. First the unit tests, on one process per core (pytest-xdist; a test file
+# stays in one process, with its module fixtures). Then the tests marked serial, one at a
+# time: every integration test (each starts a cluster of several processes, and some
+# hold deadlines or fair shares) and the unit tests that measure time or reuse a port.
+# A failure in the first phase stops make before the second. Bytecode is cached even
+# where the environment says not to (PYTHONDONTWRITEBYTECODE): the suite starts a few
+# hundred Python processes.
 test: model lint
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n auto --dist loadfile tests/unit
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q --ignore=tests/unit
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n auto --dist loadfile -m "not serial"
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -m serial
 
 bench: model
 	$(BIN)/python -m loadtest.engine_bench --out bench-results/engine.json

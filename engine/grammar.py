@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
+import llguidance.numpy
 import torch
 
 from engine.errors import InvalidRequestError
@@ -158,13 +159,11 @@ class MaskJob:
         self._bits = torch.full((self.count, words), -1, dtype=torch.int32)
         pairs = [(g.matcher, i) for i, g in enumerate(grammars)]
         pool, executor = self._workers()
-        # Imported here, on the first constrained step: the module defines a
-        # torch.compile'd function, so importing it loads torch._dynamo (0.8 s), which
-        # every gateway and worker process would otherwise pay at start.
-        import llguidance.torch
-
+        # Filled through a numpy view of the same memory: llguidance's torch module
+        # defines a torch.compile'd function, and importing it loads torch._dynamo (0.8 s
+        # at every gateway and worker start).
         self._done: Future[None] = pool.submit(
-            llguidance.torch.fill_next_token_bitmask_par, executor, pairs, self._bits
+            llguidance.numpy.fill_next_token_bitmask_par, executor, pairs, self._bits.numpy()
         )
 
     def allowed(self, rows: int, index: Sequence[int]) -> torch.Tensor:

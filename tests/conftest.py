@@ -33,13 +33,22 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """`-n auto`: one process per core this process may run on (xdist's own count asks
-    psutil for the machine's cores, which in a container can be the whole host's)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
+    psutil for the machine's cores, which in a container can be the whole host's).
+    xdist's PYTEST_XDIST_AUTO_NUM_WORKERS still wins (None defers to xdist)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") or not hasattr(os, "sched_getaffinity"):
+        return None
+    return len(os.sched_getaffinity(0))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Everything outside tests/unit runs in `make test`'s serial phase: an integration
+    # test starts a cluster of several processes, and some hold deadlines or fair shares.
+    unit = Path(__file__).parent / "unit"
+    for item in items:
+        if unit not in item.path.parents:
+            item.add_marker(pytest.mark.serial)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -107,6 +107,21 @@ def test_int8_multiplies_outlier_columns_in_float(monkeypatch: pytest.MonkeyPatc
     assert split < 0.01 and unsplit > 2 * split, (split, unsplit)
 
 
+def test_int8_rows_do_not_depend_on_their_batch() -> None:
+    """Outliers are split per activation, not per column: another row's outlier does not
+    change how this row is quantized."""
+    gen = torch.Generator().manual_seed(11)
+    prepared = Int8Linear().prepare(torch.randn(96, 64, generator=gen))
+    row = torch.randn(1, 64, generator=gen)
+    other = torch.randn(1, 64, generator=gen)
+    other[0, [3, 9, 40]] = 30.0  # outliers in columns where `row` has none
+    alone = Int8Linear().apply(row, prepared)
+    batched = Int8Linear().apply(torch.cat([other, row]), prepared)[1:]
+    torch.testing.assert_close(batched, alone, rtol=1e-6, atol=1e-6)
+    empty = Int8Linear().apply(torch.empty(0, 64), prepared)
+    assert empty.shape == (0, 96)
+
+
 @needs_onednn
 def test_auto_packs_only_x86_cpu() -> None:
     packs = "onednn" if X86 else "torch"

@@ -13,6 +13,9 @@ import pytest
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.redis_client import connect
 
+# Run alone (`make test`'s serial phase): a server restarted on the port it let go.
+pytestmark = pytest.mark.serial
+
 REPO = Path(__file__).resolve().parents[3]
 
 

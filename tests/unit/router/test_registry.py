@@ -11,6 +11,9 @@ from services.router.keyspace import Keyspace
 from services.router.registry import IncompatibleWorkerError, Registry, keep_registered
 from tests.unit.router.conftest import LAYOUT, MODEL, worker
 
+# Run alone (`make test`'s serial phase): heartbeats that must land within a TTL.
+pytestmark = pytest.mark.serial
+
 
 def make(client: redis.Redis, namespace: str, **kw: object) -> Registry:
     return Registry(client, Keyspace(namespace), **kw)  # type: ignore[arg-type]

@@ -22,6 +22,9 @@ from services.gateway.config import GatewayConfig
 from services.gateway.fair_share import FairView, TenantService
 from services.router.worker_signal import WorkerSignal
 
+# Run alone (`make test`'s serial phase): waits measured to tens of milliseconds.
+pytestmark = pytest.mark.serial
+
 CRIT, STD, SHED = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
 
 

@@ -23,6 +23,9 @@ from tests.conftest import EngineFactory, assert_no_leaks
 from tests.unit.services.engine_harness import Context, Harness
 from tests.unit.services.test_decode_handler_cancel import TCP, Reader, _exported
 
+# Run alone (`make test`'s serial phase): a port let go and taken again.
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture(scope="module")
 def engines(make_engine: EngineFactory) -> tuple[LLMEngine, LLMEngine]:

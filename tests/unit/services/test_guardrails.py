@@ -35,6 +35,9 @@ from tests.unit.services.gateway_fakes import (
     request,
 )
 
+# Run alone (`make test`'s serial phase): a deadline measured to 50 ms.
+pytestmark = pytest.mark.serial
+
 P = common_pb2
 
 

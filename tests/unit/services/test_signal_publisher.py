@@ -28,6 +28,9 @@ from services.worker.signal_publisher import BusyAverage, SignalPublisher, signa
 from tests.conftest import assert_no_leaks
 from tests.tiny_models import write_tiny_model
 
+# Run alone (`make test`'s serial phase): a server restarted on the port it let go.
+pytestmark = pytest.mark.serial
+
 INTERVAL_S = 0.05
 IDLE = EngineStats(
     total_blocks=100, free_blocks=60, used_blocks=40, cached_blocks=5, held_blocks=0,
