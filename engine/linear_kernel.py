@@ -59,8 +59,8 @@ INT8_MAX = 127
 #: qkv, gate/up and the LM head (normalized, their RMSNorm gains folded into the weights)
 #: have a few channels at 20-24 on every token against a median column peak of 1.5; o's
 #: peak 4 on a median call and down's 12 (once 3,400). Thresholds 3-6 all kept perplexity
-#: within +1.4% (+4.8% without the split); 4 gave the best teacher-forced agreement in
-#: both dtypes (0.92-0.93, against 0.83-0.85 without).
+#: within +1.4% (+4.8% without the split; measured splitting whole columns); 4 gave the
+#: best teacher-forced agreement in both dtypes (0.92-0.93, against 0.83-0.85 without).
 OUTLIER_THRESHOLD = 4.0
 
 
@@ -160,8 +160,8 @@ class Int8Linear:
     The outliers left after folding (a few channels of the normalized residual stream,
     20-24 on every token) are split off: activations past `OUTLIER_THRESHOLD` are zeroed
     in the int8 product and added back as a float product with their dequantized weight
-    rows, so each row's scale is set by its ordinary channels (perplexity +0.2% / +1.4%
-    in fp32 / bf16). Per activation, not per column as LLM.int8() splits: a row's result
+    rows, so each row's scale is set by its ordinary channels (perplexity +0.4% in fp32
+    and in bf16). Per activation, not per column as LLM.int8() splits: a row's result
     then depends on that row alone, not on what else shares its batch. The split costs a
     few small ops per call: about 0.05 ms at one row and about 50% at 256 rows, measured on
     SmolLM2's MLP shapes.
