@@ -32,6 +32,12 @@ def flag(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
+def pdserve_env() -> dict[str, str]:
+    """This process's `PDSERVE_*` env vars, for a launcher to hand to what it builds
+    elsewhere (Ray actors on other nodes do not share its environment)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
+
+
 def env_var_names(cls: type) -> list[str]:
     """Every env var a config dataclass accepts."""
     return [env_var(f.name) for f in dataclasses.fields(cls)]
@@ -74,6 +80,14 @@ def _parser_for(tp: Any) -> Callable[[str], Any]:
     return parse
 
 
+def _from_env(name: str, parse: Callable[[str], Any], environ: Mapping[str, str]) -> Any:
+    """The env var `name` parsed; a ValueError naming it if it does not parse."""
+    try:
+        return parse(environ[name])
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise ValueError(f"{name}={environ[name]!r}: {exc}") from None
+
+
 def add_config_args(
     parser: argparse.ArgumentParser,
     cls: type,
@@ -93,9 +107,9 @@ def add_config_args(
         default = f.default
         if name in environ:
             try:
-                default = parse(environ[name])
-            except (ValueError, argparse.ArgumentTypeError) as exc:
-                parser.error(f"{name}={environ[name]!r}: {exc}")
+                default = _from_env(name, parse, environ)
+            except ValueError as exc:
+                parser.error(str(exc))
         # argparse %-formats help: a literal '%' in the text ("50% slower") must be doubled.
         text = str(f.metadata.get("help", "")).replace("%", "%%")
         help_text = f"{text} (env {name}; default: %(default)s)"
@@ -111,6 +125,23 @@ def config_from_args(cls: type[T], namespace: argparse.Namespace) -> T:
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     values = {n: getattr(namespace, n) for n in names if hasattr(namespace, n)}
     return cls(**values)
+
+
+def config_from_env(
+    cls: type[T], values: Mapping[str, Any], env: Mapping[str, str] | None = None
+) -> T:
+    """`cls` with `values`, and every other field from its `PDSERVE_*` env var where set
+    (else its default): what the service's own command line would have read, for a
+    launcher that builds the service in-process (Ray). A var that does not parse is a
+    ValueError naming it."""
+    environ = os.environ if env is None else env
+    hints = typing.get_type_hints(cls)
+    from_env = {
+        f.name: _from_env(env_var(f.name), _parser_for(hints[f.name]), environ)
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if f.name not in values and env_var(f.name) in environ
+    }
+    return cls(**from_env, **values)
 
 
 def config_with_args(cfg: T, argv: list[str]) -> T:

@@ -28,11 +28,9 @@ from typing import Any
 import ray
 
 from engine.config import EngineConfig
-from engine.precision import DType, KvCacheDType, WeightQuant
-from engine.speculation import SpecMode
 from kvtransfer.config import TransferConfig
 from services.cluster.local_cluster import ClusterConfig
-from services.common.config import config_with_args
+from services.common.config import config_from_env, config_with_args
 from services.common.model_config import ModelConfig
 from services.common.role import Role
 from services.common.telemetry_config import TelemetryConfig
@@ -67,8 +65,14 @@ class Pool:
 
 class ClusterController:
     def __init__(
-        self, cluster: ClusterConfig, ray_cfg: RayConfig, telemetry: TelemetryConfig
+        self,
+        cluster: ClusterConfig,
+        ray_cfg: RayConfig,
+        telemetry: TelemetryConfig,
+        env: dict[str, str] | None = None,
     ) -> None:
+        """`env`: the launcher's `PDSERVE_*` env vars, which fill the worker engines'
+        settings the cluster leaves unset (None: none)."""
         if cluster.extra_models or cluster.served_model_name or cluster.lora_dir:
             # Each model's pool would need its own actors, scaling and autoscaler, and each
             # node the adapters' directory: not yet.
@@ -78,6 +82,7 @@ class ClusterController:
             )
         self.cluster = cluster
         self.ray_cfg = ray_cfg
+        self.env = env or {}
         # Every service picks its own metrics port: several may share a node.
         self.telemetry = telemetry
         if telemetry.metrics_port > 0:
@@ -189,14 +194,17 @@ class ClusterController:
         name = f"{pool.role}-{index}"
         worker = WorkerConfig(role=Role(pool.role), worker_id=name, redis_url=self.redis_url,
                               namespace=self.ray_cfg.ray_namespace)  # fmt: skip
-        engine = EngineConfig(model=c.model, model_cache_dir=c.model_cache_dir,
-                              kv_cache_bytes=c.worker_kv_cache_bytes,
-                              num_threads=c.worker_threads,
-                              dtype=c.dtype or DType.AUTO,
-                              quantization=c.quantization or WeightQuant.NONE,
-                              kv_cache_dtype=c.kv_cache_dtype or KvCacheDType.AUTO,
-                              speculative_decoding=c.speculative_decoding or SpecMode.OFF,
-                              device="cuda" if pool.gpus > 0 else "cpu")  # fmt: skip
+        # As a local cluster's worker process reads its PDSERVE_* env vars for what its
+        # flags leave unset, a worker actor's engine takes them from the launcher's
+        # environment; what the cluster sets wins.
+        chosen = {"dtype": c.dtype, "quantization": c.quantization,
+                  "kv_cache_dtype": c.kv_cache_dtype,
+                  "speculative_decoding": c.speculative_decoding}  # fmt: skip
+        values = {"model": c.model, "model_cache_dir": c.model_cache_dir,
+                  "kv_cache_bytes": c.worker_kv_cache_bytes, "num_threads": c.worker_threads,
+                  "device": "cuda" if pool.gpus > 0 else "cpu",
+                  **{k: v for k, v in chosen.items() if v is not None}}  # fmt: skip
+        engine = config_from_env(EngineConfig, values, self.env)
         transfer = TransferConfig(kv_backend=c.kv_backend)
         return ServiceSpec(name, "worker", (worker, engine, transfer, self.telemetry))
 

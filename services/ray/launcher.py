@@ -19,6 +19,7 @@ from typing import Any
 import ray
 
 from services.cluster.local_cluster import ClusterConfig
+from services.common.config import pdserve_env
 from services.common.telemetry_config import TelemetryConfig
 from services.ray.config import RayConfig
 from services.ray.controller import CONTROLLER_NAME, ClusterController
@@ -103,7 +104,7 @@ class RayCluster:
         self.controller = (
             ray.remote(ClusterController)
             .options(name=CONTROLLER_NAME, namespace=namespace, num_cpus=0, max_restarts=0)
-            .remote(self.cluster, self.ray_cfg, self.telemetry)
+            .remote(self.cluster, self.ray_cfg, self.telemetry, pdserve_env())
         )
         timeout = self.cluster.startup_timeout_s * 2 + 60
         try:

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
+from engine.precision import DType
 from services.common.config import (
     add_config_args,
     config_from_args,
+    config_from_env,
     config_with_args,
     env_var_names,
 )
@@ -83,3 +85,12 @@ def test_config_with_args_layers_flags_on_a_built_config() -> None:
         config_with_args(base, ["--num-prefill", "2"])
     with pytest.raises(ValueError, match="ttft-budget-standard-s"):
         config_with_args(base, ["--ttft-budget-standard-s", "soon"])
+
+
+def test_config_from_env_fills_what_values_leave_unset() -> None:
+    env = {"PDSERVE_BLOCK_SIZE": "32", "PDSERVE_DTYPE": "bfloat16", "PDSERVE_MAX_NUM_SEQS": "7"}
+    cfg = config_from_env(EngineConfig, {"max_num_seqs": 3}, env)
+    assert (cfg.block_size, cfg.dtype, cfg.max_num_seqs) == (32, DType.BFLOAT16, 3)
+    assert config_from_env(EngineConfig, {}, {}).block_size == 16
+    with pytest.raises(ValueError, match="PDSERVE_BLOCK_SIZE='big'"):
+        config_from_env(EngineConfig, {}, {"PDSERVE_BLOCK_SIZE": "big"})
