@@ -292,7 +292,7 @@ def decode_attention(heads: int, kv_heads: int, hd: int) -> Any:
     `attend(q, pool, bases, seq_lens, k_off, v_off, out)` attends each row of `q`
     ([rows, heads * hd] float32) over its sequence's `seq_lens[r]` cached tokens, token
     p's K row at element `bases[r, p] + k_off` of `pool` and its V row at `+ v_off`."""
-
+    _check_heads(heads, kv_heads, hd)
     digest = _INLINED_DIGEST
 
     @numba.njit(cache=True, nogil=True)

@@ -277,3 +277,13 @@ def test_larger_decode_steps_attend_through_the_compiled_kernel(
         pairs = zip(outs["fp32"], outs[name], strict=True)
         agree[name] = sum(a == b for x, y in pairs for a, b in zip(x, y, strict=True))
     assert agree["compiled"] >= agree["torch"], agree
+
+
+@pytest.mark.parametrize("build", [decode_kernel.decode_step, decode_kernel.decode_attention])
+@pytest.mark.parametrize(("heads", "kv_heads", "hd"), [(9, 2, 64), (9, 0, 64), (9, 3, 0)])
+def test_both_entry_points_refuse_head_counts_they_would_divide_by(
+    build: Any, heads: int, kv_heads: int, hd: int
+) -> None:
+    """Compiled under numpy's error model, a bad division would not raise inside."""
+    with pytest.raises(ValueError, match="positive multiple of kv_heads"):
+        build(heads, kv_heads, hd)
