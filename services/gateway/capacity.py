@@ -31,7 +31,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from engine.priority import Priority
@@ -159,14 +159,15 @@ def _view(signals: Sequence[WorkerSignal], now: float) -> PoolView:
 
 
 class Capacity:
-    """`sites`: the gateway's conditional-disaggregation thresholds (its queue lengths
-    unused here; none, or a local limit of 0: every prompt takes the prefill hop). Above
-    0, decode workers prefill the prompts the gateway keeps local, so a prompt it may
-    keep local is also estimated on the decode pool (`local`), and gets the sooner of
-    the two estimates."""
+    """`sites`: the gateway's conditional-disaggregation thresholds (none, or a local
+    limit of 0: every prompt takes the prefill hop). Above 0, decode workers prefill the
+    prompts the gateway keeps local, so a prompt it may keep local is also estimated on
+    the decode pool (`local`), and gets the sooner of the two estimates. `self.sites` is
+    that policy reading its queue lengths from here (`queue_s`): the one the gateway
+    routes by too, so admission and routing judge a prompt by the same rule."""
 
     def __init__(self, sites: SitePolicy | None = None) -> None:
-        self.sites = sites or SitePolicy(local_max_tokens=0, busy_s=0.0)
+        self.sites = replace(sites or SitePolicy(0, 0.0), queue_s=self.queue_s)
         self.prefill = PoolView()
         self.local = PoolView()  # the decode pool as a prefill site; empty when none
         self.decode = PoolView()

@@ -50,7 +50,6 @@ from services.gateway.auth import ANONYMOUS, AuthError, Principal
 from services.gateway.config import GatewayConfig
 from services.gateway.model_backend import Backend
 from services.gateway.model_catalog import ModelCatalog
-from services.gateway.prefill_site import SitePolicy
 from services.gateway.record_book import RecordBook, Resource
 from services.gateway.request_record import Keepers, Prepared, RequestRecord
 from services.gateway.request_stream import RequestStream, StreamError
@@ -100,11 +99,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     def backend(self, version: str, placement: Placement, admission: Admission) -> Backend:
         """One version of a model, served with this gateway's keys, stubs and book."""
-        cfg = self.config
         keepers = Keepers(placement, self.access, self.stubs, self.book)
-        queue_s = admission.capacity.queue_s
-        sites = SitePolicy(cfg.local_prefill_max_tokens, cfg.local_prefill_busy_s, queue_s)
-        return Backend(version, placement, admission, keepers, sites)
+        # Routing's site policy is admission's, with its live queue lengths.
+        return Backend(version, placement, admission, keepers, admission.capacity.sites)
 
     def add_model(
         self,
