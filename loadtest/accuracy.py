@@ -20,7 +20,9 @@ continuation and must rank float32's token first at each of its positions
 tokens) is reported beside it, positional and as the common prefix, but not gated: one
 near-tie flipped early ends a continuation's agreement, so on 20 prompts of 32 tokens it
 swings by 0.1 between variants that differ only in rounding (docs/engine.md
-"Precision" has the numbers). Float32 itself is held to HF transformers token for token
+"Precision" has the numbers), and transformers' own bf16 reaches about 0.70 of it
+against its own fp32 (`loadtest.accuracy_reference`, scored in the same run by
+`python -m loadtest.accuracy`, not by the suite). Float32 itself is held to HF transformers token for token
 by the parity tests, not here.
 """
 
@@ -38,13 +40,16 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.model_store import resolve_model_dir
 from engine.precision import DType, KvCacheDType, WeightQuant
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatMessage, Tokenizer
+from loadtest import accuracy_reference
 from loadtest.parity_prompts import CHAT, SHORT, long_prompt
 from loadtest.provenance import collect_provenance
 from loadtest.reference_text import REFERENCE_TEXT
 from loadtest.result_file import write_result
+from services.common.config import parse_bool
 
 SCHEMA = "accuracy_gate/v1"
 CONTINUATION_TOKENS = 32
@@ -67,8 +72,9 @@ BASELINE = Mode("float32", DType.FLOAT32, max_ppl_rise=0.0, min_agreement=1.0)
 #: kernel multiplies the activation outlier columns in float (LLM.int8()'s split,
 #: `engine.linear_kernel.OUTLIER_THRESHOLD`); without the split per-token int8
 #: activations measured +1.5% to +4.8% and 0.83-0.85 here. docs/engine.md "Precision".
+BF16 = Mode("bfloat16", DType.BFLOAT16, max_ppl_rise=0.01)
 MODES = (
-    Mode("bfloat16", DType.BFLOAT16, max_ppl_rise=0.01),
+    BF16,
     Mode("int8, float32", DType.FLOAT32, WeightQuant.INT8, max_ppl_rise=0.03),
     Mode("int8, bfloat16", DType.BFLOAT16, WeightQuant.INT8, max_ppl_rise=0.03),
     # 8-bit KV caches against the unquantized (float32) cache: issue 21's +2% / 0.90.
@@ -102,6 +108,12 @@ class AccuracyReport:
     prompts: int = 0
     continuation_tokens: int = CONTINUATION_TOKENS
     modes: list[ModeResult] = field(default_factory=list)
+    # transformers' own bf16 against its fp32 on the same inputs (`accuracy_reference`):
+    # not gated; what the gate's measures give for the reference implementation.
+    reference: list[ModeResult] = field(default_factory=list)
+    # Prompts whose transformers float32 continuation is the float32 engine's, token for
+    # token (None where the reference was not run).
+    reference_fp32_same: int | None = None
     note: str = (
         "perplexity of loadtest/reference_text.py from the engine's prompt logprobs; "
         "forced agreement (gated) = positions of float32's greedy continuations of the "
@@ -212,10 +224,12 @@ def measure(
     prompts: list[list[int]] | None = None,
     *,
     free_running: bool = True,
+    reference: bool = False,
 ) -> AccuracyReport:
     """Score float32 and each mode; `base` gives every other engine setting. Without
     `free_running` (the test suite: it is reported, not gated) the modes' own
-    continuations are skipped and their free-running agreement is left out (None)."""
+    continuations are skipped and their free-running agreement is left out (None).
+    `reference` also scores transformers' own bf16 against its fp32 (`reference_row`)."""
 
     def config(mode: Mode) -> EngineConfig:
         return dataclasses.replace(
@@ -248,7 +262,36 @@ def measure(
                 passed=rise <= mode.max_ppl_rise and scores.forced_agreement >= mode.min_agreement,
             )
         )
+    if reference:
+        model_dir = resolve_model_dir(base.model, base.model_cache_dir.expanduser(), progress=False)
+        text = Tokenizer(model_dir).encode(REFERENCE_TEXT)
+        measured = accuracy_reference.measure(model_dir, text, base32.prompts, CONTINUATION_TOKENS)
+        report.reference.append(reference_row(measured))
+        report.reference_fp32_same = sum(
+            a == b for a, b in zip(measured.float32.continuations, ref, strict=True)
+        )
     return report
+
+
+def reference_row(ref: accuracy_reference.Reference) -> ModeResult:
+    """transformers' bf16 against its own fp32, scored as the gate scores pdserve's bf16
+    mode (`passed`: whether it would pass that gate)."""
+    gate = BF16
+    rise = ref.bfloat16.perplexity / ref.float32.perplexity - 1
+    same, prefix = agreement(ref.float32.continuations, ref.bfloat16.continuations)
+    return ModeResult(
+        name=accuracy_reference.NAME,
+        dtype=DType.BFLOAT16.value,
+        quantization=WeightQuant.NONE.value,
+        perplexity=ref.bfloat16.perplexity,
+        ppl_rise=rise,
+        max_ppl_rise=gate.max_ppl_rise,
+        forced_agreement=ref.forced_agreement,
+        min_agreement=gate.min_agreement,
+        agreement=same,
+        prefix_agreement=prefix,
+        passed=rise <= gate.max_ppl_rise and ref.forced_agreement >= gate.min_agreement,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -256,12 +299,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results/accuracy.json"))
     parser.add_argument("--modes", nargs="*", metavar="NAME",
                         help="only these modes (default: all of MODES)")  # fmt: skip
+    parser.add_argument("--reference", type=parse_bool, default=True,
+                        help="also score transformers' bf16 against its fp32 (true)")  # fmt: skip
     args = parser.parse_args(argv)
     provenance = collect_provenance(sys.argv)
     modes = [m for m in MODES if not args.modes or m.name in args.modes]
-    report = measure(EngineConfig(kv_cache_bytes=256 << 20, max_num_batched_tokens=512), modes)
+    base = EngineConfig(kv_cache_bytes=256 << 20, max_num_batched_tokens=512)
+    report = measure(base, modes, reference=args.reference)
     write_result(args.out, report, provenance)
-    for m in report.modes:
+    for m in [*report.modes, *report.reference]:
         print(
             f"{m.name:20s} ppl {m.perplexity:7.3f} ({m.ppl_rise:+.2%}, max {m.max_ppl_rise:.0%})"
             f"  forced {m.forced_agreement:.3f} (min {m.min_agreement:.2f})"

@@ -372,24 +372,39 @@ def roofline(data: Json) -> list[str]:
     ]
 
 
-def accuracy(data: Json) -> list[str]:
-    """Perplexity and agreement of each reduced-precision mode against float32."""
-    rows = [
+def _accuracy_rows(modes: list[Json]) -> list[list[str]]:
+    return [
         [m["name"], _fmt(m["perplexity"], ".3f"), _fmt(100 * m["ppl_rise"], "+.2f", "%"),
          f"<= +{100 * m['max_ppl_rise']:.0f}%", _fmt(m["forced_agreement"], ".3f"),
          f">= {m['min_agreement']:.2f}", _fmt(m["agreement"], ".3f"),
          _fmt(m["prefix_agreement"], ".3f"), "pass" if m["passed"] else "**fail**"]
-        for m in data.get("modes", [])
+        for m in modes
     ]  # fmt: skip
+
+
+def accuracy(data: Json) -> list[str]:
+    """Perplexity and agreement of each reduced-precision mode against float32, and
+    transformers' own bf16 against its float32 where the run measured it."""
     header = ["mode", "perplexity", "rise", "bound", "forced agreement", "floor",
               "free agreement", "free prefix", "gate"]  # fmt: skip
-    return [
+    lines = [
         f"{data.get('reference_tokens', '?')} reference tokens, {data.get('prompts', '?')} "
         f"parity prompts, {data.get('continuation_tokens', '?')} tokens each. "
         f"{data.get('note', '')}.",
         "",
-        *_table(header, rows),
+        *_table(header, _accuracy_rows(data.get("modes", []))),
     ]
+    if data.get("reference"):
+        lines += [
+            "",
+            "The yardstick, same run and inputs: transformers' own bfloat16 against its own "
+            "float32, scored the same way (its gate column says whether it would pass). "
+            f"transformers' float32 continuations equal the float32 engine's on "
+            f"{data.get('reference_fp32_same', '?')} of {data.get('prompts', '?')} prompts.",
+            "",
+            *_table(header, _accuracy_rows(data["reference"])),
+        ]
+    return lines
 
 
 def kv_memory(data: Json) -> list[str]:

@@ -51,7 +51,8 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _parse_bool(text: str) -> bool:
+def parse_bool(text: str) -> bool:
+    """A command-line or environment boolean: 1/true/yes/on or 0/false/no/off."""
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
@@ -63,7 +64,7 @@ def _parse_bool(text: str) -> bool:
 def _parser_for(tp: Any) -> Callable[[str], Any]:
     base, optional = _unwrap_optional(tp)
     converters: dict[Any, Callable[[str], Any]] = {
-        bool: _parse_bool,
+        bool: parse_bool,
         int: int,
         float: float,
         Path: Path,
