@@ -22,8 +22,8 @@ near-tie flipped early ends a continuation's agreement, so on 20 prompts of 32 t
 swings by 0.1 between variants that differ only in rounding (docs/engine.md
 "Precision" has the numbers), and transformers' own bf16 reaches about 0.70 of it
 against its own fp32 (`loadtest.accuracy_reference`, scored in the same run by
-`python -m loadtest.accuracy`, not by the suite). Float32 itself is held to HF transformers token for token
-by the parity tests, not here.
+`python -m loadtest.accuracy`, not by the suite). Float32 itself is held to HF
+transformers token for token by the parity tests, not here.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ scored and dropped in turn (transformers is a test extra, imported here only).
 from __future__ import annotations
 
 import gc
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,21 +49,27 @@ def perplexity(model: Any, tokens: Sequence[int]) -> float:
 
 
 def continuations(model: Any, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
-    """Greedy continuations of `n` tokens, EOS ignored, one prompt at a time (no padding,
-    so no position of a prompt differs from how pdserve reads it)."""
+    """Greedy continuations of `n` tokens, one prompt at a time (no padding), by argmax
+    over the raw logits with transformers' KV cache. Not `generate`: to run past EOS it
+    needs `min_new_tokens`, which masks EOS out, where the gate's `ignore_eos` only
+    keeps going after choosing it."""
+    import transformers
+
+    # transformers 5 renamed forward's `past_key_values` to `cache`; the cache object
+    # is ours and filled in place, so only the keyword differs between versions.
+    keyword = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    )
     out = []
     with torch.inference_mode():
         for p in prompts:
-            ids = torch.tensor([list(p)])
-            g = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=n,
-                min_new_tokens=n,  # EOS cannot end it early: ignore_eos, as the gate's
-                do_sample=False,
-                pad_token_id=0,
-            )
-            out.append(g[0, len(p) :].tolist())
+            kv = {keyword: transformers.DynamicCache()}
+            logits = model(torch.tensor([list(p)]), use_cache=True, **kv).logits
+            chosen = [int(logits[0, -1].argmax())]
+            while len(chosen) < n:
+                logits = model(torch.tensor([chosen[-1:]]), use_cache=True, **kv).logits
+                chosen.append(int(logits[0, -1].argmax()))
+            out.append(chosen)
     return out
 
 

@@ -22,7 +22,7 @@ def test_reference_float32_continues_as_the_engine_does(
     prompts = [engine.tokenizer.encode(p) for p in ("The capital of France is", "1, 2, 3,")]
     text = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
     n = 6
-    ours = continuations(engine, prompts)  # the gate's own length, CONTINUATION_TOKENS
+    ours = continuations(engine, prompts)  # CONTINUATION_TOKENS each, EOS ignored
     measured = accuracy_reference.measure(model_dir, text, prompts, n)
     # transformers in fp32 is what the parity tests hold the fp32 engine to.
     assert measured.float32.continuations == [c[:n] for c in ours]
