@@ -68,6 +68,7 @@ def cluster_config(name: str, cfg: HeadlineConfig, model: RunSettings) -> Cluste
         placement="redis",
         max_streams=1024,
         pin_workers=cfg.pin_workers,
+        dtype=cfg.dtype,
         # A flag: it also overrides a PDSERVE_LOCAL_PREFILL_MAX_TOKENS in the env.
         local_prefill_max_tokens=cfg.local_prefill_max_tokens if prefill else None,
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.precision import DType
 from loadtest.capacity_search import SearchConfig
 from loadtest.metrics import Slo
 from loadtest.settings import parse_numbers
@@ -89,6 +90,10 @@ class HeadlineConfig:
         default=1.5, metadata={"help": "capacity ratio disaggregated/colocated to meet"}
     )
     pin_workers: bool = field(default=True, metadata={"help": "one CPU core per worker"})
+    dtype: DType | None = field(
+        default=None,
+        metadata={"help": "workers' compute dtype (unset: their default, auto: bf16 where native)"},
+    )
     kv_backend: str = field(default="nixl", metadata={"help": "KV transfer backend"})
     worker_kv_cache_bytes: int = field(
         default=1 << 30, metadata={"help": "KV pool per worker (a 4k prompt needs 180 MiB)"}

@@ -4,8 +4,9 @@ class's TTFT budget; otherwise it waits, for at most that budget, or is refused 
 Lifecycle: the gateway makes one `Admission` and `start`s its tick task with the event
 loop. `admit(record)` runs after the quota charge and before anything reaches a worker:
 - the fast path: nobody of its class or higher is waiting, its tenant is not over its
-  cluster-wide share, and `Capacity` says it fits (start delay within the budget and
-  within `QUEUE_TARGET_S` of an idle pool's, decode KV room): it is admitted at once;
+  cluster-wide share, and `Capacity` says it fits (its wait before its prefill could
+  start within the budget, the prefill itself not counted; its start delay within
+  `QUEUE_TARGET_S` of an idle pool's; decode KV room): it is admitted at once;
 - else it takes a `Ticket` in the `WaitingRoom`. A full room refuses the lowest class
   first (a newcomer displaces the newest ticket of a lower class, or is refused itself),
   at once (UNAVAILABLE / 503, `Overloaded` with a retry hint);
@@ -163,15 +164,18 @@ class Admission:
         if not self.capacity.known(cost):
             return self.capacity.pending < UNMEASURED_PENDING
         delay = self.capacity.start_delay_s(cost, priority)
+        # The budget bounds the wait, not the request's own prefill: that (its time on
+        # an idle pool) is added to it, so a prompt whose prefill alone outlasts the
+        # budget is served by an idle cluster instead of refused when the budget ends.
+        idle = self.capacity.idle_delay_s(cost, priority)
         budget = self.config.budget_s(priority)
         # Within its budget, and without queueing long in the engine: a backlog left in
         # the waiting room is still in class and fairness order, one in an engine's
         # queue is not (a tenant admitted up to the whole budget would keep the next
         # request of a quieter tenant waiting behind it).
-        queue_limit = self.capacity.idle_delay_s(cost, priority) + QUEUE_TARGET_S
         return (
-            waited + delay <= budget * HEADROOM
-            and delay <= queue_limit
+            waited + delay <= budget * HEADROOM + idle
+            and delay <= idle + QUEUE_TARGET_S
             and self.capacity.decode_fits(cost)
         )
 
@@ -258,9 +262,9 @@ class Admission:
                 waiting.set_result(admitted)
 
     def _doomed(self, ticket: Ticket, now: float) -> bool:
-        """It has waited so long it could not make its budget even on an idle pool."""
-        idle = self.capacity.idle_delay_s(ticket.cost, ticket.priority) if self.signalled else 0.0
-        return ticket.waited(now) + idle > ticket.budget_s * HEADROOM
+        """It has waited so long it could not make its budget even on an idle pool (where
+        it would wait no more, `_fits`)."""
+        return ticket.waited(now) > ticket.budget_s * HEADROOM
 
     async def _sync_fairness(self, now: float) -> None:
         assert self.fair is not None

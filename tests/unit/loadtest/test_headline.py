@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from engine.precision import DType
 from loadtest.bench import load_synth
 from loadtest.headline import SYSTEMS, _Deployment, _interleaved, cluster_config
 from loadtest.headline_config import HeadlineConfig
@@ -161,6 +162,13 @@ def test_a_searched_capacity_is_bracketed_for_each_deployment(
     assert "Short prompts only, capacity by search:" in md and "**1.67x**" in md
     assert disagg.cluster.local_prefill_max_tokens == 512
     assert coloc.cluster.local_prefill_max_tokens is None
+    assert disagg.cluster.dtype is coloc.cluster.dtype is None  # the workers' default
+
+
+def test_a_dtype_reaches_both_deployments_workers(model_dir: Path) -> None:
+    cfg = HeadlineConfig(dtype=DType.FLOAT32)
+    model = RunSettings(model=str(model_dir), model_cache_dir=model_dir.parent)
+    assert [cluster_config(n, cfg, model).dtype for n in SYSTEMS] == [DType.FLOAT32] * 2
 
 
 def test_report_carries_capacities_ratio_and_plots(

@@ -185,3 +185,24 @@ async def test_the_backlog_waits_here_not_in_the_engines() -> None:
     board.queued = 500  # 0.6 s ahead: within an idle pool's 0.1 s plus the 1 s target
     assert await asyncio.wait_for(waiting, 1.0) is not None
     await admission.close()
+
+
+@run
+async def test_a_prompt_longer_than_its_budget_is_served_by_an_idle_pool() -> None:
+    """The budget bounds the wait, not the prompt's own prefill: 2 s of prefill on an idle
+    pool starts at once under a 0.4 s budget, and waits (then is refused at its budget)
+    only when other work is ahead of it."""
+    board = FakeBoard(queued=0)  # 1,000 tokens/s
+    admission = await started(board)
+    t0 = time.monotonic()
+    granted = await admission.admit(STD, "a", 1.0, Cost(2000, 10))
+    assert granted is not None and time.monotonic() - t0 < 0.05
+    granted.settled = True
+    board.queued = 1000  # 1 s of prefill ahead of it: past 90% of 0.4 s
+    await asyncio.sleep(0.15)  # the next signal read
+    t0 = time.monotonic()
+    with pytest.raises(Overloaded) as err:
+        await admission.admit(STD, "a", 1.0, Cost(2000, 10))
+    assert err.value.reason is RefusalReason.BUDGET
+    assert 0.4 <= time.monotonic() - t0 < 0.4 + 0.2
+    await admission.close()
