@@ -42,12 +42,16 @@ lint: install
 # stays in one process, with its module fixtures). Then the tests marked serial, one at a
 # time: every integration test (each starts a cluster of several processes, and some
 # hold deadlines or fair shares) and the unit tests that measure time or reuse a port.
-# A failure in the first phase stops make before the second. Bytecode is cached even
-# where the environment says not to (PYTHONDONTWRITEBYTECODE): the suite starts a few
-# hundred Python processes.
+# The second phase runs even when the first fails, so one CI run reports every failure;
+# make fails if either did. Bytecode is cached even where the environment says not to
+# (PYTHONDONTWRITEBYTECODE): the suite starts a few hundred Python processes.
 test: model lint
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n auto --dist loadfile -m "not serial"
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -m serial
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n auto --dist loadfile -m "not serial"; \
+	unit=$$?; \
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -m serial; \
+	serial=$$?; \
+	echo "make test: parallel phase exit $$unit, serial phase exit $$serial"; \
+	[ $$unit -eq 0 ] && [ $$serial -eq 0 ]
 
 bench: model
 	$(BIN)/python -m loadtest.engine_bench --out bench-results/engine.json
