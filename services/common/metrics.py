@@ -29,10 +29,16 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+#: The `model` label of a request refused before its model was resolved (an unknown
+#: name is not a label value: a client could make any number of series with it).
+NO_MODEL = "-"
 
 
 class GatewayMetrics:
-    """Per-request latency, goodput against the SLOs, outcomes and the stream count."""
+    """Per-request latency, goodput against the SLOs, outcomes and the stream count,
+    each by `model` (the served model's name, `--served-model-name` or a catalog entry;
+    a LoRA adapter's requests count under their base model), so one gateway serving
+    several models says which one is slow or failing."""
 
     def __init__(self, registry: CollectorRegistry, slo_ttft_s: float, slo_itl_s: float) -> None:
         self.registry = registry  # the process's: the HTTP API's /metrics serves it too
@@ -41,62 +47,71 @@ class GatewayMetrics:
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds",
             "Time from the gateway receiving a request to its first token",
+            ["model"],
             buckets=TTFT_BUCKETS,
             registry=registry,
         )
         self.itl = Histogram(
             "pdserve_inter_token_latency_seconds",
             "Time between successive tokens of a stream, per token",
+            ["model"],
             buckets=ITL_BUCKETS,
             registry=registry,
         )
         self.e2e = Histogram(
             "pdserve_e2e_request_latency_seconds",
             "Time from the gateway receiving a request to its last message",
+            ["model"],
             buckets=E2E_BUCKETS,
             registry=registry,
         )
         self.finished = Counter(
             "pdserve_requests",
-            "Requests that ended normally, by finish reason and priority class",
-            ["finish_reason", "priority"],
+            "Requests that ended normally, by finish reason, priority class and model",
+            ["finish_reason", "priority", "model"],
             registry=registry,
         )
         self.goodput = Counter(
             "pdserve_goodput_requests",
             "Finished requests that met both the TTFT and the ITL SLO",
+            ["model"],
             registry=registry,
         )
         self.slo_missed = Counter(
             "pdserve_slo_violations",
             "Finished requests that missed an SLO, by SLO (ttft or itl)",
-            ["slo"],
+            ["slo", "model"],
             registry=registry,
         )
         self.errors = Counter(
             "pdserve_request_errors",
-            "Requests ended with an error, by gRPC status code",
-            ["code"],
+            "Requests ended with an error, by gRPC status code and model (- where it was "
+            "refused before its model was known)",
+            ["code", "model"],
             registry=registry,
         )
         self.cancelled = Counter(
             "pdserve_requests_cancelled",
             "Requests the client cancelled (closed the stream) before the end",
+            ["model"],
             registry=registry,
         )
         self.active = Gauge(
-            "pdserve_active_streams", "Streams running in the gateway now", registry=registry
-        )
+            "pdserve_active_streams", "Streams running in the gateway now", ["model"],
+            registry=registry,
+        )  # fmt: skip
         self.prompt_tokens = Counter(
-            "pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=registry
-        )
+            "pdserve_prompt_tokens", "Prompt tokens of finished requests", ["model"],
+            registry=registry,
+        )  # fmt: skip
         self.cached_tokens = Counter(
             "pdserve_cached_prompt_tokens",
             "Prompt tokens of finished requests served from a prefix cache",
+            ["model"],
             registry=registry,
         )
         self.output_tokens = Counter(
-            "pdserve_output_tokens", "Tokens streamed to clients", registry=registry
+            "pdserve_output_tokens", "Tokens streamed to clients", ["model"], registry=registry
         )
         self.migrations = Counter(
             "pdserve_stream_migrations",
@@ -142,19 +157,20 @@ class GatewayMetrics:
         e2e_s: float,
         output_tokens: int,
         priority: str = "standard",
+        model: str = NO_MODEL,
     ) -> None:
         """Count a normal end and judge it against the SLOs (ITL: mean after token 1)."""
-        self.finished.labels(reason, priority).inc()
-        self.e2e.observe(e2e_s)
+        self.finished.labels(reason, priority, model).inc()
+        self.e2e.labels(model).observe(e2e_s)
         itl = (e2e_s - ttft_s) / (output_tokens - 1) if output_tokens > 1 else 0.0
         ttft_ok = ttft_s <= self.slo_ttft_s
         itl_ok = itl <= self.slo_itl_s
         if not ttft_ok:
-            self.slo_missed.labels("ttft").inc()
+            self.slo_missed.labels("ttft", model).inc()
         if not itl_ok:
-            self.slo_missed.labels("itl").inc()
+            self.slo_missed.labels("itl", model).inc()
         if ttft_ok and itl_ok:
-            self.goodput.inc()
+            self.goodput.labels(model).inc()
 
 
 class WorkerMetrics:
@@ -335,6 +351,13 @@ class MetricsServer:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def family_total(page: dict[str, float], name: str) -> float | None:
+    """The sum of a `scrape`d family's samples over every label set (`name` alone or
+    `name{...}`), None where the page has none of them."""
+    values = [v for k, v in page.items() if k == name or k.startswith(name + "{")]
+    return sum(values) if values else None
 
 
 def scrape(port: int, host: str = "127.0.0.1", timeout_s: float = 5.0) -> dict[str, float]:

@@ -53,6 +53,7 @@ from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2
 from services.common import adapter_proto, priority_proto, sampling
 from services.common.detokenizer import IncrementalDetokenizer
 from services.common.log_format import log_context
+from services.common.metrics import NO_MODEL
 from services.common.status import NoWorkerError, StatusError
 from services.gateway.config import GatewayConfig
 from services.gateway.decode_retry import REFUSALS, DecodeRefusal, DecodeRetry
@@ -129,7 +130,11 @@ class RequestStream:
         self.lost: list[str] = []  # decode workers the stream moved away from
         self.reprefills = 0  # times a decode worker prefilled again after the KV was lost
         self.tel = (telemetry or GatewayTelemetry.disabled()).stream(
-            self.req.request_id, self.req.tenant, len(self.req.prompt), self.req.priority
+            self.req.request_id,
+            self.req.tenant,
+            len(self.req.prompt),
+            self.req.priority,
+            self.req.model or NO_MODEL,
         )
         self.priority = priority_proto.to_proto(self.req.priority)
 

@@ -283,7 +283,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             await record.admit(admission)
             record.take_slot(self.config.max_streams)
         except Refusal as exc:
-            self.telemetry.count_refusal(exc)
+            self.telemetry.count_refusal(exc, record.req.model)
             if not isinstance(exc, Overloaded):  # admission counts its own
                 admission.metrics.refused(record.req.priority, exc.reason)
             raise

@@ -22,7 +22,7 @@ from opentelemetry.trace import Span, SpanKind
 
 from engine.priority import Priority
 from pdserve.v1 import common_pb2, gateway_pb2
-from services.common.metrics import GatewayMetrics
+from services.common.metrics import NO_MODEL, GatewayMetrics
 from services.common.status import code_for
 from services.common.telemetry import Telemetry
 from services.common.tracing import Metadata, Phase, Tracing, trace_id_hex
@@ -84,8 +84,10 @@ class GatewayTelemetry:
         tenant: str,
         prompt_tokens: int,
         priority: Priority = Priority.STANDARD,
+        model: str = NO_MODEL,
     ) -> StreamTelemetry:
-        return StreamTelemetry(self, request_id, tenant, prompt_tokens, priority)
+        """One request's telemetry; `model` (its served model's name) labels its metrics."""
+        return StreamTelemetry(self, request_id, tenant, prompt_tokens, priority, model)
 
     def count_version(self, model: str, version: str, ok: bool) -> None:
         """A request of a named model ended on `version` (a rollout's split)."""
@@ -97,14 +99,15 @@ class GatewayTelemetry:
         if self.metrics is not None:
             self.metrics.rollbacks.labels(model).inc()
 
-    def count_error(self, code: grpc.StatusCode) -> None:
-        """A request refused before it had a stream (bad input, stream cap)."""
+    def count_error(self, code: grpc.StatusCode, model: str = NO_MODEL) -> None:
+        """A request refused before it had a stream (bad input, stream cap); `model` once
+        its served model is known."""
         if self.metrics is not None:
-            self.metrics.errors.labels(code.name).inc()
+            self.metrics.errors.labels(code.name, model).inc()
 
-    def count_refusal(self, exc: BaseException) -> None:
-        """`count_error` for an exception raised while validating a request."""
-        self.count_error(code_for(exc))
+    def count_refusal(self, exc: BaseException, model: str = NO_MODEL) -> None:
+        """`count_error` for an exception raised while validating or admitting a request."""
+        self.count_error(code_for(exc), model)
 
 
 class StreamTelemetry:
@@ -115,6 +118,7 @@ class StreamTelemetry:
         tenant: str,
         prompt_tokens: int,
         priority: Priority = Priority.STANDARD,
+        model: str = NO_MODEL,
     ) -> None:
         self._tracing = owner.tracing
         self._metrics = owner.metrics
@@ -122,6 +126,7 @@ class StreamTelemetry:
         self._tenant = tenant
         self._prompt_tokens = prompt_tokens
         self._priority = priority.label
+        self._model = model
         self.start = time.monotonic()
         self._first_at: float | None = None
         self._last_at = 0.0
@@ -143,12 +148,13 @@ class StreamTelemetry:
                     "pdserve.tenant": self._tenant,
                     "pdserve.prompt_tokens": self._prompt_tokens,
                     "pdserve.priority": self._priority,
+                    "pdserve.model": self._model,
                 },
                 kind=SpanKind.SERVER,
             )
             self._metadata = self._tracing.metadata(self.root)
         if self._metrics is not None:
-            self._metrics.active.inc()
+            self._metrics.active.labels(self._model).inc()
 
     @property
     def trace_id(self) -> str:
@@ -231,9 +237,9 @@ class StreamTelemetry:
         if self._first_at is None:
             self._first_at = now
             if self._metrics is not None:
-                self._metrics.ttft.observe(now - self.start)
+                self._metrics.ttft.labels(self._model).observe(now - self.start)
         elif self._metrics is not None and n > 0:
-            self._metrics.itl.observe((now - self._last_at) / n)
+            self._metrics.itl.labels(self._model).observe((now - self._last_at) / n)
         self._last_at = now
         self._tokens += n
 
@@ -259,10 +265,11 @@ class StreamTelemetry:
         m = self._metrics
         if m is not None:
             ttft = (self._first_at or now) - self.start
-            m.record_finished(reason, ttft, now - self.start, self._tokens, self._priority)
-            m.prompt_tokens.inc(msg.usage.prompt_tokens)
-            m.cached_tokens.inc(msg.usage.cached_tokens)
-            m.output_tokens.inc(self._tokens)
+            model = self._model
+            m.record_finished(reason, ttft, now - self.start, self._tokens, self._priority, model)
+            m.prompt_tokens.labels(model).inc(msg.usage.prompt_tokens)
+            m.cached_tokens.labels(model).inc(msg.usage.cached_tokens)
+            m.output_tokens.labels(model).inc(self._tokens)
 
     def cancelled(self) -> None:
         if not self._outcome:
@@ -270,7 +277,7 @@ class StreamTelemetry:
             if self.root is not None:
                 Tracing.fail(self.root, "CANCELLED", "the client went away")
             if self._metrics is not None:
-                self._metrics.cancelled.inc()
+                self._metrics.cancelled.labels(self._model).inc()
 
     def failed(self, code: grpc.StatusCode, message: str) -> None:
         if not self._outcome:
@@ -278,10 +285,10 @@ class StreamTelemetry:
             if self.root is not None:
                 Tracing.fail(self.root, code.name, message)
             if self._metrics is not None:
-                self._metrics.errors.labels(code.name).inc()
+                self._metrics.errors.labels(code.name, self._model).inc()
 
     def end(self) -> None:
         if self._metrics is not None:
-            self._metrics.active.dec()
+            self._metrics.active.labels(self._model).dec()
         if self.root is not None:
             self.root.end()

@@ -22,7 +22,7 @@ from opentelemetry.proto.common.v1 import common_pb2 as otlp_common
 from pdserve.v1 import gateway_pb2
 from services.cli.timeline import format_timeline
 from services.cluster.local_cluster import ClusterConfig, LocalCluster
-from services.common.metrics import scrape
+from services.common.metrics import family_total, scrape
 from services.common.telemetry_config import TelemetryConfig
 from services.gateway.client import GatewayClient, build_request
 from tests.conftest import MODEL_CACHE
@@ -240,22 +240,23 @@ def test_histograms_count_every_request(cluster: LocalCluster) -> None:
     for i in range(n):
         asyncio.run(_collect(cluster.gateway_address, prompt=f"Count to {i + 3}.", max_tokens=4))
     after = _scrape(_port(cluster, "gateway"))
+
+    def grew(name: str) -> float:
+        return (family_total(after, name) or 0.0) - (family_total(before, name) or 0.0)
+
     for name in (
         "pdserve_time_to_first_token_seconds_count",
         "pdserve_e2e_request_latency_seconds_count",
+        "pdserve_requests_total",
     ):
-        assert after[name] - before.get(name, 0.0) == n, name
-    finished = sum(
-        v - before.get(k, 0.0) for k, v in after.items() if k.startswith("pdserve_requests_total{")
-    )
-    assert finished == n
-    assert after["pdserve_inter_token_latency_seconds_count"] > before.get(
-        "pdserve_inter_token_latency_seconds_count", 0.0
-    )
-    judged = after.get("pdserve_goodput_requests_total", 0.0) + sum(
-        v for k, v in after.items() if k.startswith("pdserve_slo_violations_total")
-    )
+        assert grew(name) == n, name
+    assert grew("pdserve_inter_token_latency_seconds_count") > 0
+    judged = grew("pdserve_goodput_requests_total") + grew("pdserve_slo_violations_total")
     assert judged >= n  # every finished request met both SLOs or counted a miss
+    # One model served: every request series carries its name, and only it.
+    models = {k.partition("model=")[2].split(",")[0].rstrip("}") for k in after
+              if k.startswith("pdserve_time_to_first_token_seconds_count")}  # fmt: skip
+    assert len(models) == 1 and models != {"-"}, models
     worker = _scrape(_port(cluster, "prefill-0"))
     assert worker["pdserve_kv_blocks{state=total}"] > 0
     assert 0.0 <= worker["pdserve_kv_block_utilization"] <= 1.0
@@ -286,7 +287,7 @@ def test_repeated_prompt_raises_prefix_hit_ratio(cluster: LocalCluster) -> None:
 def test_cancelled_request_is_counted(cluster: LocalCluster) -> None:
     gateway = _port(cluster, "gateway")
     probe = start_probe(cluster)
-    before = _scrape(gateway).get("pdserve_requests_cancelled_total", 0.0)
+    before = family_total(_scrape(gateway), "pdserve_requests_cancelled_total") or 0.0
 
     async def cancel_after_two() -> None:
         async with GatewayClient(cluster.gateway_address) as client:
@@ -305,11 +306,11 @@ def test_cancelled_request_is_counted(cluster: LocalCluster) -> None:
     # The cancel is counted when the relay ends; the stream slot is given back just after.
     while True:
         after = _scrape(gateway)
-        counted = after.get("pdserve_requests_cancelled_total", 0.0) >= before + 1
-        if counted and after["pdserve_active_streams"] == 0:
+        cancelled = family_total(after, "pdserve_requests_cancelled_total") or 0.0
+        active = family_total(after, "pdserve_active_streams")
+        if cancelled >= before + 1 and active == 0:
             break
         assert time.monotonic() < end, ("the gateway never counted the cancel", after)
         time.sleep(0.1)
-    assert after["pdserve_requests_cancelled_total"] == before + 1
-    assert after["pdserve_active_streams"] == 0
+    assert cancelled == before + 1
     assert_cluster_clean(probe)

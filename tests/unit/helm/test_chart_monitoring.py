@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 
+from services.common.metrics import GatewayMetrics
 from services.common.telemetry_config import TelemetryConfig
 from tests.unit.helm import promtool
 from tests.unit.helm.chart import CHART, Manifest, by_kind, load_values, notes, render
@@ -263,7 +265,7 @@ def test_dashboard_is_well_formed_for_grafana() -> None:
     ids = [p["id"] for p in board["panels"]]
     assert len(ids) == len(set(ids))
     variables = {v["name"] for v in board["templating"]["list"]}
-    assert {"datasource", "namespace", "gateway", "workers", "router"} <= variables
+    assert {"datasource", "namespace", "gateway", "model", "workers", "router"} <= variables
     for panel in board["panels"]:
         grid = panel["gridPos"]
         assert grid["x"] + grid["w"] <= 24
@@ -275,6 +277,25 @@ def test_dashboard_is_well_formed_for_grafana() -> None:
         for t in panel["targets"]:
             used = {v for v in variables if f"${v}" in t["expr"]}
             assert "namespace" in used, (panel["title"], t["expr"])
+
+
+def test_gateway_request_panels_follow_the_model_variable() -> None:
+    """Every query of a gateway request metric (labelled by model) selects `$model`."""
+    metrics = vars(GatewayMetrics(CollectorRegistry(), 1.0, 1.0)).values()
+    # prometheus_client keeps a metric's label names only in `_labelnames`.
+    by_model = {m._name for m in metrics if "model" in getattr(m, "_labelnames", ())}
+    assert "pdserve_time_to_first_token_seconds" in by_model and len(by_model) >= 12
+    board = json.loads(DASHBOARD.read_text())
+    panels = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    read = [e for e in panels if "$gateway" in e]
+    filtered = [e for e in read if metric_names(e) & _families(by_model)]
+    assert len(filtered) >= 15
+    assert all('model=~"$model"' in e for e in filtered), filtered
+
+
+def _families(names: set[str]) -> set[str]:
+    """The scraped names a family's metric names are read as (suffixes added)."""
+    return {n + s for n in names for s in ("", "_total", "_bucket", "_count", "_sum")}
 
 
 @promtool.needs_promtool

@@ -67,6 +67,7 @@ class Rig:
     leases: LeaseTable
     clock: Clock
     held: Gauge
+    active: Gauge  # the gateway's streams, by model
     ledger: LoadLedger
     quota: TokenQuota
     target: ProbeTarget
@@ -91,7 +92,8 @@ async def rig(redis_server: EmbeddedRedis, *, with_gauge: bool = True) -> AsyncI
                  registry=registry)  # fmt: skip
     for resource in HELD_RESOURCES if with_gauge else ():
         held.labels(resource=resource).set(0)
-    Gauge("pdserve_active_streams", "streams", registry=registry).set(0)
+    active = Gauge("pdserve_active_streams", "streams", ["model"], registry=registry)
+    active.labels("a").set(0)
     metrics = MetricsServer(registry, "127.0.0.1", 0)
     namespace = f"probe-{uuid.uuid4().hex[:8]}"
     client = connect(redis_server.url, 2.0)
@@ -100,7 +102,7 @@ async def rig(redis_server: EmbeddedRedis, *, with_gauge: bool = True) -> AsyncI
     target = ProbeTarget(lambda: [worker], LeaseTtls(KV_TTL_S, LOAD_TTL_S),
                          lambda: redis_server.url, namespace, (metrics.port,))  # fmt: skip
     try:
-        yield Rig(leases, clock, held, LoadLedger(client, Keyspace(namespace)),
+        yield Rig(leases, clock, held, active, LoadLedger(client, Keyspace(namespace)),
                   TokenQuota(client, namespace), target)  # fmt: skip
     finally:
         metrics.close()
@@ -197,6 +199,18 @@ def test_held_gateway_resource_fails(redis_server: EmbeddedRedis, resource: str)
         leaks = await probe.read()
         assert leaks.gateway == {resource: 1.0} and not leaks.clean
         r.held.labels(resource=resource).set(0)
+        assert (await probe.read()).clean
+
+    scenario(redis_server, body)
+
+
+def test_a_stream_left_active_for_any_model_fails(redis_server: EmbeddedRedis) -> None:
+    async def body(r: Rig) -> None:
+        probe = await LeakProbe.start(r.target)
+        r.active.labels("b").set(1)  # a second model's series, beside a's 0
+        leaks = await probe.read()
+        assert leaks.gateway == {"pdserve_active_streams": 1.0} and not leaks.clean
+        r.active.labels("b").set(0)
         assert (await probe.read()).clean
 
     scenario(redis_server, body)

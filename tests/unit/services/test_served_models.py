@@ -11,17 +11,21 @@ from pathlib import Path
 
 import pytest
 import redis
+from prometheus_client import CollectorRegistry
 
 from engine.errors import InvalidRequestError
 from engine.model_spec import ModelSpec
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import gateway_pb2
+from services.common.metrics import GatewayMetrics
 from services.common.model_config import extra_model_dirs
 from services.common.status import UnknownModelError
+from services.common.tracing import Tracing
 from services.gateway.admission import Admission
 from services.gateway.client import build_request
 from services.gateway.config import GatewayConfig
 from services.gateway.record_book import Resource
+from services.gateway.stream_telemetry import GatewayTelemetry
 from services.router.keyspace import Keyspace, pool_namespace
 from services.router.redis_placement import RedisPlacement
 from services.router.registry import Registry, WorkerInfo
@@ -106,6 +110,42 @@ def test_each_model_has_its_own_limits_and_unknown_names_are_listed(
         assert f"{gw.service.model_name!r}, {TINY!r}" in str(unknown.value)
         assert [m.name for m in gw.service.models] == [gw.service.model_name, TINY]
         assert gw.cluster.prefills == []
+        _nothing_held(gw, tiny)
+
+    asyncio.run(scenario())
+
+
+def test_request_metrics_are_counted_by_model(
+    client: redis.Redis, namespace: str, model_dir: Path, tiny_dir: Path
+) -> None:
+    """Each model's requests in its own series; a request for a name nobody serves under
+    `-`, not under the name it sent."""
+
+    async def scenario() -> None:
+        gw = build_gateway(client, namespace, model_dir)
+        tiny = _serve_tiny(gw, namespace, tiny_dir)
+        metrics = GatewayMetrics(CollectorRegistry(), slo_ttft_s=60.0, slo_itl_s=60.0)
+        gw.service.telemetry = GatewayTelemetry(Tracing.disabled("test"), metrics)
+        for model in (TINY, TINY, ""):
+            await _run(gw, model)
+        with pytest.raises(UnknownModelError):
+            await _run(gw, "other")
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in metrics.registry.collect() for s in family.samples
+        }  # fmt: skip
+        primary = gw.service.model_name
+
+        def count(name: str, **labels: str) -> float:
+            return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+        assert count("pdserve_time_to_first_token_seconds_count", model=TINY) == 2
+        assert count("pdserve_time_to_first_token_seconds_count", model=primary) == 1
+        assert count("pdserve_goodput_requests_total", model=TINY) == 2
+        assert count("pdserve_active_streams", model=TINY) == 0
+        assert count("pdserve_request_errors_total", code="NOT_FOUND", model="-") == 1
+        assert not any(("model", "other") in labels for _, labels in samples)
+        await gw.service.stubs.cleanups.close(timeout_s=10.0)
         _nothing_held(gw, tiny)
 
     asyncio.run(scenario())

@@ -109,10 +109,13 @@ def test_json_logs_carry_request_and_trace_ids() -> None:
 def test_gateway_metrics_served_and_goodput_judged() -> None:
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry, slo_ttft_s=0.5, slo_itl_s=0.05)
-    metrics.record_finished("FINISH_REASON_STOP", ttft_s=0.1, e2e_s=0.5, output_tokens=11)
     metrics.record_finished(
-        "FINISH_REASON_LENGTH", ttft_s=0.9, e2e_s=2.0, output_tokens=11, priority="critical"
+        "FINISH_REASON_STOP", ttft_s=0.1, e2e_s=0.5, output_tokens=11, model="small"
     )
+    metrics.record_finished(
+        "FINISH_REASON_LENGTH", ttft_s=0.9, e2e_s=2.0, output_tokens=11, priority="critical",
+        model="large",
+    )  # fmt: skip
     server = MetricsServer(registry, "127.0.0.1", 0)
     try:
         url = f"http://127.0.0.1:{server.port}/metrics"
@@ -120,12 +123,16 @@ def test_gateway_metrics_served_and_goodput_judged() -> None:
             text = resp.read().decode()
     finally:
         server.close()
-    assert "pdserve_goodput_requests_total 1.0" in text
-    assert 'pdserve_slo_violations_total{slo="ttft"} 1.0' in text
-    assert 'pdserve_slo_violations_total{slo="itl"} 1.0' in text
-    assert "pdserve_e2e_request_latency_seconds_count 2.0" in text
-    for reason, priority in (("STOP", "standard"), ("LENGTH", "critical")):
-        labels = f'finish_reason="FINISH_REASON_{reason}",priority="{priority}"'
+    # Each series by model: the slow one missed both SLOs, the other met them.
+    assert 'pdserve_goodput_requests_total{model="small"} 1.0' in text
+    assert 'pdserve_goodput_requests_total{model="large"}' not in text
+    assert 'pdserve_slo_violations_total{model="large",slo="ttft"} 1.0' in text
+    assert 'pdserve_slo_violations_total{model="large",slo="itl"} 1.0' in text
+    assert 'pdserve_slo_violations_total{model="small"' not in text
+    assert 'pdserve_e2e_request_latency_seconds_count{model="small"} 1.0' in text
+    assert 'pdserve_e2e_request_latency_seconds_count{model="large"} 1.0' in text
+    for reason, priority, model in (("STOP", "standard", "small"), ("LENGTH", "critical", "large")):
+        labels = f'finish_reason="FINISH_REASON_{reason}",model="{model}",priority="{priority}"'
         assert f"pdserve_requests_total{{{labels}}} 1.0" in text
 
 
