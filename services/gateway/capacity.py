@@ -2,8 +2,9 @@
 
 Lifecycle: the admission controller keeps one `Capacity`. Each tick it hands in the
 latest `WorkerSignal`s (read from Redis, `services.router.worker_signal`) with `update`;
-between ticks it asks `start_delay_s` (how long until a request's prefill could start
-and finish, given the work ahead of it) and `decode_fits` (whether the decode pool has
+between ticks it asks `estimate` (how long until a request's prefill could start and
+finish, given the work ahead of it, and how much of that is its own prefill) and
+`decode_fits` (whether the decode pool has
 the KV blocks the request will need), and tells it which requests it let in (`admitted`)
 and when their KV reached a decode worker (`settled`), so that the requests it admitted
 since the last signal count before the workers report them.
@@ -60,6 +61,14 @@ class Cost:
     def blocks(self, block_size: int) -> int:
         """KV blocks it holds at its longest."""
         return math.ceil((self.prompt_tokens + self.max_tokens) / block_size)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One request's prefill on the soonest pool that may take it, calibrated seconds."""
+
+    start_delay_s: float  # until its prefill could be done: the work ahead, then its own
+    idle_delay_s: float  # its own prefill alone, were that pool idle: not queueing
 
 
 @dataclass(eq=False)
@@ -202,15 +211,26 @@ class Capacity:
             return 0.0
         return signal.queued_tokens / signal.prefill_tokens_per_s
 
+    def estimate(self, cost: Cost, priority: Priority) -> Estimate | None:
+        """The request's estimate on the soonest pool that may prefill it, calibrated;
+        None where no such pool has measured its speed. One pass over the sites: what
+        admission asks of each request on every tick."""
+        soonest = self._soonest(cost, priority)
+        if soonest is None:
+            return None
+        raw, pool = soonest
+        factor = self.calibration.factor
+        return Estimate(raw * factor, cost.prompt_tokens / pool.rate * factor)
+
     def known(self, cost: Cost) -> bool:
         """Whether there is an estimate for this request at all: some pool that may
         prefill it has measured its speed."""
         return bool(self._sites(cost))
 
     def start_delay_s(self, cost: Cost, priority: Priority) -> float:
-        """Seconds until the request's prefill could be done, calibrated; 0 when there
-        is no estimate (see `known`)."""
-        return self.raw_delay_s(cost, priority) * self.calibration.factor
+        """`Estimate.start_delay_s`; 0 when there is no estimate (see `known`)."""
+        found = self.estimate(cost, priority)
+        return 0.0 if found is None else found.start_delay_s
 
     def raw_delay_s(self, cost: Cost, priority: Priority) -> float:
         """The uncalibrated estimate on the soonest pool that may prefill it."""
@@ -218,12 +238,9 @@ class Capacity:
         return 0.0 if soonest is None else soonest[0]
 
     def idle_delay_s(self, cost: Cost, priority: Priority = Priority.STANDARD) -> float:
-        """Seconds its prefill takes on the soonest pool were that pool idle (0 without
-        an estimate): what of its start delay is not queueing."""
-        soonest = self._soonest(cost, priority)
-        if soonest is None:
-            return 0.0
-        return cost.prompt_tokens / soonest[1].rate * self.calibration.factor
+        """`Estimate.idle_delay_s`; 0 when there is no estimate."""
+        found = self.estimate(cost, priority)
+        return 0.0 if found is None else found.idle_delay_s
 
     def _soonest(self, cost: Cost, priority: Priority) -> tuple[float, PoolView] | None:
         """(the uncalibrated delay, the pool) of the soonest site, None without one."""

@@ -189,8 +189,8 @@ class GatewayConfig:
 
     def budget_s(self, priority: Priority) -> float:
         """The class's TTFT budget: the most a request of it may wait to be admitted, and
-        the wait admission lets it in for; its own prefill's time comes on top (a long
-        prompt an idle pool can serve is served, `Admission._fits`)."""
+        the TTFT admission lets it in for (a prompt whose prefill alone takes most of it
+        may still wait a tenth of it, so an idle pool serves it: `Admission._fits`)."""
         return {
             Priority.CRITICAL: self.ttft_budget_critical_s,
             Priority.STANDARD: self.ttft_budget_standard_s,

@@ -189,9 +189,9 @@ async def test_the_backlog_waits_here_not_in_the_engines() -> None:
 
 @run
 async def test_a_prompt_longer_than_its_budget_is_served_by_an_idle_pool() -> None:
-    """The budget bounds the wait, not the prompt's own prefill: 2 s of prefill on an idle
-    pool starts at once under a 0.4 s budget, and waits (then is refused at its budget)
-    only when other work is ahead of it."""
+    """2 s of prefill on an idle pool starts at once under a 0.4 s budget (a tenth of the
+    budget is the least any request may wait); with a second of work ahead of it, it
+    waits, and is refused at its budget."""
     board = FakeBoard(queued=0)  # 1,000 tokens/s
     admission = await started(board)
     t0 = time.monotonic()
@@ -205,4 +205,25 @@ async def test_a_prompt_longer_than_its_budget_is_served_by_an_idle_pool() -> No
         await admission.admit(STD, "a", 1.0, Cost(2000, 10))
     assert err.value.reason is RefusalReason.BUDGET
     assert 0.4 <= time.monotonic() - t0 < 0.4 + 0.2
+    await admission.close()
+
+
+@run
+async def test_a_long_prompt_waiting_holds_its_class_back_only_briefly() -> None:
+    """The room starts its class in order, so a waiting request holds back the ones
+    behind it; a prompt that only an idle pool could start in time waits a tenth of
+    its budget, then steps aside (and is refused at its budget), and the short request
+    behind it starts."""
+    board = FakeBoard(queued=200)  # 0.2 s ahead
+    admission = await started(board, ttft_budget_standard_s=1.0)
+    t0 = time.monotonic()
+    long = asyncio.create_task(admission.admit(STD, "a", 1.0, Cost(2000, 10)))  # 2 s alone
+    await asyncio.sleep(0.01)
+    assert not long.done() and len(admission.room) == 1
+    short = await asyncio.wait_for(admission.admit(STD, "b", 1.0, Cost(100, 10)), 1.0)
+    assert short is not None and time.monotonic() - t0 < 0.3  # not the long one's 1 s
+    short.settled = True
+    with pytest.raises(Overloaded):
+        await long
+    assert 1.0 <= time.monotonic() - t0 < 1.2
     await admission.close()

@@ -184,3 +184,15 @@ def test_with_local_prefill_the_decode_pool_holds_what_the_prefill_pool_cannot()
     local.update([small, signal(Role.DECODE)])  # 1,000 blocks
     assert not local.never_fits(Cost(16 * 50, 16 * 51))  # past the prefill pool only
     assert local.never_fits(Cost(16 * 600, 16 * 600))
+
+
+def test_estimate_is_the_delays_in_one_pass() -> None:
+    cap = Capacity()
+    assert cap.estimate(Cost(500, 10), STD) is None  # no signals: no estimate
+    queued = ClassCounts(standard=1000)
+    cap.update([signal(Role.PREFILL, waiting=queued, rate=1000.0), signal(Role.DECODE)])
+    found = cap.estimate(Cost(500, 10), STD)
+    assert found is not None
+    assert found.start_delay_s == pytest.approx(cap.start_delay_s(Cost(500, 10), STD))
+    assert found.idle_delay_s == pytest.approx(cap.idle_delay_s(Cost(500, 10), STD))
+    assert (found.start_delay_s, found.idle_delay_s) == pytest.approx((1.5, 0.5))
