@@ -247,20 +247,7 @@ def measure(
         same, prefix = agreement(ref, scores.continuations) if free_running else (None, None)
         rise = ppl / ppl32 - 1
         report.modes.append(
-            ModeResult(
-                name=mode.name,
-                dtype=mode.dtype.value,
-                quantization=mode.quantization.value,
-                perplexity=ppl,
-                kv_cache_dtype=mode.kv_cache_dtype.value,
-                ppl_rise=rise,
-                max_ppl_rise=mode.max_ppl_rise,
-                forced_agreement=scores.forced_agreement,
-                min_agreement=mode.min_agreement,
-                agreement=same,
-                prefix_agreement=prefix,
-                passed=rise <= mode.max_ppl_rise and scores.forced_agreement >= mode.min_agreement,
-            )
+            _judged(mode, mode.name, ppl, rise, scores.forced_agreement, (same, prefix))
         )
     if reference:
         model_dir = resolve_model_dir(base.model, base.model_cache_dir.expanduser(), progress=False)
@@ -276,21 +263,35 @@ def measure(
 def reference_row(ref: accuracy_reference.Reference) -> ModeResult:
     """transformers' bf16 against its own fp32, scored as the gate scores pdserve's bf16
     mode (`passed`: whether it would pass that gate)."""
-    gate = BF16
     rise = ref.bfloat16.perplexity / ref.float32.perplexity - 1
-    same, prefix = agreement(ref.float32.continuations, ref.bfloat16.continuations)
+    free = agreement(ref.float32.continuations, ref.bfloat16.continuations)
+    name = accuracy_reference.NAME
+    return _judged(BF16, name, ref.bfloat16.perplexity, rise, ref.forced_agreement, free)
+
+
+def _judged(
+    mode: Mode,
+    name: str,
+    perplexity: float,
+    rise: float,
+    forced: float,
+    free: tuple[float | None, float | None],
+) -> ModeResult:
+    """A row of the report: `mode`'s bounds, the measured scores, and whether they pass
+    (`free`: free-running agreement, positional and prefix, reported, not gated)."""
     return ModeResult(
-        name=accuracy_reference.NAME,
-        dtype=DType.BFLOAT16.value,
-        quantization=WeightQuant.NONE.value,
-        perplexity=ref.bfloat16.perplexity,
+        name=name,
+        dtype=mode.dtype.value,
+        quantization=mode.quantization.value,
+        perplexity=perplexity,
+        kv_cache_dtype=mode.kv_cache_dtype.value,
         ppl_rise=rise,
-        max_ppl_rise=gate.max_ppl_rise,
-        forced_agreement=ref.forced_agreement,
-        min_agreement=gate.min_agreement,
-        agreement=same,
-        prefix_agreement=prefix,
-        passed=rise <= gate.max_ppl_rise and ref.forced_agreement >= gate.min_agreement,
+        max_ppl_rise=mode.max_ppl_rise,
+        forced_agreement=forced,
+        min_agreement=mode.min_agreement,
+        agreement=free[0],
+        prefix_agreement=free[1],
+        passed=rise <= mode.max_ppl_rise and forced >= mode.min_agreement,
     )
 
 
