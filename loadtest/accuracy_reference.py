@@ -10,9 +10,10 @@ ones on about 0.70 of the positions free-running (docs/engine.md "Precision"): a
 near-tie flipped by rounding ends the rest of a continuation's agreement, whoever
 computes it.
 
-Lifecycle: `python -m loadtest.accuracy` calls `measure_reference` after the gated
-modes, with the float32 engine's continuations; each transformers model is loaded,
-scored and dropped in turn (transformers is a test extra, imported here only).
+Lifecycle: `python -m loadtest.accuracy` calls `measure` after the gated modes (and
+compares transformers' fp32 continuations with the fp32 engine's itself); each
+transformers model is loaded, checked to be in the dtype asked for, scored and dropped
+in turn (transformers is a test extra, imported here only).
 """
 
 from __future__ import annotations
@@ -96,15 +97,25 @@ class Reference:
     forced_agreement: float
 
 
+def _load(model_dir: Path, dtype: torch.dtype) -> Any:
+    """transformers' model in `dtype`; RuntimeError if it loaded in another (a version
+    that ignores the keyword would make the comparison fp32 against fp32)."""
+    model = load_hf_model(model_dir, dtype)
+    got = next(model.parameters()).dtype
+    if got != dtype:
+        raise RuntimeError(f"transformers loaded the model in {got}, asked for {dtype}")
+    return model
+
+
 def measure(
     model_dir: Path, text: Sequence[int], prompts: Sequence[Sequence[int]], n: int
 ) -> Reference:
     """Score transformers in float32, then in bfloat16 (one model alive at a time)."""
-    model = load_hf_model(model_dir, torch.float32)
+    model = _load(model_dir, torch.float32)
     fp32 = ReferenceScores(perplexity(model, text), continuations(model, prompts, n))
     del model
     gc.collect()
-    model = load_hf_model(model_dir, torch.bfloat16)
+    model = _load(model_dir, torch.bfloat16)
     bf16 = ReferenceScores(perplexity(model, text), continuations(model, prompts, n))
     forced = forced_agreement(model, prompts, fp32.continuations)
     del model

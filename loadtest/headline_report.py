@@ -205,7 +205,9 @@ def markdown(results: HeadlineResults) -> str:
         "# Headline: disaggregated (1 prefill + 1 decode) vs colocated (2 mixed)",
         "",
         f"{results.created}; {results.host_cpus} CPU cores; one core and one torch thread per "
-        f"worker (pinned: {cfg.pin_workers}); router placement on embedded Redis; KV over "
+        f"worker (pinned: {cfg.pin_workers}); compute dtype "
+        f"{cfg.dtype.value if cfg.dtype else 'auto (the workers default)'}; "
+        "router placement on embedded Redis; KV over "
         f"{cfg.kv_backend}. Workload: chat ({t.tenants} tenants x {t.prompts_per_tenant} "
         f"system prompts of {t.system_tokens} tokens, Zipf {t.zipf_s}; user {t.user_tokens}, "
         f"output {t.chat_output_tokens}) with {t.long_fraction:.0%} long prompts "

@@ -37,7 +37,7 @@ import redis
 from kvtransfer.config import TransferConfig
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.cluster.local_cluster import ClusterConfig, LocalCluster
-from services.common.metrics import family_total, scrape
+from services.common.metrics import family_samples, scrape
 from services.common.role import Role
 from services.common.tls import TlsConfig, open_aio_channel
 from services.gateway.record_book import GAUGE, Resource
@@ -229,8 +229,9 @@ def _gateway_page(port: int) -> tuple[dict[str, float], list[str]]:
             missing.append(f'{HELD_GAUGE}{{resource="{resource}"}}')
         elif sum(samples):
             held[resource] = sum(samples)
-    # Summed over their labels: the active streams are counted by model.
-    idle = {name: family_total(page, name) for name in GATEWAY_IDLE}
+    # Each label set counts (the active streams are counted by model): one model's +1
+    # and another's -1 are two faults, not a clean zero.
+    idle = {name: sum(map(abs, family_samples(page, name))) for name in GATEWAY_IDLE}
     held.update({name: value for name, value in idle.items() if value})
     return held, missing
 

@@ -29,8 +29,9 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
-#: The `model` label of a request refused before its model was resolved (an unknown
-#: name is not a label value: a client could make any number of series with it).
+#: The `model` label of a request refused while it was validated, before admission (its
+#: model may be unknown there, and an unknown name is not a label value: a client could
+#: make any number of series with it).
 NO_MODEL = "-"
 
 
@@ -85,8 +86,8 @@ class GatewayMetrics:
         )
         self.errors = Counter(
             "pdserve_request_errors",
-            "Requests ended with an error, by gRPC status code and model (- where it was "
-            "refused before its model was known)",
+            "Requests ended with an error, by gRPC status code and model (- for a request "
+            "refused while it was validated, before admission)",
             ["code", "model"],
             registry=registry,
         )
@@ -353,10 +354,15 @@ class MetricsServer:
             self._server = None
 
 
+def family_samples(page: dict[str, float], name: str) -> list[float]:
+    """A `scrape`d family's samples, one per label set (`name` alone or `name{...}`)."""
+    return [v for k, v in page.items() if k == name or k.startswith(name + "{")]
+
+
 def family_total(page: dict[str, float], name: str) -> float | None:
-    """The sum of a `scrape`d family's samples over every label set (`name` alone or
-    `name{...}`), None where the page has none of them."""
-    values = [v for k, v in page.items() if k == name or k.startswith(name + "{")]
+    """The sum of a `scrape`d family's samples over every label set, None where the
+    page has none of them."""
+    values = family_samples(page, name)
     return sum(values) if values else None
 
 

@@ -1,5 +1,7 @@
-"""Admission control: a request starts only when the cluster can start it within its
-class's TTFT budget; otherwise it waits, for at most that budget, or is refused at once.
+"""Admission control: a request starts only when the cluster can give it its first token
+within its class's TTFT budget (or, for a prompt whose prefill alone takes most of the
+budget, start it within a tenth of it); otherwise it waits, for at most that budget, or
+is refused at once.
 
 Lifecycle: the gateway makes one `Admission` and `start`s its tick task with the event
 loop. `admit(record)` runs after the quota charge and before anything reaches a worker:
@@ -53,7 +55,7 @@ TICK_S = 0.05  # the longest a ticket waits for capacity it could already have
 SIGNAL_REFRESH_S = 0.1  # workers publish every 0.25 s; reading faster buys nothing
 FAIR_SYNC_S = 0.25
 # A request is let in only if its estimated prefill ends within this share of its budget
-# (the estimate is a mean; TTFT has a tail).
+# (the estimate is a mean; TTFT has a tail), unless MIN_WAIT_SHARE below lets it in.
 HEADROOM = 0.9
 # However long its own prefill, a request may wait this share of its budget: a prompt
 # an idle pool can start is started, though its prefill alone outlasts the budget.

@@ -187,9 +187,9 @@ class WaitingRoom:
         cannot start (`fits`), nothing starts: no lower class, no smaller request jumps
         the queue (it would starve the large one). A class whose backlogged tenants are
         all `held` (over their cluster-wide share) is passed over. A
-        `doomed` ticket (it has waited so long it could not make its budget even on an
-        idle cluster) is passed over too, and left to be refused at its budget: it must
-        not block the ones behind it that still can.
+        `doomed` ticket (it has waited longer than admission lets it: even an idle
+        cluster could not start it in time now) is passed over too, and left to be
+        refused at its budget: it must not block the ones behind it that still can.
         """
         for p in sorted(Priority, reverse=True):
             queue = self._classes[p]

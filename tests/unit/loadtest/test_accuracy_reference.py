@@ -30,7 +30,9 @@ def test_reference_float32_continues_as_the_engine_does(
     assert 1 < measured.float32.perplexity < 1e3
     # bf16 moves perplexity a little, never by half.
     assert measured.bfloat16.perplexity == pytest.approx(measured.float32.perplexity, rel=0.5)
-    assert 0.0 <= measured.forced_agreement <= 1.0
+    # bf16 ranks fp32's own greedy tokens first nearly everywhere (a model loaded in
+    # the wrong dtype, or misaligned positions, would not).
+    assert measured.forced_agreement >= 0.75
 
 
 def test_reference_row_scores_it_as_the_bf16_gate_would() -> None:

@@ -20,7 +20,7 @@ from engine.precision import DType
 from loadtest.bench import load_synth
 from loadtest.headline import SYSTEMS, _Deployment, _interleaved, cluster_config
 from loadtest.headline_config import HeadlineConfig
-from loadtest.headline_report import HeadlineResults, SystemResult, write_outputs
+from loadtest.headline_report import HeadlineResults, SystemResult, markdown, write_outputs
 from loadtest.metrics import RequestRecord, summarize
 from loadtest.provenance import collect_provenance
 from loadtest.report import PointResult
@@ -169,6 +169,8 @@ def test_a_dtype_reaches_both_deployments_workers(model_dir: Path) -> None:
     cfg = HeadlineConfig(dtype=DType.FLOAT32)
     model = RunSettings(model=str(model_dir), model_cache_dir=model_dir.parent)
     assert [cluster_config(n, cfg, model).dtype for n in SYSTEMS] == [DType.FLOAT32] * 2
+    results = HeadlineResults("2026-01-01T00:00:00+00:00", cfg, TrafficConfig(), cfg.slo, 2)
+    assert "compute dtype float32;" in markdown(results)
 
 
 def test_report_carries_capacities_ratio_and_plots(

@@ -212,6 +212,11 @@ def test_a_stream_left_active_for_any_model_fails(redis_server: EmbeddedRedis) -
         assert leaks.gateway == {"pdserve_active_streams": 1.0} and not leaks.clean
         r.active.labels("b").set(0)
         assert (await probe.read()).clean
+        r.active.labels("a").set(-1)  # a dec without its inc: as much a fault
+        r.active.labels("b").set(1)
+        assert (await probe.read()).gateway == {"pdserve_active_streams": 2.0}
+        r.active.labels("a").set(0)
+        r.active.labels("b").set(0)
 
     scenario(redis_server, body)
 
