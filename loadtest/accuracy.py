@@ -34,7 +34,7 @@ import gc
 import math
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -225,11 +225,14 @@ def measure(
     *,
     free_running: bool = True,
     reference: bool = False,
+    gated: Callable[[AccuracyReport], object] = lambda report: None,
 ) -> AccuracyReport:
     """Score float32 and each mode; `base` gives every other engine setting. Without
     `free_running` (the test suite: it is reported, not gated) the modes' own
     continuations are skipped and their free-running agreement is left out (None).
-    `reference` also scores transformers' own bf16 against its fp32 (`reference_row`)."""
+    `reference` also scores transformers' own bf16 against its fp32 (`reference_row`),
+    after handing the gated modes' report to `gated` (the command writes it then, so a
+    failure in the yardstick loses nothing measured before it)."""
 
     def config(mode: Mode) -> EngineConfig:
         return dataclasses.replace(
@@ -250,6 +253,7 @@ def measure(
             _judged(mode, mode.name, ppl, rise, scores.forced_agreement, (same, prefix))
         )
     if reference:
+        gated(report)
         model_dir = resolve_model_dir(base.model, base.model_cache_dir.expanduser(), progress=False)
         text = Tokenizer(model_dir).encode(REFERENCE_TEXT)
         measured = accuracy_reference.measure(model_dir, text, base32.prompts, CONTINUATION_TOKENS)
@@ -306,7 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     provenance = collect_provenance(sys.argv)
     modes = [m for m in MODES if not args.modes or m.name in args.modes]
     base = EngineConfig(kv_cache_bytes=256 << 20, max_num_batched_tokens=512)
-    report = measure(base, modes, reference=args.reference)
+    report = measure(
+        base, modes, reference=args.reference,
+        gated=lambda gated: write_result(args.out, gated, provenance),
+    )  # fmt: skip
     write_result(args.out, report, provenance)
     for m in [*report.modes, *report.reference]:
         print(

@@ -57,3 +57,25 @@ def test_page_shows_the_reference_table_beside_the_gate() -> None:
     assert "on 19 of 20 prompts" in text
     assert "| 0.500 |" in text  # its free-running agreement
     assert "transformers" not in "\n".join(render({"modes": []}))
+
+
+def test_the_gated_report_is_handed_out_before_the_yardstick_runs(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`python -m loadtest.accuracy` writes the gated modes' results before transformers
+    is scored, so a failure there loses nothing measured before it. Engines faked."""
+
+    def score(config: object, prompts: object, ref: object = None, free_running: bool = True):  # type: ignore[no-untyped-def]
+        return accuracy._Scores([[1, 2]], 10.0, [[3, 4]], 5, forced_agreement=1.0)
+
+    def broken(*args: object) -> Reference:
+        raise RuntimeError("transformers could not load")
+
+    monkeypatch.setattr(accuracy, "_score", score)
+    monkeypatch.setattr(accuracy_reference, "measure", broken)
+    handed: list[accuracy.AccuracyReport] = []
+    base = accuracy.EngineConfig(model=str(model_dir))
+    with pytest.raises(RuntimeError, match="could not load"):
+        accuracy.measure(base, [accuracy.BF16], reference=True, gated=handed.append)
+    assert [[m.name for m in r.modes] for r in handed] == [["float32", "bfloat16"]]
+    assert handed[0].modes[1].passed and not handed[0].reference
