@@ -15,6 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pdserve.v1 import gateway_pb2
 from services.common.status import NoRolloutsError, RolloutConflict
@@ -212,5 +214,56 @@ def test_the_rollout_rpc_needs_an_admin_key(rollouts: Rollouts, tmp_path: Path) 
         assert "Rollout needs an admin key" in denied.aborted[1]
         status = await rollouts.gw.service.Rollout(request, _Context("ops-key-0123456789"))  # type: ignore[arg-type]
         assert status.model == MODEL and status.phase == "none"
+
+    asyncio.run(scenario())
+
+
+# -- the Rollout RPC under any request ----------------------------------------------------
+ADMIN_KEY = "ops-key-0123456789"
+ROLLOUT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                 grpc.StatusCode.FAILED_PRECONDITION}  # fmt: skip
+PHASES = {p.value for p in RolloutPhase}
+# Versions come from a short list: each one a START accepts gets a backend of its own.
+ROLLOUT_REQUESTS = st.builds(
+    gateway_pb2.RolloutRequest,
+    # Half the requests name the served model, so the rollout's state moves.
+    model=st.just(MODEL) | st.sampled_from(["", "nope", "m/../x", "m\\x00", "é" * 3, "x" * 300]),
+    action=st.integers(min_value=-1, max_value=6),  # four actions, unspecified, unknown
+    version=st.sampled_from(["v2", "v3", "", " ", "v2\x00", "v/../2", "x" * 300, MODEL]),
+    weight=st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0.2, 0.5]),
+    sticky=st.booleans(),
+)
+
+
+@settings(max_examples=100, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(batch=st.lists(ROLLOUT_REQUESTS, min_size=1, max_size=5))
+def test_any_rollout_request_ends_in_a_documented_status(
+    rollouts: Rollouts, tmp_path: Path, batch: list[gateway_pb2.RolloutRequest]
+) -> None:
+    """Fuzz: any model, action (unknown ones too), version, weight (NaN, infinities) in
+    any order, through the RPC with an admin key, answers a status or INVALID_ARGUMENT /
+    NOT_FOUND / FAILED_PRECONDITION, never INTERNAL or an exception; and whatever
+    happened, a running rollout is always a real split (a canary that is not the stable
+    version, a weight in (0, 1)). State carries over between examples."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"ops {ADMIN_KEY} admin\n")
+    rollouts.gw.service.access = Access(ApiKeys.from_file(keys), None)
+
+    async def scenario() -> None:
+        for request in batch:
+            context = _Context(ADMIN_KEY)
+            try:
+                status = await rollouts.gw.service.Rollout(request, context)  # type: ignore[arg-type]
+            except grpc.aio.AbortError:
+                assert context.aborted is not None and context.aborted[0] in ROLLOUT_CODES, (
+                    request,
+                    context.aborted,
+                )
+            else:
+                assert status.model == MODEL and status.phase in PHASES, status
+            current = rollouts.store.read(MODEL)
+            if current.running:
+                assert 0 < current.weight < 1 and current.canary not in ("", current.stable)
 
     asyncio.run(scenario())
