@@ -40,7 +40,6 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.model_store import resolve_model_dir
 from engine.precision import DType, KvCacheDType, WeightQuant
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatMessage, Tokenizer
@@ -191,7 +190,8 @@ class _Scores:
     prompts: list[list[int]]
     perplexity: float
     continuations: list[list[int]]
-    reference_tokens: int
+    text: list[int]  # the reference text as the engine's tokenizer encodes it
+    model_dir: Path  # the model the engine resolved and loaded
     forced_agreement: float = 1.0
 
 
@@ -209,7 +209,7 @@ def _score(
         text = engine.tokenizer.encode(REFERENCE_TEXT)
         chosen = parity_prompts(engine.tokenizer) if prompts is None else prompts
         own = continuations(engine, chosen) if ref is None or free_running else []
-        scores = _Scores(chosen, perplexity(engine, text), own, len(text))
+        scores = _Scores(chosen, perplexity(engine, text), own, text, engine.model_dir)
         if ref is not None:
             scores.forced_agreement = forced_agreement(engine, chosen, ref.continuations)
         return scores
@@ -242,7 +242,7 @@ def measure(
 
     base32 = _score(config(BASELINE), prompts)
     ppl32, ref = base32.perplexity, base32.continuations
-    report = AccuracyReport(reference_tokens=base32.reference_tokens, prompts=len(ref))
+    report = AccuracyReport(reference_tokens=len(base32.text), prompts=len(ref))
     report.modes.append(ModeResult(BASELINE.name, "float32", "none", ppl32))
     for mode in modes:
         scores = _score(config(mode), base32.prompts, base32, free_running)
@@ -254,9 +254,10 @@ def measure(
         )
     if reference:
         gated(report)
-        model_dir = resolve_model_dir(base.model, base.model_cache_dir.expanduser(), progress=False)
-        text = Tokenizer(model_dir).encode(REFERENCE_TEXT)
-        measured = accuracy_reference.measure(model_dir, text, base32.prompts, CONTINUATION_TOKENS)
+        # The float32 engine's model and tokens: transformers reads exactly those.
+        measured = accuracy_reference.measure(
+            base32.model_dir, base32.text, base32.prompts, CONTINUATION_TOKENS
+        )
         report.reference.append(reference_row(measured))
         report.reference_fp32_same = sum(
             a == b for a, b in zip(measured.float32.continuations, ref, strict=True)

@@ -66,7 +66,7 @@ def test_the_gated_report_is_handed_out_before_the_yardstick_runs(
     is scored, so a failure there loses nothing measured before it. Engines faked."""
 
     def score(config: object, prompts: object, ref: object = None, free_running: bool = True):  # type: ignore[no-untyped-def]
-        return accuracy._Scores([[1, 2]], 10.0, [[3, 4]], 5, forced_agreement=1.0)
+        return accuracy._Scores([[1, 2]], 10.0, [[3, 4]], [5, 6], model_dir, forced_agreement=1.0)
 
     def broken(*args: object) -> Reference:
         raise RuntimeError("transformers could not load")
