@@ -222,13 +222,8 @@ class Capacity:
         factor = self.calibration.factor
         return Estimate(raw * factor, cost.prompt_tokens / pool.rate * factor)
 
-    def known(self, cost: Cost) -> bool:
-        """Whether there is an estimate for this request at all: some pool that may
-        prefill it has measured its speed."""
-        return bool(self._sites(cost))
-
     def start_delay_s(self, cost: Cost, priority: Priority) -> float:
-        """`Estimate.start_delay_s`; 0 when there is no estimate (see `known`)."""
+        """`Estimate.start_delay_s`; 0 when there is no estimate (see `estimate`)."""
         found = self.estimate(cost, priority)
         return 0.0 if found is None else found.start_delay_s
 

@@ -28,7 +28,7 @@ def signal(role: Role, *, waiting: ClassCounts = NONE_WAITING, rate: float = 0.0
 def test_no_measured_speed_means_no_estimate() -> None:
     cap = Capacity()
     cap.update([signal(Role.PREFILL), signal(Role.DECODE)])
-    assert not cap.known(Cost(100, 10)) and cap.start_delay_s(Cost(100, 10), STD) == 0.0
+    assert cap.estimate(Cost(100, 10), STD) is None and cap.start_delay_s(Cost(100, 10), STD) == 0.0
 
 
 def test_delay_counts_only_classes_at_or_above() -> None:
@@ -66,7 +66,9 @@ def test_decode_room_includes_pending_passes() -> None:
 def test_mixed_workers_stand_in_for_both_pools() -> None:
     cap = Capacity()
     cap.update([signal(Role.MIXED, rate=200.0, free=50)])
-    assert cap.known(Cost(200, 1)) and cap.start_delay_s(Cost(200, 1), STD) == pytest.approx(1.0)
+    assert cap.estimate(Cost(200, 1), STD) is not None and cap.start_delay_s(
+        Cost(200, 1), STD
+    ) == pytest.approx(1.0)
     assert cap.decode_fits(Cost(16 * 50, 0)) and not cap.decode_fits(Cost(16 * 51, 0))
 
 
@@ -167,11 +169,17 @@ def test_an_estimate_needs_a_measured_pool_that_may_prefill_the_request() -> Non
     at a time), and a short one without the busy rule none until the decode pool has."""
     decode_only = Capacity(SitePolicy(512, busy_s=0.0))
     decode_only.update([signal(Role.PREFILL, wid="p"), signal(Role.DECODE, rate=600.0, wid="d")])
-    assert decode_only.known(Cost(300, 10)) and not decode_only.known(Cost(4000, 10))
+    assert (
+        decode_only.estimate(Cost(300, 10), STD) is not None
+        and decode_only.estimate(Cost(4000, 10), STD) is None
+    )
     assert decode_only.start_delay_s(Cost(4000, 10), STD) == 0.0
     prefill_only = Capacity(SitePolicy(512, busy_s=0.0))
     prefill_only.update([signal(Role.PREFILL, rate=1000.0, wid="p"), signal(Role.DECODE, wid="d")])
-    assert prefill_only.known(Cost(4000, 10)) and not prefill_only.known(Cost(300, 10))
+    assert (
+        prefill_only.estimate(Cost(4000, 10), STD) is not None
+        and prefill_only.estimate(Cost(300, 10), STD) is None
+    )
 
 
 def test_with_local_prefill_the_decode_pool_holds_what_the_prefill_pool_cannot() -> None:
