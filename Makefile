@@ -43,8 +43,9 @@ lint: install
 # time: every integration test (each starts a cluster of several processes, and some
 # hold deadlines or fair shares) and the unit tests that measure time or reuse a port.
 # The second phase runs even when the first fails, so one CI run reports every failure;
-# make fails if either did (an interrupted first phase, pytest's exit 2, stops it). Bytecode is cached even where the environment says not to
-# (PYTHONDONTWRITEBYTECODE): the suite starts a few hundred Python processes.
+# make fails if either did (an interrupted first phase, pytest's exit 2, stops it).
+# Bytecode is cached even where the environment says not to (PYTHONDONTWRITEBYTECODE):
+# the suite starts a few hundred Python processes.
 test: model lint
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n auto --dist loadfile -m "not serial"; \
 	unit=$$?; \

@@ -199,6 +199,10 @@ def _chat_capacity_lines(results: HeadlineResults) -> list[str]:
     return lines
 
 
+#: What the report says of the workers' dtype where the run did not set one.
+DEFAULT_DTYPE_TEXT = "auto (the workers' default)"
+
+
 def markdown(results: HeadlineResults) -> str:
     cfg, t = results.config, results.traffic
     lines = [
@@ -206,7 +210,7 @@ def markdown(results: HeadlineResults) -> str:
         "",
         f"{results.created}; {results.host_cpus} CPU cores; one core and one torch thread per "
         f"worker (pinned: {cfg.pin_workers}); compute dtype "
-        f"{cfg.dtype.value if cfg.dtype else 'auto (the workers default)'}; "
+        f"{cfg.dtype.value if cfg.dtype else DEFAULT_DTYPE_TEXT}; "
         "router placement on embedded Redis; KV over "
         f"{cfg.kv_backend}. Workload: chat ({t.tenants} tenants x {t.prompts_per_tenant} "
         f"system prompts of {t.system_tokens} tokens, Zipf {t.zipf_s}; user {t.user_tokens}, "
