@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.config import AttentionBackendName
 from engine.kv_cache import LayerKv, lift_for
 from engine.tiled_attention import MIN_QUERIES, tiled_causal_attention
 
@@ -379,7 +380,7 @@ def flash_available(device: torch.device) -> bool:
 
 
 def select_backend(
-    name: str,
+    choice: AttentionBackendName | str,
     device: torch.device,
     dtype: torch.dtype,
     *,
@@ -388,12 +389,11 @@ def select_backend(
 ) -> AttentionBackend:
     """`auto` takes flash on CUDA with fp16/bf16 and an unquantized cache when it
     imports, torch otherwise. `compiled_decode` goes to `TorchAttention`."""
-    if name not in ("auto", "torch", "flash"):
-        raise ValueError(f"attention backend must be auto, torch or flash, got {name!r}")
-    if name == "flash" and quantized_kv:
+    name = AttentionBackendName(choice)
+    if name is AttentionBackendName.FLASH and quantized_kv:
         raise ValueError("attention backend 'flash' needs kv_cache_dtype auto (no 8-bit KV)")
-    want_flash = name == "flash" or (
-        name == "auto"
+    want_flash = name is AttentionBackendName.FLASH or (
+        name is AttentionBackendName.AUTO
         and dtype in (torch.float16, torch.bfloat16)
         and not quantized_kv
         and flash_available(device)

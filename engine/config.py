@@ -14,13 +14,65 @@ from typing import TypeVar
 
 import torch
 
-from engine.fused_decode import DecodeKernel
-from engine.linear_kernel import KERNELS
 from engine.precision import DType, KvCacheDType, WeightQuant, check_quant, resolve_dtype
-from engine.speculation import SpecConfig, SpecMode
 
 DEFAULT_MODEL_CACHE = Path("~/.cache/pdserve/models")
 _E = TypeVar("_E", bound=enum.Enum)
+
+
+class AttentionBackendName(enum.StrEnum):
+    """`--attention-backend`: which attention implementation runs (`engine.attention`)."""
+
+    AUTO = "auto"  # flash on CUDA with fp16/bf16 and an unquantized cache, else torch
+    TORCH = "torch"
+    FLASH = "flash"
+
+
+class LinearKernelName(enum.StrEnum):
+    """`--linear-kernel`: which kernel multiplies the projections (`engine.linear_kernel`)."""
+
+    AUTO = "auto"  # oneDNN on x86 CPUs in float32 or bfloat16, torch elsewhere
+    ONEDNN = "onednn"
+    TORCH = "torch"
+
+
+class DecodeKernel(enum.StrEnum):
+    """`--decode-kernel`: how decode steps of up to `fused_decode.MAX_ROWS` sequences run."""
+
+    AUTO = "auto"  # fused on x86 CPUs in bfloat16 with unquantized weights and KV
+    FUSED = "fused"  # the same on any CPU; refuse to start where it cannot run
+    TORCH = "torch"  # always the torch forward
+
+
+class SpecMode(enum.StrEnum):
+    """`--speculative-decoding`: off; auto (adaptive draft length, off for large batches
+    and for requests whose drafts keep failing); on (the full draft length whenever the
+    n-gram finds one, whatever the batch)."""
+
+    OFF = "off"
+    AUTO = "auto"
+    ON = "on"
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """The speculator's knobs (EngineConfig carries them as flags)."""
+
+    mode: SpecMode = SpecMode.OFF
+    max_draft: int = 4  # most draft tokens per request per step
+    max_ngram: int = 3  # longest n-gram looked up (then shorter ones)
+    min_ngram: int = 2  # shortest: a single token matches too often to be worth a draft
+    max_batch: int = 8  # auto: no drafts when more decodes than this run in the step
+    min_acceptance: float = 0.25  # auto: a request whose rate falls under this pauses
+    pause_steps: int = 16  # auto: for this many steps, then tries one draft token again
+
+    def __post_init__(self) -> None:
+        if self.max_draft < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.max_draft}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError("spec n-gram sizes must satisfy 1 <= min <= max")
+        if self.max_batch < 1:
+            raise ValueError(f"spec_max_batch must be >= 1, got {self.max_batch}")
 
 
 @dataclass(frozen=True)
@@ -80,9 +132,11 @@ class EngineConfig:
             "a scale per block and head (about 2x the blocks of bf16, 4x of float32)"
         },
     )
-    attention_backend: str = field(default="auto", metadata={"help": "auto, torch or flash"})
-    linear_kernel: str = field(
-        default="auto",
+    attention_backend: AttentionBackendName = field(
+        default=AttentionBackendName.AUTO, metadata={"help": "auto, torch or flash"}
+    )
+    linear_kernel: LinearKernelName = field(
+        default=LinearKernelName.AUTO,
         metadata={"help": "auto (onednn on x86 CPUs in float32, else torch), onednn or torch"},
     )
     decode_kernel: DecodeKernel = field(
@@ -159,10 +213,14 @@ class EngineConfig:
         object.__setattr__(
             self, "decode_kernel", _member(DecodeKernel, "decode_kernel", self.decode_kernel)
         )
-        if self.attention_backend not in ("auto", "torch", "flash"):
-            raise ValueError(
-                f"attention_backend must be auto, torch or flash, got {self.attention_backend}"
-            )
+        object.__setattr__(
+            self,
+            "attention_backend",
+            _member(AttentionBackendName, "attention_backend", self.attention_backend),
+        )
+        object.__setattr__(
+            self, "linear_kernel", _member(LinearKernelName, "linear_kernel", self.linear_kernel)
+        )
         object.__setattr__(
             self,
             "speculative_decoding",
@@ -175,8 +233,6 @@ class EngineConfig:
             )
         if self.max_loras <= 0 or self.max_lora_rank <= 0:
             raise ValueError("max_loras and max_lora_rank must be > 0")
-        if self.linear_kernel not in KERNELS:
-            raise ValueError(f"linear_kernel must be one of {KERNELS}, got {self.linear_kernel!r}")
 
     @property
     def spec_config(self) -> SpecConfig:

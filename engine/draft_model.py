@@ -31,6 +31,7 @@ import torch
 
 from engine.attention import select_backend
 from engine.block_pool import BlockPool
+from engine.config import AttentionBackendName, LinearKernelName
 from engine.kv_cache import KvCache, KvLayout, blocks_for_budget
 from engine.linear_kernel import pick_linear_kernel
 from engine.llama import LlamaModel
@@ -64,13 +65,13 @@ class DraftModel:
                 f"spec_draft_model: its vocabulary ({model_dir}) must be the served model's "
                 "(every token the same id): a draft proposes tokens in the same vocabulary"
             )
-        kernel = pick_linear_kernel("auto", device, dtype, WeightQuant.NONE)
+        kernel = pick_linear_kernel(LinearKernelName.AUTO, device, dtype, WeightQuant.NONE)
         self.model = LlamaModel(spec, dtype, device, kernel)
         self.model.load_weights(model_dir, progress=False)
         layout = KvLayout.from_spec(spec, dtype, block_size, device)
         num_blocks = blocks_for_budget(layout, kv_cache_bytes)
         self.pool = BlockPool(num_blocks)
-        backend = select_backend("auto", device, dtype, quantized_kv=False)
+        backend = select_backend(AttentionBackendName.AUTO, device, dtype, quantized_kv=False)
         self.runner = ModelRunner(self.model, KvCache(layout, num_blocks, device), backend,
                                   block_size)  # fmt: skip
         self.block_size = block_size

@@ -18,7 +18,6 @@ forward's larger decode steps also attend through the kernel's attention
 
 from __future__ import annotations
 
-import enum
 import logging
 import platform
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.config import DecodeKernel
 from engine.precision import WeightQuant
 
 if TYPE_CHECKING:
@@ -53,14 +53,6 @@ def max_rows() -> int:
     from engine import weight_tiles
 
     return MAX_ROWS if weight_tiles.BF16_DOT else min(MAX_ROWS, FALLBACK_MAX_ROWS)
-
-
-class DecodeKernel(enum.StrEnum):
-    """How decode steps of up to `MAX_ROWS` sequences run."""
-
-    AUTO = "auto"  # fused on x86 CPUs in bfloat16 with unquantized weights and KV
-    FUSED = "fused"  # the same on any CPU; refuse to start where it cannot run
-    TORCH = "torch"  # always the torch forward
 
 
 def fused_decode_wanted(

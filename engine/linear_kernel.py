@@ -48,9 +48,9 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.config import LinearKernelName
 from engine.precision import WeightQuant
 
-KERNELS = ("auto", "onednn", "torch")
 ONEDNN_MAX_ROWS = 48  # in fp32, past this many rows MKL's sgemm is as fast (see above)
 #: Symmetric int8 range of a weight channel.
 INT8_MAX = 127
@@ -207,16 +207,22 @@ class Int8Linear:
 
 
 def pick_linear_kernel(
-    name: str, device: torch.device, dtype: torch.dtype, quant: WeightQuant = WeightQuant.NONE
+    choice: LinearKernelName | str,
+    device: torch.device,
+    dtype: torch.dtype,
+    quant: WeightQuant = WeightQuant.NONE,
 ) -> LinearKernel:
-    """The kernel called `name`; "auto" takes oneDNN on x86 CPUs in float32 or bfloat16,
+    """The kernel `choice` names; "auto" takes oneDNN on x86 CPUs in float32 or bfloat16,
     torch elsewhere. Int8 weights have one kernel, which only "auto" picks."""
-    if name not in KERNELS:
-        raise ValueError(f"linear_kernel must be one of {KERNELS}, got {name!r}")
+    try:
+        name = LinearKernelName(choice)
+    except ValueError:
+        names = ", ".join(k.value for k in LinearKernelName)
+        raise ValueError(f"linear_kernel must be one of {names}, got {choice!r}") from None
     if quant is WeightQuant.INT8:
-        if name != "auto":
+        if name is not LinearKernelName.AUTO:
             raise ValueError(
-                f"quantization int8 has its own kernel; linear_kernel {name} is not it"
+                f"quantization int8 has its own kernel; linear_kernel {name.value} is not it"
             )
         return Int8Linear()
     onednn_ok = (
@@ -225,13 +231,14 @@ def pick_linear_kernel(
         and torch.backends.mkldnn.is_available()
         and torch.backends.mkldnn.enabled
     )
-    if name == "onednn" and not onednn_ok:
+    if name is LinearKernelName.ONEDNN and not onednn_ok:
         raise ValueError(
             "linear_kernel onednn needs device cpu, dtype float32 or bfloat16 and a torch "
             f"built with oneDNN (got device {device.type}, dtype {dtype})"
         )
     # "auto" packs only on x86, where the gain was measured.
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    if name == "torch" or (name == "auto" and not (onednn_ok and x86)):
+    auto_torch = name is LinearKernelName.AUTO and not (onednn_ok and x86)
+    if name is LinearKernelName.TORCH or auto_torch:
         return TorchLinear()
     return OneDnnLinear(ONEDNN_MAX_ROWS if dtype == torch.float32 else None)

@@ -40,43 +40,12 @@ not wired), and prefill-side requests (`hold_kv`: they stop after one token).
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from engine.config import SpecConfig, SpecMode
 from engine.request import Request
-
-
-class SpecMode(enum.StrEnum):
-    """`--speculative-decoding`: off; auto (adaptive draft length, off for large batches
-    and for requests whose drafts keep failing); on (the full draft length whenever the
-    n-gram finds one, whatever the batch)."""
-
-    OFF = "off"
-    AUTO = "auto"
-    ON = "on"
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    """The speculator's knobs (EngineConfig carries them as flags)."""
-
-    mode: SpecMode = SpecMode.OFF
-    max_draft: int = 4  # most draft tokens per request per step
-    max_ngram: int = 3  # longest n-gram looked up (then shorter ones)
-    min_ngram: int = 2  # shortest: a single token matches too often to be worth a draft
-    max_batch: int = 8  # auto: no drafts when more decodes than this run in the step
-    min_acceptance: float = 0.25  # auto: a request whose rate falls under this pauses
-    pause_steps: int = 16  # auto: for this many steps, then tries one draft token again
-
-    def __post_init__(self) -> None:
-        if self.max_draft < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.max_draft}")
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError("spec n-gram sizes must satisfy 1 <= min <= max")
-        if self.max_batch < 1:
-            raise ValueError(f"spec_max_batch must be >= 1, got {self.max_batch}")
 
 
 class NgramIndex:

@@ -1,10 +1,11 @@
 """What KV transfer needs from an engine: the blocks it may read or fill, and their states.
 
-kvtransfer depends on these Protocols, never on `LLMEngine` (which satisfies both; so
-does a bare pool in the transfer benchmark). Lifecycle, prefill side: the engine pins a
-finished request's blocks (HELD_FOR_EXPORT); the exporter reads `held_kv`, leases the
-blocks, lets a peer read them from `kv_blocks`, and calls `release_held` exactly once when
-the lease ends. Decode side: the importer calls `reserve_import`, fills the slot's
+kvtransfer depends on these Protocols, never on the engine: an engine's hand-off
+(`LLMEngine.handoff`, an `engine.kv_handoff.KvHandoff`) satisfies both, and so does a bare
+pool in the transfer benchmark. Lifecycle, prefill side: the engine pins a finished
+request's blocks (HELD_FOR_EXPORT); the exporter reads `held_kv`, leases the blocks, lets
+a peer read them from `kv_blocks`, and calls `release_held` exactly once when the lease
+ends. Decode side: the importer calls `reserve_import`, fills the slot's
 `blocks_to_fill` in `kv_blocks`, then calls exactly one of `commit_import` or
 `cancel_import`.
 """
@@ -18,10 +19,8 @@ import torch
 
 from engine.kv_cache import KvLayout
 from engine.kv_handoff import HeldKv, ImportSlot
-from engine.lora import AdapterRef
-from engine.priority import Priority
 from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
+from engine.request_spec import RequestSpec
 
 
 class HeldKvSource(Protocol):
@@ -63,25 +62,14 @@ class ImportPort(Protocol):
     def kv_blocks(self) -> torch.Tensor: ...
 
     def reserve_import(
-        self,
-        prompt_token_ids: Sequence[int],
-        first_token_id: int,
-        sampling: SamplingParams,
-        *,
-        request_id: str,
-        cache_salt: str = "",
-        priority: Priority = Priority.STANDARD,
-        deadline: float | None = None,
-        fork_token_ids: Sequence[int] = (),
-        resume_token_ids: Sequence[int] = (),
-        adapter: AdapterRef | None = None,
+        self, spec: RequestSpec, first_token_id: int, fork_token_ids: Sequence[int] = ()
     ) -> ImportSlot:
-        """Reserve blocks for the prompt (forks 1..n-1 start from `fork_token_ids` at the
-        commit; a migrated stream goes on after `resume_token_ids`), for a request of
-        class `priority` that must be done by `deadline` (monotonic seconds), run with
-        LoRA `adapter` (whose digest must be the exporter's); raises OutOfBlocksError
-        when short (taking nothing), InvalidRequestError for a request the engine
-        refuses and the adapter errors of `LLMEngine.add_request`."""
+        """Reserve blocks for `spec`'s prompt, whose first token the exporter sampled
+        (forks 1..n-1 start from `fork_token_ids` at the commit; a migrated stream goes
+        on after `spec.resume_token_ids`); the spec's adapter digest must be the
+        exporter's. Raises OutOfBlocksError when short (taking nothing),
+        InvalidRequestError for a request the engine refuses and the adapter errors of
+        `LLMEngine.add_request`."""
         ...
 
     def commit_import(self, request_id: str) -> FinishReason | None:

@@ -23,11 +23,10 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from engine.kv_cache import KvLayout
 from kvtransfer.backend import ExportBackend
 from kvtransfer.channel import CHANNEL_OPTIONS, PLAINTEXT, ChannelSecurity, bind
 from kvtransfer.config import TransferConfig
-from kvtransfer.engine_port import ExportPort, HeldKvSource
+from kvtransfer.engine_port import ExportPort
 from kvtransfer.handle import PROTOCOL_VERSION
 from kvtransfer.leases import LeaseStats, LeaseTable
 from kvtransfer.service import KvTransferService, ServedPool
@@ -61,15 +60,15 @@ class KvExporter:
 
     def __init__(
         self,
-        layout: KvLayout,
-        kv_blocks: torch.Tensor,
-        held: HeldKvSource,
+        port: ExportPort,
         config: TransferConfig,
         *,
         engine_id: str | None = None,
         security: ChannelSecurity = PLAINTEXT,
     ) -> None:
-        self.held = held
+        """Serve `port`'s held blocks (an engine's `handoff`, or a bare pool)."""
+        layout, kv_blocks = port.layout, port.kv_blocks
+        self.held = port
         self.config = config
         self.layout = layout
         self.kv_blocks = kv_blocks
@@ -77,7 +76,7 @@ class KvExporter:
         # A new incarnation per process start: importers must re-handshake after a restart.
         self.incarnation = uuid.uuid4().hex[:12]
         self.agent_name = f"{self.engine_id}.{self.incarnation}"
-        self.leases = LeaseTable(config.kv_lease_ttl_s, on_release=held.release_held)
+        self.leases = LeaseTable(config.kv_lease_ttl_s, on_release=port.release_held)
         self.backend = make_export_backend(config.kv_backend, kv_blocks, self.agent_name)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS
@@ -88,24 +87,10 @@ class KvExporter:
         service = KvTransferService(served)
         kvtransfer_pb2_grpc.add_KvTransferServicer_to_server(service, self._server)
         host = config.kv_transfer_host
-        port = bind(self._server, f"{host}:{config.kv_transfer_port}", security)
-        self.address = f"{host}:{port}"
+        bound = bind(self._server, f"{host}:{config.kv_transfer_port}", security)
+        self.address = f"{host}:{bound}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._housekeeping, name="kv-exporter", daemon=True)
-
-    @classmethod
-    def for_engine(
-        cls,
-        engine: ExportPort,
-        config: TransferConfig,
-        *,
-        engine_id: str | None = None,
-        security: ChannelSecurity = PLAINTEXT,
-    ) -> KvExporter:
-        return cls(
-            engine.layout, engine.kv_blocks, engine, config,
-            engine_id=engine_id, security=security,
-        )  # fmt: skip
 
     def start(self) -> KvExporter:
         self._server.start()

@@ -1,7 +1,7 @@
 """The decode side of KV transfer: pull a request's blocks from a prefill engine.
 
 The importer sees its engine only through `ImportPort` (kvtransfer/engine_port.py).
-Lifecycle of one `import_kv(handle, prompt, ...)`: check the handle against this
+Lifecycle of one `import_kv(handle, spec)`: check the handle against this
 engine's layout and the prompt; make sure the exporter's current incarnation has been
 handshaken (once per incarnation: a restarted exporter's stale NIXL metadata is dropped
 and the handshake redone); reserve blocks in the engine (WAITING_FOR_REMOTE_KV), reusing
@@ -23,16 +23,15 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import torch
 
 from engine.errors import OutOfBlocksError
 from engine.kv_cache import KvLayout
-from engine.priority import Priority
 from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
+from engine.request_spec import RequestSpec
 from kvtransfer.backend import ImportBackend
 from kvtransfer.channel import PLAINTEXT, ChannelSecurity, dial
 from kvtransfer.config import TransferConfig
@@ -64,27 +63,31 @@ def make_import_backend(
     return TcpImportBackend(kv_blocks, security)
 
 
-def handshake(
-    address: str,
-    layout: KvLayout,
-    agent_name: str,
-    deadline: float,
-    metadata: Sequence[tuple[str, str]] = (),
-    security: ChannelSecurity = PLAINTEXT,
-) -> kvtransfer_pb2.HandshakeResponse:
-    """Ask the exporter at `address` who it is; it refuses a protocol or layout mismatch.
-    `metadata` rides on the call (the request's trace context)."""
-    request = kvtransfer_pb2.HandshakeRequest(
+def handshake_offer(layout: KvLayout, agent_name: str) -> kvtransfer_pb2.HandshakeRequest:
+    """What an importer tells an exporter about itself: protocol, layout, NIXL agent."""
+    return kvtransfer_pb2.HandshakeRequest(
         protocol_version=PROTOCOL_VERSION,
         layout_fingerprint=layout.fingerprint(),
         importer_agent_name=agent_name,
     )
+
+
+def handshake(
+    address: str,
+    offer: kvtransfer_pb2.HandshakeRequest,
+    deadline: float,
+    metadata: Sequence[tuple[str, str]] = (),
+    security: ChannelSecurity = PLAINTEXT,
+) -> kvtransfer_pb2.HandshakeResponse:
+    """Ask the exporter at `address` who it is; it refuses a protocol or layout mismatch
+    in `offer` (`handshake_offer`). `metadata` rides on the call (the request's trace
+    context)."""
     timeout = max(deadline - time.monotonic(), 0.05)
     with dial(address, security) as channel:
         try:
             response: kvtransfer_pb2.HandshakeResponse = kvtransfer_pb2_grpc.KvTransferStub(
                 channel
-            ).Handshake(request, timeout=timeout, metadata=tuple(metadata) or None)
+            ).Handshake(offer, timeout=timeout, metadata=tuple(metadata) or None)
         except grpc.RpcError as exc:
             raise transfer_error_from_rpc(exc, f"KV handshake with {address}") from exc
     return response
@@ -137,46 +140,32 @@ class KvImporter:
     def import_kv(
         self,
         handle: common_pb2.KvHandle,
-        prompt_token_ids: Sequence[int],
-        sampling: SamplingParams,
+        spec: RequestSpec,
         *,
-        request_id: str,
-        cache_salt: str = "",
         timeout_s: float | None = None,
         metadata: Sequence[tuple[str, str]] = (),
-        priority: Priority = Priority.STANDARD,
-        request_deadline: float | None = None,
-        resume_token_ids: Sequence[int] = (),
-        adapter: str = "",
     ) -> ImportResult:
-        """Bring the handle's KV in and queue the request; raises TransferError subclasses.
-        `metadata` goes on the gRPC calls to the exporter (W3C trace context); the request
-        joins the batch at class `priority` with the engine deadline `request_deadline`
-        (monotonic seconds; the transfer has its own, shorter one). A migrated stream
-        imports its prompt's KV and goes on after `resume_token_ids`. `adapter` names the
-        request's LoRA adapter: the handle's KV must have been computed with this worker's
-        copy of it (AdapterMismatchError, before any block is reserved or read)."""
+        """Bring the handle's KV in and queue `spec` to decode; raises TransferError
+        subclasses. `metadata` goes on the gRPC calls to the exporter (W3C trace context);
+        the request joins the batch at its class with its deadline (the transfer has its
+        own, shorter one: `timeout_s`, else the config's). A migrated stream imports its
+        prompt's KV and goes on after `spec.resume_token_ids`. The handle's KV must have
+        been computed with this worker's copy of the spec's LoRA adapter
+        (AdapterMismatchError, before any block is reserved or read)."""
         start = time.monotonic()
-        lora = handle_adapter(handle, adapter)
+        named = "" if spec.adapter is None else spec.adapter.name
+        spec = replace(spec, adapter=handle_adapter(handle, named))
         deadline = start + (timeout_s or self.config.kv_transfer_timeout_s)
-        validate_handle(handle, self.engine.layout, prompt_token_ids, self.backend.name)
+        validate_handle(handle, self.engine.layout, spec.prompt_token_ids, self.backend.name)
         peer = self._peer(handle, deadline, metadata)
         self._check_block_ids(handle, peer)
         try:
             slot = self.engine.reserve_import(
-                prompt_token_ids,
-                handle.first_token_id,
-                sampling,
-                request_id=request_id,
-                cache_salt=cache_salt,
-                priority=priority,
-                deadline=request_deadline,
-                fork_token_ids=list(handle.fork_token_ids),
-                resume_token_ids=resume_token_ids,
-                adapter=lora,
+                spec, handle.first_token_id, list(handle.fork_token_ids)
             )
         except OutOfBlocksError as exc:
             raise NoBlocksError(str(exc)) from exc
+        request_id = spec.request_id
         try:
             src = list(handle.block_ids[slot.num_cached_blocks :])
             result = None
@@ -215,9 +204,8 @@ class KvImporter:
         with self._lock:
             if self._peer_by_address.get(address) == key:
                 return key
-        response = handshake(
-            address, self.engine.layout, self.agent_name, deadline, metadata, self.security
-        )
+        offer = handshake_offer(self.engine.layout, self.agent_name)
+        response = handshake(address, offer, deadline, metadata, self.security)
         if response.incarnation != handle.incarnation:
             raise LeaseExpiredError(
                 f"KV exporter at {address} restarted (incarnation {response.incarnation}, "

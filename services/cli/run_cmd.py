@@ -12,6 +12,7 @@ import sys
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatMessage
 from services.common.config import add_config_args, config_from_args
@@ -40,7 +41,7 @@ def _run(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
-    rid = engine.add_request(ids, params)
+    rid = engine.add_request(RequestSpec(ids, params))
     detok = IncrementalDetokenizer(tok)
     while engine.has_unfinished():
         for out in engine.step():

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from engine.config import DEFAULT_MODEL_CACHE
 from engine.precision import DType, KvCacheDType, WeightQuant
-from engine.speculation import SpecMode
+from engine.config import SpecMode
 from services.common.config import config_args
 from services.common.model_config import extra_model_dirs
 from services.common.telemetry_config import TelemetryConfig, telemetry_args

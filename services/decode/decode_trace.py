@@ -21,6 +21,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
 
 from engine.request import RequestOutput
+from engine.request_spec import RequestSpec
 from kvtransfer.importer import ImportResult
 from pdserve.v1 import common_pb2, worker_pb2
 from services.common.status import status_for
@@ -43,15 +44,15 @@ class DecodeTrace:
     def __init__(
         self,
         telemetry: WorkerTelemetry,
-        request: worker_pb2.DecodeRequest,
+        spec: RequestSpec,
         parent: Context | None,
     ) -> None:
         self._tel = telemetry
         self._parent = parent
         self._attrs: Attributes = {
-            "pdserve.request_id": request.request_id,
-            "pdserve.tenant": request.cache_salt,
-            "pdserve.prompt_tokens": len(request.prompt_token_ids),
+            "pdserve.request_id": spec.request_id,
+            "pdserve.tenant": spec.cache_salt,
+            "pdserve.prompt_tokens": spec.num_prompt_tokens,
         }
         self._pending: list[common_pb2.PhaseTiming] = []
         self._stream_start: float | None = None

@@ -1,14 +1,14 @@
 """The Decode RPC: import a request's KV (decode role) or compute it here (mixed role),
 then stream tokens from the continuous batch until the request finishes.
 
-Lifecycle of one stream: open an output queue first; import the KvHandle in a worker
-thread (the import commits the request into the engine's batch) or add the whole
-request to the engine (mixed role, or a decode worker prefilling locally); a migrated
-stream, with or without a handle, resumes after `resume_token_ids` (with one, the prompt's
-KV is imported and only the tokens so far are computed); yield one chunk per engine
-step's tokens;
-when the client closes the stream the handler is cancelled and `EngineLoop.close`
-aborts the request, which frees its blocks at the next step. `DecodeTrace` records the
+Lifecycle of one stream: decode the message once into the request contract
+(`request_codec.spec_of`, its deadline the call's); open an output queue; import the
+KvHandle in a worker thread (the import commits the request into the engine's batch) or
+add the whole request to the engine (mixed role, or a decode worker prefilling locally);
+a migrated stream, with or without a handle, resumes after `resume_token_ids` (with one,
+the prompt's KV is imported and only the tokens so far are computed); yield one chunk per
+engine step's tokens; when the client closes the stream the handler is cancelled and
+`EngineLoop.close` aborts the request, which frees its blocks at the next step. `DecodeTrace` records the
 request's phases (kv.transfer, decode.queue, decode.first_token, decode.stream) as spans
 and as timings on the first and last chunks.
 
@@ -28,21 +28,30 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
-from engine.priority import Priority
 from engine.request import FinishReason, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.request_spec import RequestSpec
 from kvtransfer.errors import LeaseExpiredError, NoBlocksError, PeerUnavailableError
 from kvtransfer.importer import ImportResult, KvImporter
-from pdserve.v1 import worker_pb2
-from services.common import adapter_proto, priority_proto, sampling
+from pdserve.v1 import common_pb2, worker_pb2
+from services.common import request_codec, sampling
 from services.common.engine_loop import EngineLoop
 from services.common.status import DecodeFullError
 from services.common.worker_telemetry import WorkerTelemetry
 from services.decode.decode_trace import DecodeTrace, TransferSpan
 from services.decode.import_room import ImportRoom
+
+
+@dataclass(frozen=True)
+class Import:
+    """One stream's import: its request, the handle on its KV, and the kv.transfer span."""
+
+    spec: RequestSpec
+    handle: common_pb2.KvHandle
+    span: TransferSpan
 
 
 class DecodeHandler:
@@ -62,22 +71,21 @@ class DecodeHandler:
     async def decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeChunk]:
-        params = sampling.from_proto(request.sampling)
-        rid = request.request_id
-        prompt = list(request.prompt_token_ids)
-        trace = DecodeTrace(self.telemetry, request, self.telemetry.parent(context))
+        spec = request_codec.spec_of(request, context.time_remaining())
+        rid = spec.request_id
+        handle = request.kv_handle if request.HasField("kv_handle") else None
+        trace = DecodeTrace(self.telemetry, spec, self.telemetry.parent(context))
         queue = self.loop.open(rid)
         finished = False  # the engine holds nothing of the request: nothing to abort
         try:
-            deadline = priority_proto.engine_deadline(context.time_remaining())
             try:
-                kv_bytes, ended = await self._start(request, prompt, params, trace, deadline)
+                kv_bytes, ended = await self._start(spec, handle, trace)
             except Exception:
                 # A failed start leaves nothing in the engine (the importer cancels its
                 # reservation), so no abort, which could hit a retry of this id here.
                 finished = rid not in self.engine.requests
                 raise
-            open_forks = params.n  # the stream ends once every fork has
+            open_forks = spec.sampling.n  # the stream ends once every fork has
             if ended is not None:  # the imported first token already ended fork 0
                 open_forks -= 1
                 finished = open_forks == 0
@@ -108,57 +116,34 @@ class DecodeHandler:
                 self.room.freed()
 
     async def _start(
-        self,
-        request: worker_pb2.DecodeRequest,
-        prompt: list[int],
-        params: SamplingParams,
-        trace: DecodeTrace,
-        deadline: float | None,
+        self, spec: RequestSpec, handle: common_pb2.KvHandle | None, trace: DecodeTrace
     ) -> tuple[int, FinishReason | None]:
         """Get the request into the batch at its class, with the caller's deadline;
         returns (KV bytes imported, None), or, when the import's first token already
         ended the request, (bytes, why)."""
-        rid = request.request_id
-        priority = priority_proto.for_engine(request.priority)
-        resume = list(request.resume_token_ids)
-        if request.HasField("kv_handle"):
+        if handle is not None:
             if self.importer is None:
                 raise ValueError("this worker has no KV importer (role prefill)")
-            with trace.transfer(request.kv_handle) as span:
-                result = await self._import_waiting(
-                    request, prompt, params, span, priority, deadline, resume
-                )
+            with trace.transfer(handle) as span:
+                result = await self._import_waiting(Import(spec, handle, span))
                 span.done(result)
             self.loop.wake()
             return result.bytes, result.finish_reason
-        adapter = adapter_proto.from_message(request.adapter)
-        if adapter is not None:  # read from disk, if it must be, off the event loop
-            await asyncio.to_thread(self.engine.load_adapter, adapter)
-        self.engine.add_request(
-            prompt, params, request_id=rid, cache_salt=request.cache_salt,
-            priority=priority, deadline=deadline, resume_token_ids=resume, adapter=adapter,
-        )  # fmt: skip
+        if spec.adapter is not None:  # read from disk, if it must be, off the event loop
+            await asyncio.to_thread(self.engine.load_adapter, spec.adapter)
+        self.engine.add_request(spec)
         self.loop.wake()
         return 0, None
 
-    async def _import_waiting(
-        self,
-        request: worker_pb2.DecodeRequest,
-        prompt: list[int],
-        params: SamplingParams,
-        span: TransferSpan,
-        priority: Priority,
-        deadline: float | None,
-        resume: list[int],
-    ) -> ImportResult:
+    async def _import_waiting(self, job: Import) -> ImportResult:
         """Import the KV, waiting for room while the pool is full (`ImportRoom`); raises
         DecodeFullError once the wait is over. Nothing is held between tries."""
         start = time.monotonic()
-        until = self.room.until(request.kv_handle, deadline)
+        until = self.room.until(job.handle, job.spec.deadline)
         while True:
             ticket = self.room.ticket()  # before the try: a stream finishing during it counts
             try:
-                return await self._import(request, prompt, params, span, priority, deadline, resume)
+                return await self._import(job)
             except PeerUnavailableError as exc:
                 # The exporter is gone, not this worker: the KV is lost (NOT_FOUND), so
                 # the gateway has this worker compute it rather than count it down.
@@ -170,25 +155,14 @@ class DecodeHandler:
                         f"no room for the KV: {exc}; waited {waited:.1f}s for blocks to free"
                     ) from exc
 
-    async def _import(
-        self,
-        request: worker_pb2.DecodeRequest,
-        prompt: list[int],
-        params: SamplingParams,
-        span: TransferSpan,
-        priority: Priority,
-        deadline: float | None,
-        resume: list[int],
-    ) -> ImportResult:
+    async def _import(self, job: Import) -> ImportResult:
         """One try at the import, in a worker thread."""
         assert self.importer is not None
-        rid = request.request_id
-        importing = asyncio.ensure_future(asyncio.to_thread(
-            self.importer.import_kv, request.kv_handle, prompt, params,
-            request_id=rid, cache_salt=request.cache_salt, metadata=span.metadata,
-            priority=priority, request_deadline=deadline, resume_token_ids=resume,
-            adapter=request.adapter.name,
-        ))  # fmt: skip
+        importing = asyncio.ensure_future(
+            asyncio.to_thread(
+                self.importer.import_kv, job.handle, job.spec, metadata=job.span.metadata
+            )
+        )
         try:
             return await asyncio.shield(importing)
         except asyncio.CancelledError:
@@ -196,6 +170,7 @@ class DecodeHandler:
             # reserved the request yet (an abort now would find no such id and be
             # dropped), so abort it once the import is over: a committed import would
             # otherwise decode to max_tokens unread.
+            rid = job.spec.request_id
             importing.add_done_callback(lambda done: self._abort_after(rid, done))
             raise
 

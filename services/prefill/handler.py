@@ -1,8 +1,9 @@
 """The Prefill RPC: first token plus a leased KvHandle.
 
-Lifecycle of one call: the request joins the engine with `max_tokens=1` and
-`hold_kv=True` (chunked prefill and prefix-cache hits apply as usual); when its one
-token is sampled, either the request is already over (the token is EOS or a stop, or
+Lifecycle of one call: the message is decoded once into the request contract
+(`request_codec.spec_of`, its deadline the call's); the request joins the engine with
+`max_tokens=1` and `hold_kv=True` (chunked prefill and prefix-cache hits apply as usual);
+when its one token is sampled, either the request is already over (the token is EOS or a stop, or
 the client asked for one token) and its blocks are released at once, or the exporter
 leases the held blocks and the handle goes back, with the engine-measured phases
 (prefill.queue, prefill.compute), which are also recorded as spans in the caller's trace.
@@ -12,16 +13,17 @@ A cancelled call aborts the request and drops any lease.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+from dataclasses import replace
 
 import grpc
 from opentelemetry.context import Context
 
 from engine.request import FinishReason, RequestOutput
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from kvtransfer.exporter import KvExporter
 from pdserve.v1 import common_pb2, worker_pb2
-from services.common import adapter_proto, priority_proto, sampling
+from services.common import request_codec, sampling
 from services.common.engine_loop import EngineLoop
 from services.common.worker_telemetry import WorkerTelemetry
 
@@ -43,24 +45,18 @@ class PrefillHandler:
     async def prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
-        params = sampling.from_proto(request.sampling)
+        spec = request_codec.spec_of(request, context.time_remaining())
+        params = spec.sampling
         # One token here; min_tokens >= 1 still keeps EOS from being that token.
-        first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        rid = request.request_id
+        first_only = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        rid = spec.request_id
         parent = self.telemetry.parent(context)
         queue = self.loop.open(rid)
         finished = False
-        adapter = adapter_proto.from_message(request.adapter)
         try:
-            if adapter is not None:  # read from disk, if it must be, off the event loop
-                await asyncio.to_thread(self.engine.load_adapter, adapter)
-            self.engine.add_request(
-                list(request.prompt_token_ids), first_only, request_id=rid,
-                cache_salt=request.cache_salt, hold_kv=True,
-                priority=priority_proto.for_engine(request.priority),
-                adapter=adapter,
-                deadline=priority_proto.engine_deadline(context.time_remaining()),
-            )  # fmt: skip
+            if spec.adapter is not None:  # read from disk, if it must be, off the event loop
+                await asyncio.to_thread(self.engine.load_adapter, spec.adapter)
+            self.engine.add_request(replace(spec, sampling=first_only), hold_kv=True)
             self.loop.wake()
             out: RequestOutput = await queue.get()
             if out.error:
@@ -68,7 +64,7 @@ class PrefillHandler:
             finished = True
             out.raise_for_deadline()  # ended by the engine, blocks freed: DEADLINE_EXCEEDED
             response = self._respond(rid, out, params)
-            response.phases.extend(self._phases(request, out, parent))
+            response.phases.extend(self._phases(spec, out, parent))
             return response
         except asyncio.CancelledError:
             self.telemetry.count_cancelled()
@@ -79,13 +75,16 @@ class PrefillHandler:
                 self.exporter.cancel(rid)
 
     def _phases(
-        self, request: worker_pb2.PrefillRequest, out: RequestOutput, parent: Context | None
+        self, spec: RequestSpec, out: RequestOutput, parent: Context | None
     ) -> list[common_pb2.PhaseTiming]:
         """prefill.queue and prefill.compute, as spans under the caller's and as timings."""
         phases = self.telemetry.engine_phases("prefill", out)
-        attrs = {"pdserve.request_id": request.request_id, "pdserve.tenant": request.cache_salt,
-                 "pdserve.prompt_tokens": out.num_prompt_tokens,
-                 "pdserve.cached_tokens": out.num_cached_tokens}  # fmt: skip
+        attrs: dict[str, str | int] = {
+            "pdserve.request_id": spec.request_id,
+            "pdserve.tenant": spec.cache_salt,
+            "pdserve.prompt_tokens": out.num_prompt_tokens,
+            "pdserve.cached_tokens": out.num_cached_tokens,
+        }
         return self.telemetry.emit(phases, parent, attrs)
 
     def _respond(
@@ -105,7 +104,7 @@ class PrefillHandler:
         if out.finish_reason is FinishReason.ABORT or (
             params.n == 1 and (ended or params.max_tokens == 1)
         ):
-            self.engine.release_held(rid)
+            self.engine.handoff.release_held(rid)
             response.finished = True
             response.finish_reason = sampling.finish_reason(out.finish_reason)
             return response
@@ -114,7 +113,7 @@ class PrefillHandler:
 
     def abort(self, request_id: str) -> bool:
         dropped = self.exporter.cancel(request_id)
-        released = self.engine.release_held(request_id)
+        released = self.engine.handoff.release_held(request_id)
         self.engine.abort(request_id)
         self.loop.wake()
         return dropped or released

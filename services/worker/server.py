@@ -169,11 +169,13 @@ async def serve_worker(
     loop = EngineLoop(engine).start(asyncio.get_running_loop())
     exporter = importer = None
     if config.role == "prefill":
-        exporter = KvExporter.for_engine(
-            engine, transfer, engine_id=config.worker_id, security=security
+        exporter = KvExporter(
+            engine.handoff, transfer, engine_id=config.worker_id, security=security
         ).start()
     if config.role == "decode":
-        importer = KvImporter(engine, transfer, engine_id=config.worker_id, security=security)
+        importer = KvImporter(
+            engine.handoff, transfer, engine_id=config.worker_id, security=security
+        )
     built = build_server(
         config.host,
         config.port,

@@ -19,13 +19,14 @@ import sys
 from engine.config import DEFAULT_MODEL_CACHE, EngineConfig
 from engine.engine import LLMEngine
 from engine.model_store import prepare_default_model
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from kvtransfer.config import TransferConfig
 from kvtransfer.exporter import KvExporter
 
 
 def _prefill(engine: LLMEngine, exporter: KvExporter, prompt: list[int]) -> dict[str, object]:
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=1), hold_kv=True)
+    rid = engine.add_request(RequestSpec(prompt, SamplingParams(max_tokens=1)), hold_kv=True)
     while engine.has_unfinished():
         engine.step()
     handle = exporter.export(rid)
@@ -64,7 +65,7 @@ def main() -> None:
     config = TransferConfig(
         kv_backend=args.backend, kv_lease_ttl_s=args.lease_ttl, kv_transfer_port=args.port
     )
-    exporter = KvExporter.for_engine(engine, config, engine_id="test-prefill").start()
+    exporter = KvExporter(engine.handoff, config, engine_id="test-prefill").start()
     print(json.dumps({"ready": exporter.address, "incarnation": exporter.incarnation}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

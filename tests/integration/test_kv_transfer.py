@@ -17,6 +17,7 @@ import pytest
 from engine.engine import LLMEngine
 from engine.priority import Priority
 from engine.request import FinishReason
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from kvtransfer.backend import ReadResult
 from kvtransfer.config import TransferConfig
@@ -60,7 +61,7 @@ def peer(backend: str) -> Iterator[PeerProcess]:
 
 @pytest.fixture
 def importer(decode: LLMEngine, backend: str) -> Iterator[KvImporter]:
-    imp = KvImporter(decode, TransferConfig(kv_backend=backend, kv_transfer_timeout_s=5))
+    imp = KvImporter(decode.handoff, TransferConfig(kv_backend=backend, kv_transfer_timeout_s=5))
     yield imp
     imp.close()
 
@@ -89,7 +90,7 @@ def test_transfer_then_decode_matches_single_engine(
         (expected,) = reference.generate([prompt], PARAMS)
         handle = peer.prefill(prompt)
         assert handle.first_token_id == expected[0]
-        result = importer.import_kv(handle, prompt, PARAMS, request_id=f"r{i}")
+        result = importer.import_kv(handle, RequestSpec(prompt, PARAMS, request_id=f"r{i}"))
         # Prompts share leading sections, so later ones find blocks in the local cache.
         assert result.num_cached_blocks + result.num_read_blocks == len(handle.block_ids)
         assert result.bytes == result.num_read_blocks * decode.layout.bytes_per_block
@@ -120,11 +121,13 @@ def test_an_8bit_cache_moves_with_its_scales(
     along, and decoding on them gives what one int8 engine gives."""
     decode, prompt, expected = int8_decode
     peer = PeerProcess(backend_name, kv_cache_dtype="int8")
-    imp = KvImporter(decode, TransferConfig(kv_backend=backend_name, kv_transfer_timeout_s=5))
+    imp = KvImporter(
+        decode.handoff, TransferConfig(kv_backend=backend_name, kv_transfer_timeout_s=5)
+    )
     try:
         handle = peer.prefill(prompt)
         assert handle.first_token_id == expected[0]
-        result = imp.import_kv(handle, prompt, PARAMS, request_id=f"q8-{backend_name}")
+        result = imp.import_kv(handle, RequestSpec(prompt, PARAMS, request_id=f"q8-{backend_name}"))
         assert decode.layout.dtype == "int8" and result.num_read_blocks == len(handle.block_ids)
         assert result.bytes == result.num_read_blocks * decode.layout.bytes_per_block
         assert _decode_all(decode, f"q8-{backend_name}", handle.first_token_id) == expected
@@ -141,10 +144,10 @@ def test_prefix_aware_import_reads_only_missing_blocks(
 ) -> None:
     prompt = decode.tokenizer.encode(long_prompt(5))
     bs = decode.config.block_size
-    first = importer.import_kv(peer.prefill(prompt), prompt, PARAMS, request_id="p1")
+    first = importer.import_kv(peer.prefill(prompt), RequestSpec(prompt, PARAMS, request_id="p1"))
     assert first.num_cached_blocks == 0
     _decode_all(decode, "p1", 0)
-    second = importer.import_kv(peer.prefill(prompt), prompt, PARAMS, request_id="p2")
+    second = importer.import_kv(peer.prefill(prompt), RequestSpec(prompt, PARAMS, request_id="p2"))
     assert second.num_cached_blocks == len(prompt) // bs
     assert second.num_read_blocks == (1 if len(prompt) % bs else 0)
     _decode_all(decode, "p2", 0)
@@ -169,7 +172,7 @@ def test_import_ended_by_its_first_token_reports_why(
     if reason is FinishReason.STOP:
         handle.first_token_id = min(decode.stop_checker.eos_token_ids)
     params = SamplingParams(max_tokens=max_tokens)
-    result = importer.import_kv(handle, prompt, params, request_id="ended")
+    result = importer.import_kv(handle, RequestSpec(prompt, params, request_id="ended"))
     assert result.finish_reason is reason and not result.queued
     assert not decode.has_unfinished()
     assert peer.wait_stats(lambda s: s["held_blocks"] == 0)["held_blocks"] == 0
@@ -184,9 +187,11 @@ def test_import_keeps_the_requests_class_and_deadline(
     handle = peer.prefill(prompt)
     deadline = time.monotonic() + 600
     importer.import_kv(
-        handle, prompt, PARAMS, request_id="classed",
-        priority=Priority.CRITICAL, request_deadline=deadline,
-    )  # fmt: skip
+        handle,
+        RequestSpec(
+            prompt, PARAMS, request_id="classed", priority=Priority.CRITICAL, deadline=deadline
+        ),
+    )
     landed = decode.requests["classed"]
     assert (landed.priority, landed.deadline) == (Priority.CRITICAL, deadline)
     _decode_all(decode, "classed", handle.first_token_id)
@@ -217,7 +222,7 @@ def test_corrupt_handle_is_invalid_argument(
     lease_id = handle.lease_id
     setattr(handle, field, value)
     with pytest.raises(error) as info:
-        importer.import_kv(handle, prompt, PARAMS, request_id="bad")
+        importer.import_kv(handle, RequestSpec(prompt, PARAMS, request_id="bad"))
     assert info.value.code.name == "INVALID_ARGUMENT"
     assert field in str(info.value)
     assert_no_leaks(decode)
@@ -251,7 +256,7 @@ def test_a_lease_that_expires_mid_read_discards_the_bytes(backend: str, decode: 
     the lease (it expires and the exporter unpins the blocks, free for reuse), so the
     import must fail with LeaseExpiredError and commit nothing, whatever the bytes."""
     p = PeerProcess(backend, lease_ttl=1.0)
-    imp = KvImporter(decode, TransferConfig(kv_backend=backend, kv_transfer_timeout_s=10))
+    imp = KvImporter(decode.handoff, TransferConfig(kv_backend=backend, kv_transfer_timeout_s=10))
     real_read = imp.backend.read
 
     def slow_read(*args: Any, **kwargs: Any) -> ReadResult:
@@ -265,7 +270,7 @@ def test_a_lease_that_expires_mid_read_discards_the_bytes(backend: str, decode: 
         prompt = decode.tokenizer.encode(long_prompt(2))
         handle = p.prefill(prompt)
         with pytest.raises(LeaseExpiredError, match="ended during the read") as info:
-            imp.import_kv(handle, prompt, PARAMS, request_id="late")
+            imp.import_kv(handle, RequestSpec(prompt, PARAMS, request_id="late"))
         assert info.value.code.name == "NOT_FOUND"
         assert "late" not in decode.requests
         assert_no_leaks(decode)
@@ -274,7 +279,7 @@ def test_a_lease_that_expires_mid_read_discards_the_bytes(backend: str, decode: 
         # A read that beats the lease is committed as before.
         imp.backend.read = real_read  # type: ignore[method-assign]
         handle = p.prefill(prompt)
-        result = imp.import_kv(handle, prompt, PARAMS, request_id="on-time")
+        result = imp.import_kv(handle, RequestSpec(prompt, PARAMS, request_id="on-time"))
         assert result.queued and result.num_read_blocks > 0
         assert result.num_cached_blocks + result.num_read_blocks == len(handle.block_ids)
         _decode_all(decode, "on-time", handle.first_token_id)
@@ -287,14 +292,14 @@ def test_a_lease_that_expires_mid_read_discards_the_bytes(backend: str, decode: 
 
 def test_dead_exporter_gives_typed_error_within_deadline(backend: str, decode: LLMEngine) -> None:
     p = PeerProcess(backend)
-    imp = KvImporter(decode, TransferConfig(kv_backend=backend, kv_transfer_timeout_s=2))
+    imp = KvImporter(decode.handoff, TransferConfig(kv_backend=backend, kv_transfer_timeout_s=2))
     try:
         prompt = decode.tokenizer.encode(long_prompt(2))
         handle = p.prefill(prompt)
         p.kill()
         start = time.monotonic()
         with pytest.raises((PeerUnavailableError, LeaseExpiredError)) as info:
-            imp.import_kv(handle, prompt, PARAMS, request_id="dead")
+            imp.import_kv(handle, RequestSpec(prompt, PARAMS, request_id="dead"))
         assert time.monotonic() - start < 2.5
         assert info.value.code.name in ("UNAVAILABLE", "NOT_FOUND")
         assert_no_leaks(decode)
@@ -305,12 +310,12 @@ def test_dead_exporter_gives_typed_error_within_deadline(backend: str, decode: L
 
 def test_restarted_exporter_is_re_handshaken(backend: str, decode: LLMEngine) -> None:
     port = _free_port()
-    imp = KvImporter(decode, TransferConfig(kv_backend=backend, kv_transfer_timeout_s=5))
+    imp = KvImporter(decode.handoff, TransferConfig(kv_backend=backend, kv_transfer_timeout_s=5))
     prompt = decode.tokenizer.encode(long_prompt(2))
     first = PeerProcess(backend, port=port)
     try:
         stale = first.prefill(prompt)
-        imp.import_kv(stale, prompt, PARAMS, request_id="before")
+        imp.import_kv(stale, RequestSpec(prompt, PARAMS, request_id="before"))
         _decode_all(decode, "before", 0)
         stale = first.prefill(prompt)
     finally:
@@ -320,11 +325,11 @@ def test_restarted_exporter_is_re_handshaken(backend: str, decode: LLMEngine) ->
         assert second.incarnation != first.incarnation
         # The old incarnation's blocks are gone: a typed error, never stale data.
         with pytest.raises((LeaseExpiredError, PeerUnavailableError)):
-            imp.import_kv(stale, prompt, PARAMS, request_id="stale")
+            imp.import_kv(stale, RequestSpec(prompt, PARAMS, request_id="stale"))
         assert_no_leaks(decode)
         decode.pool.reset_prefix_cache()
         fresh = second.prefill(prompt)
-        result = imp.import_kv(fresh, prompt, PARAMS, request_id="after")
+        result = imp.import_kv(fresh, RequestSpec(prompt, PARAMS, request_id="after"))
         assert result.num_read_blocks == len(fresh.block_ids)
         assert imp.handshakes == 2
         _decode_all(decode, "after", 0)
@@ -345,10 +350,10 @@ def test_a_peer_forgotten_mid_import_is_unavailable_not_a_nixl_error(
     error as for a dead peer (UNAVAILABLE: the gateway has the decode worker compute
     the KV), not an internal error, and leave nothing reserved."""
     p = PeerProcess("nixl")
-    imp = KvImporter(decode, TransferConfig(kv_backend="nixl", kv_transfer_timeout_s=5))
+    imp = KvImporter(decode.handoff, TransferConfig(kv_backend="nixl", kv_transfer_timeout_s=5))
     try:
         prompt = decode.tokenizer.encode(long_prompt(2))
-        imp.import_kv(p.prefill(prompt), prompt, PARAMS, request_id="first")
+        imp.import_kv(p.prefill(prompt), RequestSpec(prompt, PARAMS, request_id="first"))
         _decode_all(decode, "first", 0)
         handle = p.prefill(prompt)
         decode.pool.reset_prefix_cache()  # so the second import reads every block
@@ -357,7 +362,7 @@ def test_a_peer_forgotten_mid_import_is_unavailable_not_a_nixl_error(
         imp.backend.forget(key)  # what the other import's failure does
         monkeypatch.setattr(imp.backend, "_peer", lambda _key: stale)
         with pytest.raises(PeerUnavailableError, match="could not start"):
-            imp.import_kv(handle, prompt, PARAMS, request_id="second")
+            imp.import_kv(handle, RequestSpec(prompt, PARAMS, request_id="second"))
         assert_no_leaks(decode)
     finally:
         monkeypatch.undo()

@@ -8,6 +8,7 @@ import pytest
 
 from engine.engine import LLMEngine
 from engine.request import RequestOutput
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory, assert_no_leaks
 from tests.prompts import long_prompt
@@ -19,7 +20,7 @@ def engine(make_engine: EngineFactory) -> LLMEngine:
 
 
 def _run(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> dict[int, list[int]]:
-    rid = engine.add_request(prompt, params)
+    rid = engine.add_request(RequestSpec(prompt, params))
     texts: dict[int, list[int]] = {}
     ended: set[int] = set()
     while engine.has_unfinished():
@@ -61,7 +62,9 @@ def test_greedy_forks_are_identical_and_equal_n1(engine: LLMEngine) -> None:
 
 def test_aborting_the_group_frees_every_fork(engine: LLMEngine) -> None:
     prompt = engine.tokenizer.encode(long_prompt(1))
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=200, n=4, ignore_eos=True))
+    rid = engine.add_request(
+        RequestSpec(prompt, SamplingParams(max_tokens=200, n=4, ignore_eos=True))
+    )
     seen: list[RequestOutput] = []
     while len({o.index for o in seen}) < 4:
         seen += [o for o in engine.step() if o.request_id == rid]

@@ -13,6 +13,7 @@ from engine.engine import LLMEngine
 from engine.errors import DeadlineExceededError, InvalidRequestError
 from engine.priority import Priority
 from engine.request import FinishReason, RequestOutput
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory, assert_no_leaks
 from tests.prompts import SHORT
@@ -51,9 +52,16 @@ def test_a_sheddable_request_past_its_deadline_gives_way_and_ends_typed(
     assert _blocks(len(crit_ids) + MAX_TOKENS) + _blocks(len(shed_ids) + MAX_TOKENS) > pool
     tight = make_engine(num_kv_blocks=pool)
     # The sheddable one arrives first: it would be the older, kept one without classes.
-    tight.add_request(shed_ids, params, request_id="shed", priority=Priority.SHEDDABLE,
-                      deadline=time.monotonic() - 1)  # fmt: skip
-    tight.add_request(crit_ids, params, request_id="crit", priority=Priority.CRITICAL)
+    tight.add_request(
+        RequestSpec(
+            shed_ids,
+            params,
+            request_id="shed",
+            priority=Priority.SHEDDABLE,
+            deadline=time.monotonic() - 1,
+        )
+    )
+    tight.add_request(RequestSpec(crit_ids, params, request_id="crit", priority=Priority.CRITICAL))
     outs = _drain(tight)
     assert [t for o in outs["crit"] for t in o.new_token_ids] == expected
     assert outs["crit"][-1].finish_reason is FinishReason.LENGTH
@@ -75,25 +83,29 @@ def test_the_class_and_deadline_travel_with_an_import(engine: LLMEngine) -> None
     prompt = engine.tokenizer.encode(SHORT[2])
     params = SamplingParams(max_tokens=4)
     deadline = time.monotonic() + 60
-    engine.reserve_import(prompt, 5, params, request_id="imp", priority=Priority.CRITICAL,
-                          deadline=deadline)  # fmt: skip
+    engine.handoff.reserve_import(
+        RequestSpec(
+            prompt, params, request_id="imp", priority=Priority.CRITICAL, deadline=deadline
+        ),
+        5,
+    )
     req = engine.requests["imp"]
     assert req.priority is Priority.CRITICAL and req.deadline == deadline
-    assert engine.cancel_import("imp")
+    assert engine.handoff.cancel_import("imp")
     assert_no_leaks(engine)
 
 
 def test_a_class_out_of_range_is_refused_naming_the_field(engine: LLMEngine) -> None:
     prompt = engine.tokenizer.encode(SHORT[0])
     with pytest.raises(InvalidRequestError, match="priority") as info:
-        engine.add_request(prompt, SamplingParams(max_tokens=2), priority=7)  # type: ignore[arg-type]
+        engine.add_request(RequestSpec(prompt, SamplingParams(max_tokens=2), priority=7))  # type: ignore[arg-type]
     assert info.value.field == "priority"
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=2), priority=1)  # type: ignore[arg-type]
+    rid = engine.add_request(RequestSpec(prompt, SamplingParams(max_tokens=2), priority=1))  # type: ignore[arg-type]
     engine.step()
     assert engine.requests[rid].priority is Priority.STANDARD  # the value, as the class
     outs = _drain(engine)
     assert outs[rid][-1].finished
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=2))
+    rid = engine.add_request(RequestSpec(prompt, SamplingParams(max_tokens=2)))
     engine.step()
     assert engine.requests[rid].priority is Priority.STANDARD  # the default
     _drain(engine)

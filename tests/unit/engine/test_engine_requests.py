@@ -8,6 +8,7 @@ import pytest
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError, UnknownRequestError
 from engine.request import FinishReason
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory, assert_no_leaks
 from tests.prompts import SHORT, long_prompt
@@ -55,7 +56,7 @@ def test_preemption_by_recompute_keeps_outputs_and_frees_blocks(
 def test_cancel_frees_blocks_on_next_step(engine: LLMEngine) -> None:
     prompts = _ids(engine, [long_prompt(3), SHORT[0], SHORT[1]])
     params = SamplingParams(max_tokens=200, ignore_eos=True)
-    rids = [engine.add_request(p, params) for p in prompts]
+    rids = [engine.add_request(RequestSpec(p, params)) for p in prompts]
     for _ in range(3):
         engine.step()
     assert engine.stats().used_blocks > 0
@@ -71,7 +72,7 @@ def test_cancel_frees_blocks_on_next_step(engine: LLMEngine) -> None:
 
 
 def test_cancel_while_waiting_and_unknown_id(engine: LLMEngine) -> None:
-    rid = engine.add_request(_ids(engine, [SHORT[2]])[0], SamplingParams(max_tokens=5))
+    rid = engine.add_request(RequestSpec(_ids(engine, [SHORT[2]])[0], SamplingParams(max_tokens=5)))
     engine.abort(rid)
     engine.abort("no-such-request")
     outs = engine.step()
@@ -86,7 +87,9 @@ def test_stop_conditions(engine: LLMEngine) -> None:
     text = tok.decode(free)
     stop = text.strip()[:2]
     assert stop, text
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True, stop=(stop,)))
+    rid = engine.add_request(
+        RequestSpec(prompt, SamplingParams(max_tokens=20, ignore_eos=True, stop=(stop,)))
+    )
     outs = []
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.request_id == rid]
@@ -108,15 +111,17 @@ def test_stop_conditions(engine: LLMEngine) -> None:
         ([1, 2, 10**6], {"max_tokens": 4}, "prompt_token_ids"),
         ([1, -1], {"max_tokens": 4}, "prompt_token_ids"),
         ([5] * 8192, {"max_tokens": 4}, "prompt"),
-        ([5] * 10, {"max_tokens": 8190}, "max_tokens"),
+        ([5] * 10, {"max_tokens": 8190}, "sampling.max_tokens"),
     ],
 )
 def test_bad_requests_raise_and_others_keep_running(
     engine: LLMEngine, prompt: list[int], params: dict[str, int], field: str
 ) -> None:
-    good = engine.add_request(_ids(engine, [SHORT[3]])[0], SamplingParams(max_tokens=6))
+    good = engine.add_request(
+        RequestSpec(_ids(engine, [SHORT[3]])[0], SamplingParams(max_tokens=6))
+    )
     with pytest.raises(InvalidRequestError) as info:
-        engine.add_request(prompt, SamplingParams(**params))
+        engine.add_request(RequestSpec(prompt, SamplingParams(**params)))
     assert info.value.field == field
     assert field in str(info.value)
     finished = []
@@ -144,9 +149,9 @@ def test_bad_sampling_values_name_the_field(params: dict[str, float], field: str
 
 def test_duplicate_request_id_is_refused(engine: LLMEngine) -> None:
     p = _ids(engine, [SHORT[4]])[0]
-    engine.add_request(p, SamplingParams(max_tokens=3), request_id="dup")
+    engine.add_request(RequestSpec(p, SamplingParams(max_tokens=3), request_id="dup"))
     with pytest.raises(InvalidRequestError) as info:
-        engine.add_request(p, SamplingParams(max_tokens=3), request_id="dup")
+        engine.add_request(RequestSpec(p, SamplingParams(max_tokens=3), request_id="dup"))
     assert info.value.field == "request_id"
     while engine.has_unfinished():
         engine.step()
@@ -172,18 +177,20 @@ def test_kv_handoff_between_engines_matches_single_engine(
     )
     (expected,) = single.generate([prompt], params)
 
-    rid = prefill.add_request(prompt, SamplingParams(max_tokens=1), hold_kv=True)
+    rid = prefill.add_request(RequestSpec(prompt, SamplingParams(max_tokens=1)), hold_kv=True)
     while prefill.has_unfinished():
         prefill.step()
-    held = prefill.held_kv(rid)
+    held = prefill.handoff.held_kv(rid)
     assert held.num_tokens == len(prompt) and held.first_token_id == expected[0]
     assert prefill.stats().held_blocks == len(held.block_ids) > 0
 
-    slot = decode.reserve_import(prompt, held.first_token_id, params, request_id="d1")
+    slot = decode.handoff.reserve_import(
+        RequestSpec(prompt, params, request_id="d1"), held.first_token_id
+    )
     assert slot.num_cached_blocks == 0
     decode.kv_blocks[slot.blocks_to_fill] = prefill.kv_blocks[held.block_ids]
-    prefill.release_held(rid)
-    decode.commit_import("d1")
+    prefill.handoff.release_held(rid)
+    decode.handoff.commit_import("d1")
     out: list[int] = [held.first_token_id]
     while decode.has_unfinished():
         for o in decode.step():
@@ -193,18 +200,21 @@ def test_kv_handoff_between_engines_matches_single_engine(
     assert_no_leaks(decode)
 
     # Second import of the same prompt: every full block is already cached locally.
-    slot2 = decode.reserve_import(prompt, held.first_token_id, params, request_id="d2")
+    slot2 = decode.handoff.reserve_import(
+        RequestSpec(prompt, params, request_id="d2"), held.first_token_id
+    )
     assert slot2.num_cached_blocks == len(prompt) // decode.config.block_size
-    assert decode.cancel_import("d2")
+    assert decode.handoff.cancel_import("d2")
     with pytest.raises(UnknownRequestError):
-        decode.commit_import("d2")
+        decode.handoff.commit_import("d2")
     assert_no_leaks(decode)
 
 
 def test_held_kv_released_by_abort(make_engine: EngineFactory) -> None:
     eng = make_engine(num_kv_blocks=64)
     rid = eng.add_request(
-        eng.tokenizer.encode(long_prompt(1)), SamplingParams(max_tokens=1), hold_kv=True
+        RequestSpec(eng.tokenizer.encode(long_prompt(1)), SamplingParams(max_tokens=1)),
+        hold_kv=True,
     )
     while eng.has_unfinished():
         eng.step()
@@ -219,10 +229,12 @@ def test_abort_during_import_frees_blocks_only_after_the_bytes_land(
 ) -> None:
     eng = make_engine(num_kv_blocks=64)
     prompt = eng.tokenizer.encode(long_prompt(1))
-    slot = eng.reserve_import(prompt, 5, SamplingParams(max_tokens=4), request_id="imp")
+    slot = eng.handoff.reserve_import(
+        RequestSpec(prompt, SamplingParams(max_tokens=4), request_id="imp"), 5
+    )
     eng.abort("imp")
     eng.step()
     # A transfer may still be writing into these blocks: they must not be handed out yet.
     assert eng.stats().used_blocks == len(slot.block_ids)
-    assert eng.commit_import("imp") is FinishReason.ABORT
+    assert eng.handoff.commit_import("imp") is FinishReason.ABORT
     assert_no_leaks(eng)

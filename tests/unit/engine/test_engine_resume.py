@@ -14,6 +14,7 @@ from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.grammar import GuidedKind, GuidedSpec
 from engine.request import FinishReason
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory, assert_no_leaks
 from tests.prompts import SHORT, long_prompt
@@ -27,7 +28,7 @@ def engine(make_engine: EngineFactory) -> LLMEngine:
 def _run(
     engine: LLMEngine, prompt: list[int], params: SamplingParams, resume: Sequence[int] = ()
 ) -> tuple[list[int], FinishReason | None]:
-    rid = engine.add_request(prompt, params, resume_token_ids=resume)
+    rid = engine.add_request(RequestSpec(prompt, params, resume_token_ids=resume))
     tokens: list[int] = []
     reason = None
     while engine.has_unfinished():
@@ -67,7 +68,7 @@ def test_a_resumed_request_in_a_batch_matches_one_alone(engine: LLMEngine) -> No
     prompts = [engine.tokenizer.encode(t) for t in SHORT[:4]]
     wholes = engine.generate(prompts, params)
     rids = [
-        engine.add_request(p, params, resume_token_ids=w[:5])
+        engine.add_request(RequestSpec(p, params, resume_token_ids=w[:5]))
         for p, w in zip(prompts, wholes, strict=True)
     ]
     got: dict[str, list[int]] = {rid: [] for rid in rids}
@@ -89,18 +90,19 @@ def test_an_imported_prompt_resumes_computing_only_the_tokens_so_far(
     prompt = engine.tokenizer.encode(long_prompt(2))
     whole, _ = _run(engine, prompt, params)
     prefill = make_engine(kv_cache_bytes=32 << 20)
-    rid = prefill.add_request(prompt, SamplingParams(max_tokens=1), hold_kv=True)
+    rid = prefill.add_request(RequestSpec(prompt, SamplingParams(max_tokens=1)), hold_kv=True)
     while prefill.has_unfinished():
         prefill.step()
-    held = prefill.held_kv(rid)
+    held = prefill.handoff.held_kv(rid)
     other_draw = (whole[0] + 1) % engine.spec.vocab_size
     engine.pool.reset_prefix_cache()  # nothing of the prompt cached here: all imported
-    slot = engine.reserve_import(prompt, other_draw, params, request_id="moved",
-                                 resume_token_ids=whole[:7])  # fmt: skip
+    slot = engine.handoff.reserve_import(
+        RequestSpec(prompt, params, request_id="moved", resume_token_ids=whole[:7]), other_draw
+    )
     assert slot.num_cached_blocks == 0
     engine.kv_blocks[slot.blocks_to_fill] = prefill.kv_blocks[held.block_ids]
-    prefill.release_held(rid)
-    assert engine.commit_import("moved") is None
+    prefill.handoff.release_held(rid)
+    assert engine.handoff.commit_import("moved") is None
     computed_before = engine.stats().prefill_tokens_total
     rest: list[int] = []
     while engine.has_unfinished():
@@ -136,7 +138,7 @@ def test_a_resume_the_engine_cannot_honour_is_refused_by_name(
     engine: LLMEngine, params: SamplingParams, resume: list[int], limit: str
 ) -> None:
     with pytest.raises(InvalidRequestError, match=limit) as err:
-        engine.add_request([1, 2, 3], params, resume_token_ids=resume)
+        engine.add_request(RequestSpec([1, 2, 3], params, resume_token_ids=resume))
     assert err.value.field == "resume_token_ids"
     assert not engine.has_unfinished()
     assert_no_leaks(engine)

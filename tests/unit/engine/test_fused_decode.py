@@ -17,9 +17,11 @@ import torch
 from engine import decode_kernel, fused_decode, llama
 from engine.attention import TorchAttention
 from engine.bf16_bits import to_bf16
+from engine.config import DecodeKernel
 from engine.engine import LLMEngine
-from engine.fused_decode import MAX_ROWS, DecodeKernel, DecodeRow, fused_decode_wanted
+from engine.fused_decode import MAX_ROWS, DecodeRow, fused_decode_wanted
 from engine.precision import WeightQuant
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from engine.weight_tiles import PASS_ROWS
 from tests.conftest import EngineFactory, assert_no_leaks
@@ -179,7 +181,7 @@ def test_rows_the_kernel_cannot_run_safely_go_to_torch(make_engine: EngineFactor
     engine = make_engine(dtype="bfloat16", num_kv_blocks=64)
     fused = engine.model.fused
     assert fused is not None
-    engine.add_request(engine.tokenizer.encode(SHORT[1]), GREEDY)
+    engine.add_request(RequestSpec(engine.tokenizer.encode(SHORT[1]), GREEDY))
     engine.step()  # prefill: now a plain decode
     (req,) = engine.requests.values()
     bs = engine.config.block_size

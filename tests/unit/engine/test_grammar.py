@@ -13,6 +13,7 @@ import pytest
 
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
+from engine.request_spec import RequestSpec
 from engine.sampling_params import GuidedKind, GuidedSpec, SamplingParams
 from engine.tokenizer import ChatMessage
 from tests.conftest import EngineFactory, assert_no_leaks
@@ -84,7 +85,7 @@ def test_regex_choice_grammar_and_json_object(engine: LLMEngine) -> None:
 )
 def test_invalid_specs_name_the_field(engine: LLMEngine, spec: GuidedSpec) -> None:
     with pytest.raises(InvalidRequestError) as info:
-        engine.add_request([1, 2, 3], SamplingParams(guided=spec))
+        engine.add_request(RequestSpec([1, 2, 3], SamplingParams(guided=spec)))
     assert info.value.field == "guided.spec"
 
 
@@ -104,11 +105,11 @@ def test_an_imported_request_continues_under_its_grammar(engine: LLMEngine) -> N
     params = SamplingParams(max_tokens=10, guided=spec)
     prompt = _chat(engine, "Six digits:")
     first = engine.generate([prompt], SamplingParams(max_tokens=1, guided=spec))[0][0]
-    slot = engine.reserve_import(prompt, first, params, request_id="imp")
+    slot = engine.handoff.reserve_import(RequestSpec(prompt, params, request_id="imp"), first)
     assert slot.request_id == "imp"
     # The prompt's KV is not really transferred here: the tokens may differ from a local
     # run, but every one must still obey the grammar.
-    assert engine.commit_import("imp") is None
+    assert engine.handoff.commit_import("imp") is None
     out = [first]
     while engine.has_unfinished():
         out += [t for o in engine.step() if o.request_id == "imp" for t in o.new_token_ids]

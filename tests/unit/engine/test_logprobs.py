@@ -11,6 +11,7 @@ import torch
 
 from engine.engine import LLMEngine
 from engine.request import RequestOutput
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory, assert_no_leaks
 from tests.prompts import long_prompt
@@ -37,7 +38,7 @@ def _reference(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 
 def _run(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
-    rid = engine.add_request(prompt, params)
+    rid = engine.add_request(RequestSpec(prompt, params))
     outs: list[RequestOutput] = []
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.request_id == rid]

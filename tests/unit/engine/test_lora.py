@@ -29,6 +29,7 @@ from engine.errors import (
 from engine.lora import WEIGHTS_FILE, AdapterRef, adapter_digest
 from engine.lora_batch import LoraStacks
 from engine.lora_set import LoraSet
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatMessage
 from tests.conftest import EngineFactory, assert_no_leaks
@@ -124,20 +125,23 @@ def test_prefill_to_decode_hand_off_matches_peft(
     firsts: dict[str, int] = {}
     for i, (prompt, name) in enumerate(zip(*_mixed(prompts), strict=True)):
         adapter = None if name is None else AdapterRef(name)
-        rid = prefill.add_request(prompt, SamplingParams(max_tokens=1), request_id=f"p{i}",
-                                  hold_kv=True, adapter=adapter)  # fmt: skip
+        rid = prefill.add_request(
+            RequestSpec(prompt, SamplingParams(max_tokens=1), request_id=f"p{i}", adapter=adapter),
+            hold_kv=True,
+        )
         while prefill.has_unfinished():
             prefill.step()
-        held = prefill.held_kv(rid)
+        held = prefill.handoff.held_kv(rid)
         assert held.adapter_digest == ("" if name is None else prefill.loras.digest(name))
         ref = None if name is None else AdapterRef(name, held.adapter_digest)
-        slot = decode.reserve_import(prompt, held.first_token_id, params, request_id=f"d{i}",
-                                     adapter=ref)  # fmt: skip
+        slot = decode.handoff.reserve_import(
+            RequestSpec(prompt, params, request_id=f"d{i}", adapter=ref), held.first_token_id
+        )
         # The chat prompts share their template's first block: cached after the first.
         sent = held.block_ids[slot.num_cached_blocks :]
         decode.kv_blocks[slot.blocks_to_fill] = prefill.kv_blocks[sent]
-        prefill.release_held(rid)
-        decode.commit_import(f"d{i}")
+        prefill.handoff.release_held(rid)
+        decode.handoff.commit_import(f"d{i}")
         firsts[f"d{i}"] = held.first_token_id
     out = {rid: [tok] for rid, tok in firsts.items()}
     while decode.has_unfinished():
@@ -180,7 +184,7 @@ def _prompt(seed: int, length: int = 40) -> list[int]:
 
 def _run(engine: LLMEngine, prompt: list[int], adapter: str | None) -> str:
     ref = None if adapter is None else AdapterRef(adapter)
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=2), adapter=ref)
+    rid = engine.add_request(RequestSpec(prompt, SamplingParams(max_tokens=2), adapter=ref))
     while engine.has_unfinished():
         engine.step()
     return rid
@@ -217,10 +221,16 @@ def test_lru_residency_and_busy_slots(tiny: dict[str, Any]) -> None:
     counts = loras.counts()
     assert counts.resident == ("alpha", "gamma") and counts.loads == 3 and counts.evictions == 1
     # Both slots held by queued requests: a third adapter is refused, nothing leaks.
-    engine.add_request(_prompt(2), SamplingParams(max_tokens=2), adapter=AdapterRef("alpha"))
-    engine.add_request(_prompt(3), SamplingParams(max_tokens=2), adapter=AdapterRef("gamma"))
+    engine.add_request(
+        RequestSpec(_prompt(2), SamplingParams(max_tokens=2), adapter=AdapterRef("alpha"))
+    )
+    engine.add_request(
+        RequestSpec(_prompt(3), SamplingParams(max_tokens=2), adapter=AdapterRef("gamma"))
+    )
     with pytest.raises(AdaptersBusyError, match="max-loras"):
-        engine.add_request(_prompt(4), SamplingParams(max_tokens=2), adapter=AdapterRef("beta"))
+        engine.add_request(
+            RequestSpec(_prompt(4), SamplingParams(max_tokens=2), adapter=AdapterRef("beta"))
+        )
     assert loras.held() == {"alpha": 1, "gamma": 1}
     while engine.has_unfinished():
         engine.step()
@@ -234,7 +244,7 @@ def test_cache_is_shared_within_an_adapter_and_never_across(tiny: dict[str, Any]
 
     def cached(adapter: str | None) -> int:
         ref = None if adapter is None else AdapterRef(adapter)
-        rid = engine.add_request(prompt, SamplingParams(max_tokens=1), adapter=ref)
+        rid = engine.add_request(RequestSpec(prompt, SamplingParams(max_tokens=1), adapter=ref))
         n = 0
         while engine.has_unfinished():
             for o in engine.step():
@@ -258,7 +268,9 @@ def test_forks_and_aborts_let_go_of_the_adapter(tiny: dict[str, Any]) -> None:
     params = SamplingParams(max_tokens=4, n=3, temperature=1.0, seed=7)
     engine.generate([_prompt(6)], params, ["alpha"])
     assert_no_leaks(engine)
-    rid = engine.add_request(_prompt(7), SamplingParams(max_tokens=50), adapter=AdapterRef("beta"))
+    rid = engine.add_request(
+        RequestSpec(_prompt(7), SamplingParams(max_tokens=50), adapter=AdapterRef("beta"))
+    )
     engine.step()
     engine.abort(rid)
     while engine.has_unfinished():
@@ -270,20 +282,22 @@ def test_refusals_name_what_is_wrong(tiny: dict[str, Any], tmp_path: Path) -> No
     engine = _tiny_engine(tiny)
     params = SamplingParams(max_tokens=2)
     with pytest.raises(UnknownAdapterError, match="adapters: alpha, beta, gamma"):
-        engine.add_request(_prompt(8), params, adapter=AdapterRef("nope"))
+        engine.add_request(RequestSpec(_prompt(8), params, adapter=AdapterRef("nope")))
     with pytest.raises(UnknownAdapterError, match="adapters: alpha"):
-        engine.add_request(_prompt(8), params, adapter=AdapterRef("../loras/alpha"))
+        engine.add_request(RequestSpec(_prompt(8), params, adapter=AdapterRef("../loras/alpha")))
     with pytest.raises(AdapterMismatchError, match="copies differ"):
-        engine.add_request(_prompt(8), params, adapter=AdapterRef("alpha", "0" * 32))
+        engine.add_request(RequestSpec(_prompt(8), params, adapter=AdapterRef("alpha", "0" * 32)))
     with pytest.raises(AdapterMismatchError):
-        engine.reserve_import(_prompt(8), 3, params, request_id="imp",
-                              adapter=AdapterRef("beta", "0" * 32))  # fmt: skip
+        engine.handoff.reserve_import(
+            RequestSpec(_prompt(8), params, request_id="imp", adapter=AdapterRef("beta", "0" * 32)),
+            3,
+        )
     plain = _tiny_engine(tiny, lora_dir=None)
     with pytest.raises(UnknownAdapterError, match="--lora-dir"):
-        plain.add_request(_prompt(8), params, adapter=AdapterRef("alpha"))
+        plain.add_request(RequestSpec(_prompt(8), params, adapter=AdapterRef("alpha")))
     small = _tiny_engine(tiny, max_lora_rank=4)
     with pytest.raises(AdapterFormatError, match="rank 8 is above max_lora_rank 4"):
-        small.add_request(_prompt(8), params, adapter=AdapterRef("alpha"))
+        small.add_request(RequestSpec(_prompt(8), params, adapter=AdapterRef("alpha")))
     for engine_ in (engine, plain, small):
         assert_no_leaks(engine_)
 
@@ -325,7 +339,9 @@ def test_unservable_adapters_are_refused(
         save_file(weights, str(path / WEIGHTS_FILE))
     engine = _tiny_engine(tiny, lora_dir=str(tmp_path))
     with pytest.raises(AdapterFormatError, match=message):
-        engine.add_request(_prompt(9), SamplingParams(max_tokens=2), adapter=AdapterRef("broken"))
+        engine.add_request(
+            RequestSpec(_prompt(9), SamplingParams(max_tokens=2), adapter=AdapterRef("broken"))
+        )
     assert_no_leaks(engine)
 
 
@@ -408,23 +424,25 @@ def test_a_replaced_adapter_is_read_again_once_nothing_holds_it(
     engine = _tiny_engine(tiny, lora_dir=str(tmp_path))
     old = adapter_digest(path)
     held = engine.add_request(
-        _prompt(11), SamplingParams(max_tokens=4), adapter=AdapterRef("alpha")
+        RequestSpec(_prompt(11), SamplingParams(max_tokens=4), adapter=AdapterRef("alpha"))
     )
     weights = load_file(str(path / WEIGHTS_FILE))
     save_file({k: v * 2 for k, v in weights.items()}, str(path / WEIGHTS_FILE))
     new = adapter_digest(path)
     assert new != old
     with pytest.raises(AdaptersBusyError, match="changed on disk"):
-        engine.add_request(_prompt(12), SamplingParams(max_tokens=2),
-                           adapter=AdapterRef("alpha", new))  # fmt: skip
+        engine.add_request(
+            RequestSpec(_prompt(12), SamplingParams(max_tokens=2), adapter=AdapterRef("alpha", new))
+        )
     while engine.has_unfinished():
         engine.step()
     assert held not in engine.requests
     _run_with(engine, AdapterRef("alpha", new))
     assert engine.loras.digest("alpha") == new and engine.loras.counts().evictions == 0
     with pytest.raises(AdapterMismatchError):  # made for the old copy, which is gone
-        engine.add_request(_prompt(13), SamplingParams(max_tokens=2),
-                           adapter=AdapterRef("alpha", old))  # fmt: skip
+        engine.add_request(
+            RequestSpec(_prompt(13), SamplingParams(max_tokens=2), adapter=AdapterRef("alpha", old))
+        )
     assert_no_leaks(engine)
 
 
@@ -437,13 +455,15 @@ def test_a_broken_adapter_costs_no_resident_one_its_slot(
     engine = _tiny_engine(tiny, lora_dir=str(tmp_path), max_loras=1)
     _run_with(engine, AdapterRef("good"))
     with pytest.raises(AdapterFormatError, match="unreadable"):
-        engine.add_request(_prompt(14), SamplingParams(max_tokens=2), adapter=AdapterRef("broken"))
+        engine.add_request(
+            RequestSpec(_prompt(14), SamplingParams(max_tokens=2), adapter=AdapterRef("broken"))
+        )
     assert engine.loras.counts().resident == ("good",)
     assert_no_leaks(engine)
 
 
 def _run_with(engine: LLMEngine, adapter: AdapterRef) -> None:
-    engine.add_request(_prompt(15), SamplingParams(max_tokens=2), adapter=adapter)
+    engine.add_request(RequestSpec(_prompt(15), SamplingParams(max_tokens=2), adapter=adapter))
     while engine.has_unfinished():
         engine.step()
 
@@ -454,14 +474,18 @@ def test_imports_cancelled_or_aborted_while_landing_let_go_of_the_adapter(
     engine = _tiny_engine(tiny)
     params = SamplingParams(max_tokens=4)
     alpha = AdapterRef("alpha")
-    engine.reserve_import(_prompt(16), 3, params, request_id="a", adapter=alpha)
+    engine.handoff.reserve_import(
+        RequestSpec(_prompt(16), params, request_id="a", adapter=alpha), 3
+    )
     assert engine.loras.held() == {"alpha": 1}
-    assert engine.cancel_import("a")
-    engine.reserve_import(_prompt(17), 3, params, request_id="b", adapter=alpha)
+    assert engine.handoff.cancel_import("a")
+    engine.handoff.reserve_import(
+        RequestSpec(_prompt(17), params, request_id="b", adapter=alpha), 3
+    )
     engine.abort("b")
     engine.step()  # the abort waits for the bytes: the commit frees it
     assert engine.loras.held() == {"alpha": 1}
-    engine.commit_import("b")
+    engine.handoff.commit_import("b")
     assert_no_leaks(engine)
 
 

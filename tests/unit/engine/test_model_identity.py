@@ -26,7 +26,7 @@ from engine.tokenizer import Tokenizer
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import LayoutMismatchError
 from kvtransfer.exporter import KvExporter
-from kvtransfer.importer import handshake
+from kvtransfer.importer import handshake, handshake_offer
 from kvtransfer.layout import check_layout, layout_to_proto
 from tests.tiny_models import write_tiny_model
 
@@ -190,11 +190,15 @@ def test_engines_of_two_fine_tunes_refuse_each_others_kv(base: Path) -> None:
         LLMEngine(EngineConfig(model=str(d), dtype="float32", num_kv_blocks=16))
         for d in (base, tuned)
     ]  # fmt: skip
-    exporter = KvExporter.for_engine(engines[0], TCP, engine_id="base").start()
+    exporter = KvExporter(engines[0].handoff, TCP, engine_id="base").start()
     try:
         with pytest.raises(LayoutMismatchError, match="layout"):
-            handshake(exporter.address, engines[1].layout, "tuned", time.monotonic() + 10)
-        handshake(exporter.address, engines[0].layout, "base-too", time.monotonic() + 10)
+            handshake(
+                exporter.address, handshake_offer(engines[1].layout, "tuned"), time.monotonic() + 10
+            )
+        handshake(
+            exporter.address, handshake_offer(engines[0].layout, "base-too"), time.monotonic() + 10
+        )
     finally:
         exporter.close()
     assert engines[0].hash_seed_for("") != engines[1].hash_seed_for("")

@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from engine import engine as engine_module
+from engine.config import SpecConfig, SpecMode
 from engine.engine import LLMEngine
 from engine.request import Request
+from engine.request_spec import RequestSpec
 from engine.sampler import new_generator, sample
 from engine.sampling_params import SamplingParams
-from engine.speculation import NgramIndex, SpecConfig, SpecMode, Speculator, accepted
+from engine.speculation import NgramIndex, Speculator, accepted
 from tests.conftest import EngineFactory, assert_no_leaks
 from tests.prompts import SHORT
 
@@ -161,7 +163,7 @@ def test_seeded_next_token_distribution_is_unchanged_by_speculation(
         eng.generate([prompt], SamplingParams(max_tokens=1))  # its full blocks cached once
         outs: dict[str, list[int]] = {}
         for p in params:
-            outs[eng.add_request(prompt, p)] = []
+            outs[eng.add_request(RequestSpec(prompt, p))] = []
         while eng.has_unfinished():
             for o in eng.step():
                 outs[o.request_id] += o.new_token_ids
@@ -236,7 +238,7 @@ def test_an_abort_mid_verification_frees_blocks_and_draft_state(
     engines: dict[str, LLMEngine],
 ) -> None:
     eng = engines["on"]
-    rid = eng.add_request(eng.tokenizer.encode(COPY), SamplingParams(max_tokens=60))
+    rid = eng.add_request(RequestSpec(eng.tokenizer.encode(COPY), SamplingParams(max_tokens=60)))
     for _ in range(4):
         eng.step()
     assert rid in eng.speculator.states

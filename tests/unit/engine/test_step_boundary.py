@@ -17,6 +17,7 @@ import pytest
 
 from engine.engine import LLMEngine
 from engine.kv_handoff import ImportSlot
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory, assert_no_leaks
 from tests.prompts import long_prompt
@@ -56,7 +57,8 @@ def engine(make_engine: EngineFactory) -> LLMEngine:
 
 def _held_request(eng: LLMEngine) -> str:
     rid = eng.add_request(
-        eng.tokenizer.encode(long_prompt(1)), SamplingParams(max_tokens=1), hold_kv=True
+        RequestSpec(eng.tokenizer.encode(long_prompt(1)), SamplingParams(max_tokens=1)),
+        hold_kv=True,
     )
     while eng.has_unfinished():
         eng.step()
@@ -68,18 +70,18 @@ def test_export_release_and_stats_do_not_wait_for_a_running_step(engine: LLMEngi
     pinned = engine.stats().held_blocks
     assert pinned > 0
     with engine.lock:  # a step is running
-        export = Call(lambda: engine.held_kv(rid))
+        export = Call(lambda: engine.handoff.held_kv(rid))
         assert export.finished_within(2.0), "held_kv waited for the step"
         assert export.error is None and export.result.block_ids  # type: ignore[attr-defined]
         stats = Call(engine.stats)
         assert stats.finished_within(2.0), "stats waited for the step"
         assert stats.result.held_blocks == pinned  # type: ignore[attr-defined]
-        release = Call(lambda: engine.release_held(rid))
+        release = Call(lambda: engine.handoff.release_held(rid))
         assert release.finished_within(2.0), "release_held waited for the step"
         assert release.result is True
         # The unpin is queued for the next step, and a second release finds nothing.
         assert engine.has_unfinished()
-        assert engine.release_held(rid) is False
+        assert engine.handoff.release_held(rid) is False
     engine.step()
     assert_no_leaks(engine)
 
@@ -88,7 +90,9 @@ def test_import_calls_run_first_thing_in_the_next_step(engine: LLMEngine) -> Non
     prompt = engine.tokenizer.encode(long_prompt(1))
     params = SamplingParams(max_tokens=4)
     with engine.lock:  # a step is running
-        reserve = Call(lambda: engine.reserve_import(prompt, 5, params, request_id="imp"))
+        reserve = Call(
+            lambda: engine.handoff.reserve_import(RequestSpec(prompt, params, request_id="imp"), 5)
+        )
         _wait_until(engine.has_unfinished)  # the call is queued, not contending
         assert not reserve.finished_within(0.2)
         engine.step()  # the stepping thread's next step (the lock is reentrant)
@@ -97,7 +101,7 @@ def test_import_calls_run_first_thing_in_the_next_step(engine: LLMEngine) -> Non
     slot = reserve.result
     assert isinstance(slot, ImportSlot) and slot.block_ids
     assert engine.stats().importing_blocks == len(slot.block_ids)
-    assert engine.cancel_import("imp") is True
+    assert engine.handoff.cancel_import("imp") is True
     assert_no_leaks(engine)
 
 
@@ -105,9 +109,9 @@ def test_a_queued_call_runs_on_the_caller_when_nothing_steps(engine: LLMEngine) 
     """No stepping thread (none started, or stopped): the caller runs its own call once
     the lock is free, and its error reaches it."""
     with engine.lock:
-        cancel = Call(lambda: engine.cancel_import("never-reserved"))
+        cancel = Call(lambda: engine.handoff.cancel_import("never-reserved"))
         _wait_until(engine.has_unfinished)
-        commit = Call(lambda: engine.commit_import("never-reserved"))
+        commit = Call(lambda: engine.handoff.commit_import("never-reserved"))
     assert cancel.finished_within(2.0) and commit.finished_within(2.0)
     assert cancel.result is False
     assert commit.error is not None and "never-reserved" in str(commit.error)

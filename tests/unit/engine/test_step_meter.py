@@ -12,6 +12,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.priority import Priority
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from engine.stats import ClassCounts
 from tests.conftest import assert_no_leaks
@@ -47,9 +48,9 @@ def _drain(engine: LLMEngine) -> None:
 
 
 def test_waiting_tokens_count_what_is_left_to_prefill_by_class(engine: LLMEngine) -> None:
-    engine.add_request(_prompt(1, 40), PARAMS, priority=Priority.CRITICAL)
-    engine.add_request(_prompt(2, 20), PARAMS, priority=Priority.STANDARD)
-    engine.add_request(_prompt(3, 30), PARAMS, priority=Priority.SHEDDABLE)
+    engine.add_request(RequestSpec(_prompt(1, 40), PARAMS, priority=Priority.CRITICAL))
+    engine.add_request(RequestSpec(_prompt(2, 20), PARAMS, priority=Priority.STANDARD))
+    engine.add_request(RequestSpec(_prompt(3, 30), PARAMS, priority=Priority.SHEDDABLE))
     # Queued, not yet in the scheduler: they count already (a gateway must see them).
     assert engine.stats().waiting_tokens_by_class == ClassCounts(30, 20, 40)
     before = engine.stats()
@@ -98,17 +99,19 @@ def test_busy_time_and_decode_steps_accumulate(engine: LLMEngine) -> None:
 
 def test_hand_off_states_owe_no_prefill(engine: LLMEngine) -> None:
     prompt = _prompt(6, 40)
-    engine.reserve_import(prompt, 7, PARAMS, request_id="imp", priority=Priority.CRITICAL)
+    engine.handoff.reserve_import(
+        RequestSpec(prompt, PARAMS, request_id="imp", priority=Priority.CRITICAL), 7
+    )
     assert engine.stats().waiting_tokens_by_class == ClassCounts()  # its KV is landing
-    assert engine.commit_import("imp") is None
+    assert engine.handoff.commit_import("imp") is None
     s = engine.stats()
     assert s.waiting == 1 and s.waiting_tokens_by_class == ClassCounts()  # it only decodes
     before = s.prefill_tokens_total
-    engine.add_request(_prompt(8, 20), PARAMS, request_id="held", hold_kv=True)
+    engine.add_request(RequestSpec(_prompt(8, 20), PARAMS, request_id="held"), hold_kv=True)
     _drain(engine)
     s = engine.stats()
     assert s.held_requests == 1 and s.waiting_tokens_by_class == ClassCounts()
     assert s.prefill_tokens_total - before == 20  # the import computed none of its prompt
-    assert engine.release_held("held")
+    assert engine.handoff.release_held("held")
     engine.step()
     assert_no_leaks(engine)

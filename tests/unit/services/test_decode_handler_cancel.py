@@ -43,14 +43,14 @@ def prefill_engine(make_engine: EngineFactory) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def exporter(prefill_engine: LLMEngine) -> Iterator[KvExporter]:
-    exp = KvExporter.for_engine(prefill_engine, TCP, engine_id="p").start()
+    exp = KvExporter(prefill_engine.handoff, TCP, engine_id="p").start()
     yield exp
     exp.close()
 
 
 @pytest.fixture(scope="module")
 def importer(decode_engine: LLMEngine) -> Iterator[KvImporter]:
-    imp = KvImporter(decode_engine, TCP, engine_id="d")
+    imp = KvImporter(decode_engine.handoff, TCP, engine_id="d")
     yield imp
     imp.close()
 

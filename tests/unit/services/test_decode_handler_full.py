@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from engine.engine import LLMEngine
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from kvtransfer.exporter import KvExporter
 from kvtransfer.importer import ImportResult, KvImporter
@@ -48,14 +49,14 @@ def prefill_engine(make_engine: EngineFactory) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def exporter(prefill_engine: LLMEngine) -> Iterator[KvExporter]:
-    exp = KvExporter.for_engine(prefill_engine, TCP, engine_id="p").start()
+    exp = KvExporter(prefill_engine.handoff, TCP, engine_id="p").start()
     yield exp
     exp.close()
 
 
 @pytest.fixture(scope="module")
 def importer(decode_engine: LLMEngine) -> Iterator[KvImporter]:
-    imp = KvImporter(decode_engine, TCP, engine_id="d")
+    imp = KvImporter(decode_engine.handoff, TCP, engine_id="d")
     yield imp
     imp.close()
 
@@ -63,7 +64,9 @@ def importer(decode_engine: LLMEngine) -> Iterator[KvImporter]:
 def fill(engine: LLMEngine) -> None:
     """Take every block of the pool: an import reserved and never landing."""
     prompt = list(range(100, 99 + POOL_BLOCKS * engine.config.block_size))  # + 1 token: the pool
-    engine.reserve_import(prompt, 5, SamplingParams(max_tokens=1), request_id=FILLER)
+    engine.handoff.reserve_import(
+        RequestSpec(prompt, SamplingParams(max_tokens=1), request_id=FILLER), 5
+    )
     assert engine.stats().free_blocks == 0
 
 
@@ -133,13 +136,13 @@ def test_an_import_waits_for_blocks_then_decodes(
             await until(lambda: s.tries.calls >= 2)  # refused, waiting, tried again
             assert not task.done() and exporter.stats().leases.active == 1
             assert set(decode_engine.requests) == {FILLER}  # the wait holds nothing
-            decode_engine.cancel_import(FILLER)  # blocks free (no stream ends: the poll)
+            decode_engine.handoff.cancel_import(FILLER)  # blocks free (no stream ends: the poll)
             await asyncio.wait_for(task, 30)
             assert reader.chunks[-1].finished
             assert sum(len(c.token_ids) for c in reader.chunks) == MAX_TOKENS - 1
             await s.check_clean(exporter)
         finally:
-            decode_engine.cancel_import(FILLER)
+            decode_engine.handoff.cancel_import(FILLER)
             s.close()
 
     asyncio.run(scenario())
@@ -166,13 +169,13 @@ def test_a_wait_that_runs_out_is_resource_exhausted_and_a_retry_here_works(
             assert "no room for the KV" in str(full.value) and s.tries.calls >= 2
             assert set(decode_engine.requests) == {FILLER} and aborts.calls == []
             assert exporter.stats().leases.active == 1  # still there for the next attempt
-            decode_engine.cancel_import(FILLER)
+            decode_engine.handoff.cancel_import(FILLER)
             again = Reader(handler(s.decode, importer, WatchedRoom(0.3)).decode(req, Context()))
             await asyncio.wait_for(again.run(), 30)  # the gateway's retry, same id
             assert again.chunks[-1].finished
             await s.check_clean(exporter)
         finally:
-            decode_engine.cancel_import(FILLER)
+            decode_engine.handoff.cancel_import(FILLER)
             del decode_engine.abort
             s.close()
 
@@ -192,7 +195,7 @@ def test_a_cancel_while_waiting_leaves_nothing_behind(
             task = asyncio.create_task(reader.run())
             await asyncio.wait_for(room.waiting.wait(), 30)  # refused once, now waiting
             await cancelled(task)
-            decode_engine.cancel_import(FILLER)
+            decode_engine.handoff.cancel_import(FILLER)
             await asyncio.sleep(0.2)  # a poll's worth: no import may start after the cancel
             assert len(decode_engine.requests) == 0
             # The prefill worker still holds the KV: the gateway's Abort releases it.
@@ -201,7 +204,7 @@ def test_a_cancel_while_waiting_leaves_nothing_behind(
             await s.check_clean(exporter)
             assert reader.chunks == []
         finally:
-            decode_engine.cancel_import(FILLER)
+            decode_engine.handoff.cancel_import(FILLER)
             s.close()
 
     asyncio.run(scenario())

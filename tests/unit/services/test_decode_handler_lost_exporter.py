@@ -34,7 +34,7 @@ def engines(make_engine: EngineFactory) -> tuple[LLMEngine, LLMEngine]:
 
 @pytest.fixture(scope="module")
 def exporter(engines: tuple[LLMEngine, LLMEngine]) -> Iterator[KvExporter]:
-    exp = KvExporter.for_engine(engines[0], TCP, engine_id="p").start()
+    exp = KvExporter(engines[0].handoff, TCP, engine_id="p").start()
     yield exp
     exp.close()
 
@@ -54,7 +54,7 @@ def test_an_unreachable_exporter_is_reported_as_lost_kv(
         prefill, decode = Harness(prefill_engine), Harness(decode_engine)
         prefill.stepper.free()
         decode.stepper.free()
-        importer = KvImporter(decode_engine, TCP, engine_id="d")
+        importer = KvImporter(decode_engine.handoff, TCP, engine_id="d")
         try:
             req = await _exported(prefill, exporter, "gone")
             req.kv_handle.transfer_address = f"127.0.0.1:{_closed_port()}"

@@ -32,7 +32,7 @@ def engine(make_engine: EngineFactory) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def exporter(engine: LLMEngine) -> Iterator[KvExporter]:
-    exp = KvExporter.for_engine(engine, TransferConfig(kv_backend="tcp"), engine_id="p").start()
+    exp = KvExporter(engine.handoff, TransferConfig(kv_backend="tcp"), engine_id="p").start()
     yield exp
     exp.close()
 
