@@ -66,38 +66,38 @@ class RouteDecision:
         return replace(self, prefill=None, prefill_lease_ids=())
 
 
+@dataclass(frozen=True)
+class RouteQuery:
+    """What placement needs to know of one request: its id, prompt and tenant (which key
+    its prefix), its LoRA adapter (None: the base model), the workers it must not go to,
+    and, when only its decode side is placed again, the worker already holding its KV."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    tenant: str
+    exclude: Sequence[str] = ()
+    adapter: AdapterRef | None = None
+    prefill: WorkerRef | None = None
+
+    def excluding(self, exclude: Sequence[str]) -> RouteQuery:
+        return replace(self, exclude=tuple(exclude))
+
+
 def _ref(entry: str, role: str) -> WorkerRef:
     worker_id, _, address = entry.rpartition("=")
     return WorkerRef(worker_id or address, address, role)
 
 
 class Placement(Protocol):
-    async def route(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        tenant: str,
-        exclude: Sequence[str] = (),
-        *,
-        adapter: AdapterRef | None = None,
-    ) -> RouteDecision:
-        """Place a request (of LoRA `adapter`, None: the base model), excluding the ids
-        in `exclude`, and lease load on its workers. Raises NoWorkerError."""
+    async def route(self, query: RouteQuery) -> RouteDecision:
+        """Place a request (of LoRA `query.adapter`, None: the base model), excluding the
+        ids in `query.exclude`, and lease load on its workers. Raises NoWorkerError."""
         ...
 
-    async def route_decode(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        tenant: str,
-        exclude: Sequence[str] = (),
-        *,
-        prefill: WorkerRef | None = None,
-        adapter: AdapterRef | None = None,
-    ) -> RouteDecision:
-        """Place the decode (or mixed) pool alone, excluding the ids in `exclude`, and
-        lease load there only; the decision names `prefill`, the worker that already
-        holds the request's KV. Raises NoWorkerError."""
+    async def route_decode(self, query: RouteQuery) -> RouteDecision:
+        """Place the decode (or mixed) pool alone, excluding the ids in `query.exclude`,
+        and lease load there only; the decision names `query.prefill`, the worker that
+        already holds the request's KV. Raises NoWorkerError."""
         ...
 
     def release(self, decision: RouteDecision) -> Awaitable[None]:
@@ -133,31 +133,15 @@ class StaticPlacement:
     def workers(self) -> list[WorkerRef]:
         return self._prefill + self._decode
 
-    async def route(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        tenant: str,
-        exclude: Sequence[str] = (),
-        *,
-        adapter: AdapterRef | None = None,
-    ) -> RouteDecision:
+    async def route(self, query: RouteQuery) -> RouteDecision:
+        exclude = query.exclude
         prefill = self._pick(self._prefill, self._next_p, exclude) if self._prefill else None
         if self._prefill and prefill is None:
             raise NoWorkerError("no prefill worker left to try")
         return RouteDecision(prefill, self._pick_decode(exclude))
 
-    async def route_decode(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        tenant: str,
-        exclude: Sequence[str] = (),
-        *,
-        prefill: WorkerRef | None = None,
-        adapter: AdapterRef | None = None,
-    ) -> RouteDecision:
-        return RouteDecision(prefill, self._pick_decode(exclude))
+    async def route_decode(self, query: RouteQuery) -> RouteDecision:
+        return RouteDecision(query.prefill, self._pick_decode(query.exclude))
 
     def _pick_decode(self, exclude: Sequence[str]) -> WorkerRef:
         decode = self._pick(self._decode, self._next_d, exclude)

@@ -12,14 +12,13 @@ its Redis work even if the caller is cancelled.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable
 
 import redis
 
-from engine.lora import AdapterRef
 from services.common.detached import done, in_thread
 from services.router.embedded_redis import EmbeddedRedis
-from services.router.placement import RouteDecision, WorkerRef
+from services.router.placement import RouteDecision, RouteQuery, WorkerRef
 from services.router.redis_client import connect
 from services.router.router import Router, RouterStats
 from services.router.router_config import RouterConfig
@@ -63,45 +62,19 @@ class RedisPlacement:
     def stats(self) -> RouterStats:
         return self.router.stats
 
-    async def route(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        tenant: str,
-        exclude: Sequence[str] = (),
-        *,
-        adapter: AdapterRef | None = None,
-    ) -> RouteDecision:
+    async def route(self, query: RouteQuery) -> RouteDecision:
         """Pick workers and lease their load; raises NoWorkerError (UNAVAILABLE).
 
         If the caller is cancelled meanwhile (its client went away), the router thread
         still finishes the placement, and its load leases are given back as soon as it
         does: the caller never sees the decision, so nobody else would release them.
         """
-        routing = asyncio.to_thread(
-            self.router.route, request_id, list(prompt_token_ids), tenant, tuple(exclude),
-            adapter=adapter,
-        )  # fmt: skip
-        return await self._placed(routing)
+        return await self._placed(asyncio.to_thread(self.router.route, query))
 
-    async def route_decode(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        tenant: str,
-        exclude: Sequence[str] = (),
-        *,
-        prefill: WorkerRef | None = None,
-        adapter: AdapterRef | None = None,
-    ) -> RouteDecision:
+    async def route_decode(self, query: RouteQuery) -> RouteDecision:
         """Pick a decode worker and lease its load alone; raises NoWorkerError. Cancelled,
         it gives back what it took once placed, as `route` does."""
-        return await self._placed(
-            asyncio.to_thread(
-                self.router.route_decode, request_id, list(prompt_token_ids), tenant,
-                tuple(exclude), prefill=prefill, adapter=adapter,
-            )
-        )  # fmt: skip
+        return await self._placed(asyncio.to_thread(self.router.route_decode, query))
 
     async def _placed(self, routing: Awaitable[RouteDecision]) -> RouteDecision:
         placing = asyncio.ensure_future(routing)

@@ -50,7 +50,7 @@ from services.router.keyspace import Keyspace
 from services.router.load import LoadLedger, Placed, PlaceRequest, new_token
 from services.router.local_load import LocalLoad
 from services.router.membership import Membership, MembershipView
-from services.router.placement import NoWorkerError, RouteDecision, WorkerRef
+from services.router.placement import NoWorkerError, RouteDecision, RouteQuery, WorkerRef
 from services.router.policies import make_policy
 from services.router.prefix_key import prefix_key, tenant_seed
 from services.router.redis_client import REDIS_DOWN_ERRORS
@@ -147,50 +147,21 @@ class Router:
         """Re-read the registry now; False (and fail-open) if Redis is unreachable."""
         return self._maybe_refresh(self._clock(), force=True)
 
-    def route(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        tenant: str,
-        exclude: Sequence[str] = (),
-        *,
-        adapter: AdapterRef | None = None,
-    ) -> RouteDecision:
+    def route(self, query: RouteQuery) -> RouteDecision:
         """Place one request; raises NoWorkerError if a pool has no eligible worker.
-        A request of a LoRA `adapter` is keyed with the adapter's digest, and workers
+        A request of a LoRA adapter is keyed with the adapter's digest, and workers
         holding the adapter come first in each pool's ring walk
         (`MembershipView.holders_first`)."""
-        return self.route_detailed(
-            request_id, prompt_token_ids, tenant, exclude, adapter=adapter
-        ).decision
+        return self.route_detailed(query).decision
 
-    def route_decode(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        tenant: str,
-        exclude: Sequence[str] = (),
-        *,
-        prefill: WorkerRef | None = None,
-        adapter: AdapterRef | None = None,
-    ) -> RouteDecision:
+    def route_decode(self, query: RouteQuery) -> RouteDecision:
         """Place the decode (or mixed) pool alone, for a request already prefilled on
-        `prefill` (named in the decision, no load taken there); raises NoWorkerError."""
-        routed = self.route_detailed(
-            request_id, prompt_token_ids, tenant, exclude, decode_only=True, adapter=adapter
-        )
-        return replace(routed.decision, prefill=prefill)
+        `query.prefill` (named in the decision, no load taken there); raises
+        NoWorkerError."""
+        routed = self.route_detailed(query, decode_only=True)
+        return replace(routed.decision, prefill=query.prefill)
 
-    def route_detailed(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        tenant: str,
-        exclude: Sequence[str] = (),
-        *,
-        decode_only: bool = False,
-        adapter: AdapterRef | None = None,
-    ) -> Routed:
+    def route_detailed(self, query: RouteQuery, *, decode_only: bool = False) -> Routed:
         """`route`, plus each pool's placement (load, bound, rank) for spans and tests;
         `decode_only` places the decode (or mixed) pool alone."""
         now = self._clock()
@@ -198,8 +169,8 @@ class Router:
         view = self.membership.view()
         if self._identity is not None:
             self._identity.check(view)
-        excluded = frozenset(exclude)
-        where = _Where(prompt_token_ids, tenant, excluded, decode_only, adapter)
+        excluded = frozenset(query.exclude)
+        where = _Where(query.prompt_token_ids, query.tenant, excluded, decode_only, query.adapter)
         placed = self._place(view, where, now)
         if any(p is None for p in placed) and now >= self._redis_down_until:
             # The view may be stale (a worker died or began draining): re-read and retry once.
@@ -223,7 +194,7 @@ class Router:
         refs = [view.ref(r, p.worker_id) for r, p in zip(roles, chosen, strict=True)]
         leases = [p.lease_id for p in chosen]
         prefill = refs[0] if len(refs) == 2 else None
-        cached = self._cached_tokens(len(prompt_token_ids)) if chosen[-1].warm else 0
+        cached = self._cached_tokens(len(query.prompt_token_ids)) if chosen[-1].warm else 0
         decision = RouteDecision(
             prefill, refs[-1], tuple(leases[:-1]), tuple(leases[-1:]), decode_cached_tokens=cached
         )

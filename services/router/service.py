@@ -17,15 +17,15 @@ import grpc
 from opentelemetry.trace import SpanKind
 
 from pdserve.v1 import router_pb2, router_pb2_grpc
-from services.common import adapter_proto
 from services.common.grpc_server import announce_ready, build_server, wait_for_shutdown_signal
+from services.common.request_codec import adapter_of
 from services.common.status import status_for
 from services.common.telemetry import Telemetry
 from services.common.telemetry_config import TelemetryConfig
 from services.common.tls import TlsConfig
 from services.common.tracing import Tracing
 from services.router.metrics import RouterCollector
-from services.router.placement import NoWorkerError, WorkerRef
+from services.router.placement import NoWorkerError, RouteQuery, WorkerRef
 from services.router.redis_placement import RedisPlacement
 from services.router.router_config import RouterConfig
 
@@ -53,13 +53,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 kind=SpanKind.SERVER,
             )
         try:
-            decision = await self.placement.route(
-                request.request_id,
-                list(request.prompt_token_ids),
-                request.tenant,
-                list(request.exclude_workers),
-                adapter=adapter_proto.from_message(request.adapter),
-            )
+            query = RouteQuery(
+                request.request_id, tuple(request.prompt_token_ids), request.tenant,
+                tuple(request.exclude_workers), adapter=adapter_of(request.adapter),
+            )  # fmt: skip
+            decision = await self.placement.route(query)
         except NoWorkerError as exc:
             code, message = status_for(exc)
             if span is not None:

@@ -10,7 +10,7 @@ import redis
 from engine.lora import AdapterRef
 from services.router.keyspace import Keyspace
 from services.router.membership import MembershipView
-from services.router.placement import RouteDecision
+from services.router.placement import RouteDecision, RouteQuery
 from services.router.registry import Registry
 from services.router.router import Router
 from services.router.router_config import RouterConfig
@@ -57,19 +57,21 @@ def test_an_adapters_requests_go_to_its_holders_in_both_pools(
 ) -> None:
     router = _cluster(client, namespace, {"p1": ("alpha",), "d2": ("alpha", "beta")})
     for i in range(6):  # different prompts, one at a time: each to the holders
-        d = router.route(f"r{i}", list(range(i * 50, i * 50 + 40)), "t", adapter=ALPHA)
+        d = router.route(RouteQuery(f"r{i}", list(range(i * 50, i * 50 + 40)), "t", adapter=ALPHA))
         assert d.prefill is not None and d.prefill.worker_id == "p1"
         assert d.decode.worker_id == "d2"
         router.release(d.load_lease_ids)
     # At once, past the load bound the holder is skipped, as any worker would be.
     many = [
-        router.route(f"s{i}", list(range(i * 50, i * 50 + 40)), "t", adapter=ALPHA)
+        router.route(RouteQuery(f"s{i}", list(range(i * 50, i * 50 + 40)), "t", adapter=ALPHA))
         for i in range(6)
     ]
     assert many[0].decode.worker_id == "d2" and {d.decode.worker_id for d in many} != {"d2"}
     for d in many:
         router.release(d.load_lease_ids)
-    base = [router.route(f"b{i}", list(range(i * 50, i * 50 + 40)), "t") for i in range(12)]
+    base = [
+        router.route(RouteQuery(f"b{i}", list(range(i * 50, i * 50 + 40)), "t")) for i in range(12)
+    ]
     assert len({d.decode.worker_id for d in base}) > 1  # the base model: the plain ring
     for d in base:
         router.release(d.load_lease_ids)
@@ -82,7 +84,7 @@ def test_an_adapters_key_is_its_own(client: redis.Redis, namespace: str) -> None
     prompt = list(range(100))
 
     def route(adapter: AdapterRef | None) -> RouteDecision:
-        decision = router.route("r", prompt, "t", adapter=adapter)
+        decision = router.route(RouteQuery("r", prompt, "t", adapter=adapter))
         router.release(decision.load_lease_ids)
         return decision
 

@@ -8,7 +8,7 @@ import pytest
 
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.keyspace import Keyspace
-from services.router.placement import NoWorkerError
+from services.router.placement import NoWorkerError, RouteQuery
 from services.router.redis_client import connect
 from services.router.registry import Registry
 from services.router.router import Router
@@ -33,11 +33,11 @@ def test_redis_stop_fails_open_and_restart_resyncs_from_heartbeats(
     cfg = RouterConfig(membership_refresh_s=0, redis_retry_s=0.01, redis_timeout_s=0.2)
     router = Router(connect(server.url, cfg.redis_timeout_s), cfg)
 
-    before = [router.route_detailed(str(i), [i] * 40, "t") for i in range(10)]
+    before = [router.route_detailed(RouteQuery(str(i), [i] * 40, "t")) for i in range(10)]
     assert not any(r.fail_open for r in before) and router.stats.fail_open == 0
 
     server.stop()
-    during = [router.route_detailed(str(i), [i % 3] * 40, "t") for i in range(50)]
+    during = [router.route_detailed(RouteQuery(str(i), [i % 3] * 40, "t")) for i in range(50)]
     assert all(r.fail_open for r in during)
     assert router.stats.fail_open == 100  # two pools per decision
     assert router.stats.redis_errors >= 1
@@ -50,14 +50,14 @@ def test_redis_stop_fails_open_and_restart_resyncs_from_heartbeats(
     assert router.stats.release_failures == router.stats.owed_releases == 20
 
     server.start()  # same socket, no data: the registry is empty until heartbeats
-    resync = router.route_detailed("r", [1] * 40, "t")
+    resync = router.route_detailed(RouteQuery("r", [1] * 40, "t"))
     assert resync.fail_open  # Redis is back but lists no workers yet: last known ones
     router.release(resync.decision.load_lease_ids)
     assert router.stats.owed_releases == 0  # sent (the new Redis no longer had them)
     assert all(worker_side.heartbeat(w) for w in workers)  # each re-creates its registration
 
     fail_open_so_far = router.stats.fail_open
-    after = [router.route_detailed(str(i), [i] * 40, "t") for i in range(10)]
+    after = [router.route_detailed(RouteQuery(str(i), [i] * 40, "t")) for i in range(10)]
     assert not any(r.fail_open for r in after)
     assert router.stats.fail_open == fail_open_so_far
     assert router.ledger.snapshot("decode").total == 10
@@ -75,4 +75,4 @@ def test_unreachable_redis_and_no_known_workers_is_a_clear_error(
     router = Router(connect(url, cfg.redis_timeout_s), cfg)
     assert router.refresh() is False
     with pytest.raises(NoWorkerError, match="cannot reach Redis"):
-        router.route("r", [1, 2, 3], "t")
+        router.route(RouteQuery("r", [1, 2, 3], "t"))

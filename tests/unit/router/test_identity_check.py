@@ -14,6 +14,7 @@ from engine.model_identity import IdentityPart, ModelIdentity
 from services.common.status import ModelMismatchError, code_for
 from services.router.identity_check import GATEWAY_PARTS
 from services.router.keyspace import Keyspace
+from services.router.placement import RouteQuery
 from services.router.registry import Registry
 from services.router.router import Router
 from services.router.router_config import RouterConfig
@@ -44,7 +45,7 @@ def test_a_matching_model_routes(
     client: redis.Redis, namespace: str, published: ModelIdentity | None
 ) -> None:
     router = _router(client, namespace, published)
-    decision = router.route("r", [1, 2, 3], "t")
+    decision = router.route(RouteQuery("r", [1, 2, 3], "t"))
     assert decision.decode.worker_id == "m0"
 
 
@@ -54,7 +55,7 @@ def test_a_different_tokenizer_and_template_are_refused_by_name(
     theirs = dataclasses.replace(MINE, tokenizer="t2", chat_template="ct2")
     router = _router(client, namespace, theirs)
     with pytest.raises(ModelMismatchError) as refused:
-        router.route("r", [1, 2, 3], "t")
+        router.route(RouteQuery("r", [1, 2, 3], "t"))
     message = str(refused.value)
     assert IdentityPart.TOKENIZER.value in message and IdentityPart.CHAT_TEMPLATE.value in message
     assert IdentityPart.CONFIG.value not in message and "this gateway" in message

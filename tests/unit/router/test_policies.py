@@ -7,6 +7,7 @@ import collections
 import pytest
 import redis
 
+from services.router.placement import RouteQuery
 from services.router.prefix_key import prefix_key, tenant_seed
 from services.router.router import Router
 from services.router.router_config import POLICIES, RouterConfig
@@ -23,7 +24,7 @@ def router(client: redis.Redis, namespace: str, policy: str, n: int = 4) -> Rout
 
 
 def route_hot(r: Router, count: int) -> list[str]:
-    return [r.route(str(i), HOT, "t").decode.worker_id for i in range(count)]
+    return [r.route(RouteQuery(str(i), HOT, "t")).decode.worker_id for i in range(count)]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -31,7 +32,7 @@ def test_each_policy_routes_and_leases_load(
     client: redis.Redis, namespace: str, policy: str
 ) -> None:
     r = router(client, namespace, policy)
-    decisions = [r.route(str(i), [i % 7] * 40, f"tenant{i % 3}") for i in range(40)]
+    decisions = [r.route(RouteQuery(str(i), [i % 7] * 40, f"tenant{i % 3}")) for i in range(40)]
     snap = r.ledger.snapshot("mixed")
     assert snap.total == 40 and snap.leases == 40
     assert all(d.prefill is None and d.decode.role == "mixed" for d in decisions)

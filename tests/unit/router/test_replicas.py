@@ -12,6 +12,7 @@ import redis
 
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.load import LoadSnapshot
+from services.router.placement import RouteQuery
 from services.router.redis_client import connect
 from services.router.router import Routed, Router
 from services.router.router_config import RouterConfig
@@ -55,7 +56,9 @@ def run_replicas(
         try:
             start.wait()
             for n in range(counts[i]):
-                routed = router.route_detailed(f"{i}-{n}", prompt(rng), f"tenant{n % 3}")
+                routed = router.route_detailed(
+                    RouteQuery(f"{i}-{n}", prompt(rng), f"tenant{n % 3}")
+                )
                 check(routed)
                 held[i].append(routed.decision.load_lease_ids)
                 if rng.random() < release_p and not abandon(i):

@@ -10,7 +10,13 @@ import asyncio
 import pytest
 import redis
 
-from services.router.placement import NoWorkerError, RouteDecision, StaticPlacement, WorkerRef
+from services.router.placement import (
+    NoWorkerError,
+    RouteDecision,
+    RouteQuery,
+    StaticPlacement,
+    WorkerRef,
+)
 from services.router.redis_placement import RedisPlacement
 from services.router.router import Router
 from services.router.router_config import RouterConfig
@@ -35,12 +41,14 @@ def test_route_decode_places_and_leases_the_decode_pool_alone(
     register_pool(client, namespace, "prefill", 1)
     register_pool(client, namespace, "decode", 2)
     r = make_router(client, namespace)
-    first = r.route("r1", PROMPT, "t")
+    first = r.route(RouteQuery("r1", PROMPT, "t"))
     assert first.prefill is not None
     assert len(first.prefill_lease_ids) == len(first.decode_lease_ids) == 1
     assert first.load_lease_ids == first.prefill_lease_ids + first.decode_lease_ids
 
-    again = r.route_decode("r1", PROMPT, "t", [first.decode.worker_id], prefill=first.prefill)
+    again = r.route_decode(
+        RouteQuery("r1", PROMPT, "t", [first.decode.worker_id], prefill=first.prefill)
+    )
     assert again.prefill == first.prefill  # named, not placed: no load taken there
     assert again.decode.worker_id != first.decode.worker_id
     assert again.prefill_lease_ids == () and len(again.decode_lease_ids) == 1
@@ -66,16 +74,16 @@ def test_route_decode_with_every_decode_worker_excluded(
     register_pool(client, namespace, "decode", 1)
     r = make_router(client, namespace)
     with pytest.raises(NoWorkerError):
-        r.route_decode("r1", PROMPT, "t", ["d0"])
+        r.route_decode(RouteQuery("r1", PROMPT, "t", ["d0"]))
     assert counts(r) == {"prefill": {}, "decode": {}}  # nothing leased on the way
 
 
 def test_route_decode_on_a_mixed_pool(client: redis.Redis, namespace: str) -> None:
     register_pool(client, namespace, "mixed", 2)
     r = make_router(client, namespace)
-    first = r.route("r1", PROMPT, "t")
+    first = r.route(RouteQuery("r1", PROMPT, "t"))
     assert first.prefill is None and first.prefill_lease_ids == ()
-    again = r.route_decode("r1", PROMPT, "t", [first.decode.worker_id])
+    again = r.route_decode(RouteQuery("r1", PROMPT, "t", [first.decode.worker_id]))
     assert again.prefill is None and again.decode.worker_id != first.decode.worker_id
     r.release(first.load_lease_ids)
     r.release(again.load_lease_ids)
@@ -90,7 +98,9 @@ def test_redis_placement_route_decode(client: redis.Redis, namespace: str) -> No
 
     async def scenario() -> RouteDecision:
         prefill = WorkerRef("p0", "addr-p0", "prefill")
-        decision = await placement.route_decode("r1", PROMPT, "t", ["d0"], prefill=prefill)
+        decision = await placement.route_decode(
+            RouteQuery("r1", PROMPT, "t", ["d0"], prefill=prefill)
+        )
         assert decision.prefill == prefill and decision.decode.worker_id == "d1"
         await placement.release(decision)
         return decision
@@ -104,13 +114,15 @@ def test_static_route_decode_round_robins_the_decode_list() -> None:
     prefill = WorkerRef("p", "h:1", "prefill")
 
     async def scenario() -> None:
-        first = await placement.route("r", [1], "t")
+        first = await placement.route(RouteQuery("r", [1], "t"))
         assert first.decode.worker_id == "a"
-        again = await placement.route_decode("r", [1], "t", ["a"], prefill=prefill)
+        again = await placement.route_decode(RouteQuery("r", [1], "t", ["a"], prefill=prefill))
         assert again == RouteDecision(prefill, WorkerRef("b", "h:3", "decode"))
-        assert (await placement.route_decode("r", [1], "t", ["b"])).decode.worker_id == "a"
+        assert (
+            await placement.route_decode(RouteQuery("r", [1], "t", ["b"]))
+        ).decode.worker_id == "a"
         with pytest.raises(NoWorkerError):
-            await placement.route_decode("r", [1], "t", ["a", "b"])
+            await placement.route_decode(RouteQuery("r", [1], "t", ["a", "b"]))
 
     asyncio.run(scenario())
 

@@ -13,7 +13,7 @@ from services.common.config import add_config_args, config_from_args
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.keyspace import Keyspace
 from services.router.load import LoadLedger
-from services.router.placement import NoWorkerError
+from services.router.placement import NoWorkerError, RouteQuery
 from services.router.redis_client import connect
 from services.router.redis_placement import RedisPlacement
 from services.router.registry import Registry
@@ -32,12 +32,12 @@ def test_disaggregated_decision_and_release(client: redis.Redis, namespace: str)
     register_pool(client, namespace, "prefill", 2)
     register_pool(client, namespace, "decode", 3)
     r = make_router(client, namespace)
-    d = r.route("r1", list(range(70)), "tenant")
+    d = r.route(RouteQuery("r1", list(range(70)), "tenant"))
     assert d.prefill is not None and d.prefill.role == "prefill" and d.decode.role == "decode"
     assert d.prefill.address == f"addr-{d.prefill.worker_id}"
     assert len(d.load_lease_ids) == 2
     # Same prefix, same tenant: same prefill worker (the one whose cache holds it).
-    again = r.route("r2", [*range(64), 9, 9], "tenant")
+    again = r.route(RouteQuery("r2", [*range(64), 9, 9], "tenant"))
     assert again.prefill == d.prefill
     r.release(d.load_lease_ids)
     r.release(again.load_lease_ids)
@@ -54,14 +54,14 @@ def test_a_warm_decode_worker_vouches_for_the_prefix_it_caches(
     register_pool(client, namespace, "prefill", 1)
     register_pool(client, namespace, "decode", 2)
     r = make_router(client, namespace, prefix_blocks=2, block_size=16)
-    cold = r.route("r1", list(range(100)), "tenant")
-    warm = r.route("r2", [*range(40), 7, 7, 7], "tenant")  # the same first 2 blocks
-    short = r.route("r3", list(range(20)), "other")  # one block: the key is the prompt
-    again = r.route("r4", list(range(20)), "other")
+    cold = r.route(RouteQuery("r1", list(range(100)), "tenant"))
+    warm = r.route(RouteQuery("r2", [*range(40), 7, 7, 7], "tenant"))  # the same first 2 blocks
+    short = r.route(RouteQuery("r3", list(range(20)), "other"))  # one block: the key is the prompt
+    again = r.route(RouteQuery("r4", list(range(20)), "other"))
     assert cold.decode_cached_tokens == 0 and short.decode_cached_tokens == 0
     assert warm.decode == cold.decode and warm.decode_cached_tokens == 32
     assert again.decode_cached_tokens == 19
-    other_tenant = r.route("r5", list(range(100)), "someone-else")
+    other_tenant = r.route(RouteQuery("r5", list(range(100)), "someone-else"))
     assert other_tenant.decode_cached_tokens == 0  # tenants never share keys
     for d in (cold, warm, short, again, other_tenant):
         r.release(d.load_lease_ids)
@@ -74,24 +74,24 @@ def test_draining_worker_gets_no_new_requests(client: redis.Redis, namespace: st
     reg = Registry(client, Keyspace(namespace))
     reg.set_draining("m1")
     # The router's view is stale (refresh in 60 s): the script itself skips m1 at once.
-    placed = {r.route(str(i), [i] * 40, "t").decode.worker_id for i in range(200)}
+    placed = {r.route(RouteQuery(str(i), [i] * 40, "t")).decode.worker_id for i in range(200)}
     assert placed == {"m0", "m2"}
     r.refresh()
     assert "m1" not in r.membership.view().ring("mixed")
     reg.set_draining("m0")
     reg.set_draining("m2")
     with pytest.raises(NoWorkerError, match="3 registered, 3 draining"):
-        r.route("x", [1] * 40, "t")
+        r.route(RouteQuery("x", [1] * 40, "t"))
 
 
 def test_exclude_skips_failed_workers(client: redis.Redis, namespace: str) -> None:
     register_pool(client, namespace, "mixed", 2)
     r = make_router(client, namespace)
-    first = r.route("r", [5] * 40, "t").decode.worker_id
-    other = r.route("r", [5] * 40, "t", exclude=[first]).decode.worker_id
+    first = r.route(RouteQuery("r", [5] * 40, "t")).decode.worker_id
+    other = r.route(RouteQuery("r", [5] * 40, "t", exclude=[first])).decode.worker_id
     assert other != first
     with pytest.raises(NoWorkerError, match="2 already tried"):
-        r.route("r", [5] * 40, "t", exclude=["m0", "m1"])
+        r.route(RouteQuery("r", [5] * 40, "t", exclude=["m0", "m1"]))
 
 
 def test_dead_worker_is_dropped_via_refresh_and_retry(client: redis.Redis, namespace: str) -> None:
@@ -101,17 +101,17 @@ def test_dead_worker_is_dropped_via_refresh_and_retry(client: redis.Redis, names
     reg.deregister("m0")
     reg.register(worker("m9"))
     # The view still says m0; the script finds it gone, the router re-reads and retries.
-    assert r.route("r", [1] * 40, "t").decode.worker_id == "m9"
+    assert r.route(RouteQuery("r", [1] * 40, "t")).decode.worker_id == "m9"
 
 
 def test_no_workers_and_half_a_disaggregated_cluster(client: redis.Redis, namespace: str) -> None:
     r = make_router(client, namespace)
     with pytest.raises(NoWorkerError, match="no worker is registered"):
-        r.route("r", [1], "t")
+        r.route(RouteQuery("r", [1], "t"))
     register_pool(client, namespace, "prefill", 1)
     r.refresh()
     with pytest.raises(NoWorkerError, match="no decode worker"):
-        r.route("r", [1], "t")
+        r.route(RouteQuery("r", [1], "t"))
 
 
 def test_router_config_flags_env_and_validation() -> None:
@@ -133,7 +133,7 @@ def test_redis_placement_with_its_own_embedded_redis() -> None:
         placement.router.refresh()
 
         async def go() -> None:
-            d = await placement.route("r", [1, 2, 3], "t")
+            d = await placement.route(RouteQuery("r", [1, 2, 3], "t"))
             assert d.decode.worker_id == "m0" and d.prefill is None
             await placement.release(d)
 
@@ -154,7 +154,7 @@ def test_cancelled_release_still_gives_the_load_back(client: redis.Redis, namesp
     register_pool(client, namespace, "prefill", 1)
     register_pool(client, namespace, "decode", 1)
     placement = RedisPlacement(make_router(client, namespace))
-    decision = placement.router.route("r", list(range(40)), "t")
+    decision = placement.router.route(RouteQuery("r", list(range(40)), "t"))
     blocker = threading.Event()
 
     async def go() -> None:
@@ -185,7 +185,7 @@ def test_release_cancelled_before_its_first_step_still_gives_the_load_back(
     register_pool(client, namespace, "prefill", 1)
     register_pool(client, namespace, "decode", 1)
     placement = RedisPlacement(make_router(client, namespace))
-    decision = placement.router.route("r", list(range(40)), "t")
+    decision = placement.router.route(RouteQuery("r", list(range(40)), "t"))
 
     async def go() -> None:
         releasing = asyncio.gather(placement.release(decision))
@@ -207,7 +207,7 @@ def test_release_while_redis_is_down_is_sent_once_it_answers(
     register_pool(client, namespace, "prefill", 1)
     register_pool(client, namespace, "decode", 1)
     router = make_router(client, namespace, redis_retry_s=30.0)
-    decision = router.route("r", list(range(40)), "t")
+    decision = router.route(RouteQuery("r", list(range(40)), "t"))
     admin = connect(redis_server.url, timeout_s=10.0)
     # 1.5 s against a 0.2 s timeout: the refresh times out unless the host stalls 1.3 s.
     admin.execute_command("CLIENT", "PAUSE", 1500, "ALL")

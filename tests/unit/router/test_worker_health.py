@@ -9,6 +9,7 @@ from collections import Counter
 import redis
 
 from services.router.keyspace import Keyspace
+from services.router.placement import RouteQuery
 from services.router.registry import Registry
 from services.router.router import Router
 from services.router.router_config import RouterConfig
@@ -33,7 +34,9 @@ def _set_field(client: redis.Redis, namespace: str, worker_id: str, **fields: in
 
 def _placed(r: Router, n: int, tag: str) -> Counter[str]:
     """Where n requests with distinct prefixes went (their load kept: nothing released)."""
-    return Counter(r.route(f"{tag}{i}", [i, i + 1] * 40, "t").decode.worker_id for i in range(n))
+    return Counter(
+        r.route(RouteQuery(f"{tag}{i}", [i, i + 1] * 40, "t")).decode.worker_id for i in range(n)
+    )
 
 
 def test_a_worker_reported_down_is_skipped_by_every_router_at_once(
