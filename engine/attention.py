@@ -123,9 +123,9 @@ class TorchAttention(AttentionBackend):
     def __init__(self, compiled_decode: bool = False) -> None:
         """`compiled_decode`: decode rows over an unquantized bfloat16 cache on the CPU
         attend through `engine.decode_kernel.decode_attention`, which reads K and V in
-        place in the pool, instead of gathering their blocks (copies) for two matmuls:
-        at 8 rows of ~620-token contexts the gather, its copies and the matmuls were 18
-        of a step's 38 ms."""
+        place in the pool, instead of gathering their blocks (copies) for two matmuls,
+        which at long contexts are a large share of the step (docs/engine.md
+        "Kernels")."""
         self.compiled_decode = compiled_decode
         self._pools: dict[int, np.ndarray] = {}  # the pool's bits by storage address
 
@@ -243,7 +243,7 @@ class TorchAttention(AttentionBackend):
         g, heads, hd = q.shape
         kvh = cache.k.shape[2]
         # [g, kv_heads, keys, head_dim], contiguous: a transposed view cost a slow copy
-        # inside each matmul (5x the read itself on the development host).
+        # inside each matmul, slower than the read itself.
         got = cache.read(group.blocks, q.dtype, seqs=g)
         # GQA without copying K/V: the query heads of one KV group become query rows.
         qg = q.view(g, kvh, heads // kvh, hd)
@@ -269,7 +269,7 @@ class TorchAttention(AttentionBackend):
             return tiled_causal_attention(q, k, v)
         # 4-D [1, heads, len, hd]: torch's CPU SDPA takes its fused (flash) kernel only for
         # batched 4-D inputs; 3-D falls back to the math path, which materialises every
-        # score and made a 4k-token prompt 5-7x slower.
+        # score and is many times slower on long prompts.
         qh = q.transpose(0, 1).unsqueeze(0)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         mask = seq.sdpa_mask()
@@ -291,8 +291,9 @@ def _decode_matmul(
     """Decode attention as two batched matmuls in the model's dtype, softmax in fp32.
 
     Why not SDPA below fp32: for a handful of query rows per KV head, torch's CPU SDPA
-    in bf16 ran 1.5x (48 keys) to 2.7x (512 keys) slower than this on the development
-    host; in fp32 the two are even, and SDPA stays for fp32's bit parity with HF.
+    in bf16 is slower than this at every context length measured; in fp32 the two are
+    even, and SDPA stays for fp32's bit parity with HF. Measurements: docs/engine.md
+    "Precision".
 
     With an 8-bit cache, `k` and `v` are its unscaled values and `scales` the K and V
     block scales as [g, kv_heads, 1, blocks, 1] (see `_per_block`): q.(s k) = s (q.k)

@@ -5,15 +5,15 @@ head_dim)` for the step compiled for its model's dimensions (numba compiles it a
 decoder's warm-up and caches it on disk, so later processes load it) and calls it once
 per fused step; nothing here holds state.
 
-Why: a decode step of one sequence reads every weight once and does little else, so
-its floor is the weights' bytes over memory bandwidth (7 ms for SmolLM2-135M in
-bfloat16 on the development host). Through torch it took 16 ms: oneDNN's one-row
-products read the weights at about 28 GB/s (9.6 ms), and the step's 1,500 other small
-ops (norms, rotary, attention, residuals), a few microseconds of dispatch each, cost
-the rest. Here nothing is dispatched per op, and the products (`engine.weight_tiles`)
-stream the weights once for every row of the step: 7.6 ms a step at one row, and
-about 1.3x to 2.3x faster than the torch forward from 1 to 128 rows
-(`engine.fused_decode.MAX_ROWS`).
+Why: a decode step reads every weight once and does little else, so its floor is the
+weights' bytes over memory bandwidth. Through torch a step costs well above that floor:
+oneDNN's one-row products read the weights slower than memory delivers them, and each
+of the step's other small ops (norms, rotary, attention, residuals, over every layer)
+pays its own dispatch, which at a few rows is a large share of the step. Here nothing
+is dispatched per op, and the products (`engine.weight_tiles`) stream each weight from
+memory once per step for every row of it, up to `engine.fused_decode.MAX_ROWS` rows.
+Measurements (the floor, the torch step, the fused step by batch size): docs/engine.md
+"Kernels".
 
 Numerics: weights, the KV cache and the embeddings are bfloat16, and so are the
 activations entering each projection (rounded once per product, as torch's bf16 path
@@ -82,13 +82,14 @@ _NUMPY_ERRORS: Final = "numpy"
 def _exp(x: np.float32) -> np.float32:
     """e**x in float32 as arithmetic that LLVM can vectorize (libm's expf is a call per
     element, which it cannot): e**x = 2**n * e**r with n = round(x / ln 2) and |r| <=
-    ln(2)/2, e**r by its Taylor series, 2**n by placing n in the exponent's bits. A SiLU
-    over 8 rows of SmolLM2's MLP took 4.3 us with it against 27 us through libm.
+    ln(2)/2, e**r by its Taylor series, 2**n by placing n in the exponent's bits, so the
+    loops that call it (SiLU, softmax) vectorize.
 
-    Within 1.2 units in the last place of exact (libm's expf: 2.4; checked in
-    `test_fused_decode.py`). x is clamped to [-87, 88] first, so that 2**n stays a
-    normal float: e**x below e**-87 (1.6e-38) comes back as 1.6e-38 and above e**88 as
-    1.7e38 (finite), which moves no softmax weight or SiLU by a representable amount.
+    Within 1.5 units in the last place of exact (`test_fused_decode.py` holds it; what
+    it measured, and libm's expf beside it: docs/engine.md "Kernels"). x is clamped to
+    [-87, 88] first, so that 2**n stays a normal float: e**x below e**-87 (1.6e-38)
+    comes back as 1.6e-38 and above e**88 as 1.7e38 (finite), which moves no softmax
+    weight or SiLU by a representable amount.
     NaN stays NaN. Written without branches (selects only), which LLVM vectorizes.
     Inlined into `_attend`, which is compiled with reassociation, LLVM may fold the
     split reduction back into one product: a few ulp more there, nothing a softmax
@@ -140,13 +141,13 @@ def _attend(
 
     One pass over the cached K rows, then one over the V rows: each row is converted to
     float32 once and used by every query head (a query head reads its group's KV head).
-    A pass per KV head instead ran slower at 1,000 tokens (a layer's context, 0.75 MB
-    there, fell out of L2 between passes).
+    A pass per KV head instead reads the layer's cached context once per KV head, and at
+    long contexts that context no longer stays in L2 between passes.
 
     Cached rows are read through slices, never as `pool[base + e]`: numba wraps a
     negative index around, and with an offset it cannot prove non-negative, that check
-    stays in the loop and keeps LLVM from vectorizing it (converting a row took 12x as
-    long, and the whole attention 3x)."""
+    stays in the loop and keeps LLVM from vectorizing the row's conversion (what that
+    cost: docs/engine.md "Kernels")."""
     group = heads // kv_heads
     width = kv_heads * hd
     scale = _F32(1.0 / math.sqrt(hd))
@@ -217,9 +218,10 @@ def _check_heads(heads: int, kv_heads: int, hd: int) -> None:
 def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
     """The compiled step for a model of these attention dimensions (one per process and
     shape). The step holds them as constants, which LLVM carries into the attention and
-    rotary loops it inlines: with them as run-time values a 1,000-token step took 22 ms
-    against 10.4. It closes over these three integers and `_INLINED_DIGEST` only, which
-    numba's cache key includes, so its disk cache serves later processes.
+    rotary loops it inlines (as run-time values they leave those loops generic, and
+    long-context steps slower: docs/engine.md "Kernels"). It closes over these three
+    integers and `_INLINED_DIGEST` only, which numba's cache key includes, so its disk
+    cache serves later processes.
 
     `step(x, positions, tables, weights, cos, sin, pool, block_size, block_elems, eps,
     logits)` runs every layer of one decode step, then the final norm and the LM head.

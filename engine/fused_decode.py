@@ -36,10 +36,9 @@ log = logging.getLogger(__name__)
 
 #: Most rows a fused step takes. Its products stream the weights once per step and,
 #: where the CPU has AVX-512 BF16, use its dot products (`engine.weight_tiles`), so the
-#: fused step beat the torch forward at every decode batch measured: whole engine steps
-#: of short contexts on the development host (one thread, 2026-11-27) took 7.6 / 10.5 /
-#: 18.2 / 29.8 / 56.2 / 111 ms fused against 17.6 / 21.1 / 27.0 / 43.2 / 70.3 / 129 ms
-#: through torch at 1 / 8 / 16 / 32 / 64 / 128 rows. Past 128 was not measured.
+#: fused step beat the torch forward at every decode batch size measured up to this
+#: one; larger steps were not measured, and run through torch. Measurements:
+#: docs/engine.md "Kernels" ("Why up to 128 rows").
 MAX_ROWS = 128
 #: Most rows on a CPU without AVX-512 BF16, where the tiles multiply in float32 FMAs:
 #: that path was not measured against torch on such a CPU (on AVX2 its 512-bit vectors
@@ -102,11 +101,11 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 class FusedDecoder:
     """The model's weights as the kernel reads them, and the call that runs a step.
 
-    Holds its own copy of the layers' projections and the LM head, packed in the
-    kernel's tiles (`engine.weight_tiles.pack`, stacked per kind over layers): the torch
-    path keeps only oneDNN's packed copies, which the kernel cannot read. For
-    SmolLM2-135M that is 269 MB more (213 MB of projections and 56 MB of LM head, a
-    copy even where the head is tied to the embedding).
+    Holds its own bfloat16 copy of the layers' projections and the LM head, packed in
+    the kernel's tiles (`engine.weight_tiles.pack`, stacked per kind over layers,
+    padded to whole tiles): the torch path keeps only oneDNN's packed copies, which the
+    kernel cannot read. The LM head is copied even where it is tied to the embedding.
+    What that costs the default model: docs/engine.md "Kernels".
     """
 
     def __init__(

@@ -10,10 +10,11 @@ offload tier move whole blocks through `blocks` ([num_blocks, bytes_per_block] b
 Why block-major ([blocks, layers, K/V, block_size, kv_heads, head_dim]): one block's KV
 for every layer is one contiguous region, so a scattered import is one NIXL descriptor
 per block instead of one per (layer, K/V, block). The layout-major pool it replaced
-(`[layers, K/V, blocks, ...]`) cut a SmolLM2 block into 60 separate 12 KB pieces, and a
-scattered 8,192-token import ran at 0.24x memcpy. Per-layer views keep the page stride
-of a whole block, which vllm-flash-attn's paged kernel accepts (it takes the stride of
-dimension 0 as the page stride and needs only the head dimension contiguous).
+(`[layers, K/V, blocks, ...]`) cut a SmolLM2 block into 60 separate 12 KB pieces, and
+scattered imports ran at a fraction of memcpy's speed (docs/engine.md "Paged KV cache
+and prefix cache"). Per-layer views keep the page stride of a whole block, which
+vllm-flash-attn's paged kernel accepts (it takes the stride of dimension 0 as the page
+stride and needs only the head dimension contiguous).
 
 An 8-bit cache (`KvCacheDType.INT8`, `FP8_E4M3`) stores a float32 scale per (block,
 layer, K/V, KV head) after the block's data, inside the same region, so scales move
@@ -23,17 +24,17 @@ starts afresh (its old bytes belong to a previous owner).
 
 Reading an 8-bit cache costs one pass more than an unquantized one, not a slow cast:
 int8 values convert to the compute dtype directly, and fp8 values are moved bit for bit
-into bfloat16 (`_as_dtype`), because torch's CPU float8 cast is a scalar loop 25x
-slower than the integer pass. That makes an fp8 value read in bfloat16 come back as the
-stored value times 2**-120 (`GatheredKv.exponent`); attention carries the power of two
-through its matmuls (`lift_for`), so nothing is lost. An fp8 cache written by this
-version stores no subnormal numbers (values under e4m3's smallest normal, 2**-6 of a
-block's scale, are stored as zero: far below the format's own rounding at the top of
-its range), so its reads meet no denormal float, whose handling differs between CPUs
-(blocks from an older peer may hold some: they read exactly, or as zero where a CPU
-flushes denormals; either is far below the format's rounding). e4m3's NaN codes read as
-+-480 times the scale, not NaN: a healthy model never stores them (the write clamps
-finite values to +-448).
+into bfloat16 (`_as_dtype`), because torch's CPU float8 cast is a scalar loop, far
+slower than the integer pass (docs/engine.md "8-bit KV cache"). That makes an fp8 value
+read in bfloat16 come back as the stored value times 2**-120 (`GatheredKv.exponent`);
+attention carries the power of two through its matmuls (`lift_for`), so nothing is lost.
+An fp8 cache written by this version stores no subnormal numbers (values under e4m3's
+smallest normal, 2**-6 of a block's scale, are stored as zero: far below the format's
+own rounding at the top of its range), so its reads meet no denormal float, whose
+handling differs between CPUs (blocks from an older peer may hold some: they read
+exactly, or as zero where a CPU flushes denormals; either is far below the format's
+rounding). e4m3's NaN codes read as +-480 times the scale, not NaN: a healthy model
+never stores them (the write clamps finite values to +-448).
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ _FP8_FLUSH = _FP8_MIN_NORMAL * (1 - 2.0**-10)
 #: How far past its new tokens a scale that must grow is set, in a block that will take
 #: more tokens. e4m3 keeps its relative precision at any magnitude, so 8x costs only a
 #: higher zero floor and spares nearly every re-expression. int8's steps are even, so
-#: headroom costs resolution: 1.25x lowered greedy continuations' agreement with the
-#: unquantized cache from 0.74 to 0.56 on the accuracy prompts, so int8 gets none.
+#: headroom costs resolution: even a little lowered greedy continuations' agreement
+#: with the unquantized cache (docs/engine.md "8-bit KV cache"), so int8 gets none.
 _HEADROOM = {torch.int8: 1.0, torch.float8_e4m3fn: 8.0}
 #: The smallest scale; keeps an all-zero head's division finite.
 _MIN_SCALE = 1e-12
@@ -470,9 +471,9 @@ def _as_words(rows: torch.Tensor) -> torch.Tensor:
     """A 2-D `rows` tensor (each row contiguous) viewed as the widest integers (up to 8
     bytes) that divide its rows, its row stride and its offset; itself when none do.
 
-    Why: torch's CPU index_copy_ and index_select move one element at a time. Rows of
-    int8 copied as int64 words wrote 3.4x faster on the development host, a block's
-    layer 5.8x faster, and reads of bf16 and int8 blocks 1.3x and 1.5x faster."""
+    Why: torch's CPU index_copy_ and index_select move one element at a time, so the
+    fewer and wider the elements, the faster a block row is written or read
+    (measurements: docs/engine.md "Kernels")."""
     for words in (torch.int64, torch.int32, torch.int16):
         if words.itemsize > rows.element_size() and _fits(rows, words):
             return rows.view(words)
@@ -549,8 +550,8 @@ def allocate_blocks(layout: KvLayout, num_blocks: int, device: torch.device) -> 
 def _advise_huge_pages(pool: torch.Tensor) -> None:
     """Ask Linux for transparent huge pages before first touch (best effort).
 
-    Bulk KV copies between processes (NIXL over CMA) ran about a third faster from
-    huge-page-backed pools on 2-core hosts: fewer TLB misses and page walks.
+    Bulk KV copies between processes (NIXL over CMA) run faster from huge-page-backed
+    pools: fewer TLB misses and page walks (docs/engine.md "Kernels").
     """
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)

@@ -8,9 +8,10 @@ disk, so later processes load it). Each layer of each step then calls
 
 Why a kernel: in torch the write is about 35 small ops per layer (the largest of each
 head, the scale that must grow, re-expressing a grown block's earlier tokens, rounding,
-the copies), each a few microseconds of dispatch. At batch 32 that cost 2.2 s of a 35 s
-run against 0.3 s for an unquantized cache, and kept an 8-bit cache under 0.9x of the
-unquantized cache's throughput (issue 21). One kernel call does the same work in a
+the copies), each paying its own dispatch. At decode batch sizes that dispatch cost
+several times an unquantized cache's write and kept an 8-bit cache's throughput under
+the share of the unquantized cache's that issue 21 asks for (measurements:
+docs/engine.md "8-bit KV cache"). One kernel call does the same work in a
 single pass over the step's tokens, and re-expresses only the (block, K/V, head) slices
 whose scale grew, not whole blocks. Why numba: it compiles plain Python loops to machine
 code at run time from a wheel (llvmlite), with no C compiler on the host and no build

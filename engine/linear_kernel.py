@@ -9,30 +9,31 @@ each step. A `LinearWeight` is only ever handed back to the kernel that prepared
 
 Why pack on CPU: a decode step multiplies a handful of rows (one per running request) by
 every weight of the model, and MKL's sgemm behind `F.linear` is slow at such small row
-counts. On the 2-core development host, SmolLM2-135M's 30 layers of projections took
-36 ms for 1 row, 85 ms for 10 and 103 ms for 16 through `F.linear`; through oneDNN with
-the weights reordered once into its blocked layout, 38, 63 and 76-84 ms. From about 64
-rows on the two are even, and for prefill chunks (256-512 rows) oneDNN is 6-8% slower;
-so the packed copy serves steps of up to `ONEDNN_MAX_ROWS` rows and the plain weight the
-rest. The LM head gains most (10 rows: 30 ms plain, 16 ms packed). The price is memory:
-a second copy of the projection and LM-head weights (540 MB for SmolLM2-135M in
-float32; an engine's resident size grew by 760 MiB); `linear_kernel torch` keeps one.
-Results differ from `F.linear` in the last bits of float32 (another summation order),
-as any change of batch shape already makes them.
+counts. oneDNN, with the weights reordered once into its blocked layout, is faster at a
+few rows to a few dozen, level with `F.linear` beyond, and a little slower at the row
+counts of prefill chunks; so in float32 the packed copy serves steps of up to
+`ONEDNN_MAX_ROWS` rows and the plain weight the rest. The LM head, the largest
+product, gains most. The price is memory: a second copy of the projection and LM-head
+weights in float32; `linear_kernel torch` keeps one. Results differ from `F.linear` in
+the last bits of float32 (another summation order), as any change of batch shape
+already makes them.
 
 In bfloat16 (on a CPU with native bf16: `engine.precision`) the packed copy is used for
-every row count: on the development host it ran 1.2-1.9x `F.linear` from 1 to 16 rows
-and level with it at 64-256 (`F.linear` in bf16 goes to oneDNN too, but reorders the
-weight on every call).
+every row count, and no plain copy is kept: it is faster than `F.linear` at decode row
+counts and level with it at prefill's (`F.linear` in bf16 goes to oneDNN too, but
+reorders the weight on every call).
+
+Measurements (by row count, the LM head, the memory): docs/engine.md "Kernels".
 
 Int8 (`quantization int8`): each weight is quantized once at load, per output channel
 and symmetric; each step's activations are quantized per token on the fly, and the
 product runs in int8 through `torch._int_mm` (oneDNN's s8s8 GEMM with VNNI dot
 products, accumulating in int32). Per token, not per tensor: fbgemm's dynamic linear
-(one scale for the whole batch) put SmolLM2's perplexity up 50%, because the MLP's
+(one scale for the whole batch) fails the accuracy gate on SmolLM2, because the MLP's
 down projection sees activation outliers that flatten every other row to a few levels.
-Per token is not enough on its own either: a few channels of the normalized hidden state
-reach 20 and more on every token, and those set each row's scale. So the activations
+Per token is not enough on its own either: a few channels of the normalized hidden
+state are an order of magnitude above the rest on every token, and those set each
+row's scale. So the activations
 past `OUTLIER_THRESHOLD` are taken out of the int8 product and multiplied in float
 against their dequantized weight rows (LLM.int8()'s decomposition, Dettmers et al.
 2022). The full-precision weights are dropped once quantized (the tied embedding stays,
@@ -55,12 +56,11 @@ ONEDNN_MAX_ROWS = 48  # in fp32, past this many rows MKL's sgemm is as fast (see
 #: Symmetric int8 range of a weight channel.
 INT8_MAX = 127
 #: An activation whose magnitude passes this is multiplied in float, not int8. LLM.int8()
-#: uses 6. Measured on SmolLM2's projections over the accuracy gate's text: the inputs of
-#: qkv, gate/up and the LM head (normalized, their RMSNorm gains folded into the weights)
-#: have a few channels at 20-24 on every token against a median column peak of 1.5; o's
-#: peak 4 on a median call and down's 12 (once 3,400). Thresholds 3-6 all kept perplexity
-#: within +1.4% (+4.8% without the split; measured splitting whole columns); 4 gave the
-#: best teacher-forced agreement in both dtypes (0.92-0.93, against 0.83-0.85 without).
+#: uses 6 on raw activations; here the projections' inputs are normalized, with their
+#: RMSNorm gains folded into the weights, so their outliers stand above a much lower
+#: floor. Chosen on SmolLM2's projections over the accuracy gate's text, where 4 gave
+#: the best teacher-forced agreement in both dtypes (the activations' peaks and the
+#: thresholds tried: docs/engine.md "Precision").
 OUTLIER_THRESHOLD = 4.0
 
 
@@ -154,17 +154,17 @@ class Int8Linear:
     norms' per-channel gains are where SmolLM2's activation outliers come from, and one
     outlier channel flattens a whole token's int8 row. Folded, the quantized activations
     are the plain normalized ones and the gains ride on the weights, per input column,
-    where per-channel weight scales absorb them (perplexity +5.0% unfolded, +1.5% to
-    +4.8% folded, on the accuracy gate's text).
+    where per-channel weight scales absorb them (the accuracy gate's perplexity is
+    lower folded).
 
     The outliers left after folding (a few channels of the normalized residual stream,
     20-24 on every token) are split off: activations past `OUTLIER_THRESHOLD` are zeroed
     in the int8 product and added back as a float product with their dequantized weight
-    rows, so each row's scale is set by its ordinary channels (perplexity +0.4% in fp32
-    and in bf16). Per activation, not per column as LLM.int8() splits: a row's result
-    then depends on that row alone, not on what else shares its batch. The split costs a
-    few small ops per call: about 0.05 ms at one row and about 50% at 256 rows, measured on
-    SmolLM2's MLP shapes.
+    rows, so each row's scale is set by its ordinary channels. Per activation, not per
+    column as LLM.int8() splits: a row's result then depends on that row alone, not on
+    what else shares its batch. The split costs a few small ops per call (a mask, a
+    `nonzero` and a small float product). Its accuracy and its cost: docs/engine.md
+    "Precision".
     """
 
     name = "int8"
@@ -175,7 +175,7 @@ class Int8Linear:
         scale = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=1e-12)
         q = torch.round(w / scale[:, None]).to(torch.int8)
         # [in, out] as a transposed view of the [out, in] rows: oneDNN's fast layout for
-        # one-row products (2-3x the contiguous [in, out] at one row here).
+        # one-row products (faster than the contiguous [in, out] there).
         return LinearWeight(None, (q.t(), scale))
 
     def apply(

@@ -5,8 +5,9 @@ Lifecycle: `LlamaModel(spec, dtype, device, kernel, fused=...)` builds empty wei
 single matmuls, then handing each projection to the linear kernel to prepare, and, when
 asked, building the fused decode's own copy in `fused`); then each engine step calls
 `forward` on a flat batch of tokens, which writes the new K/V into the cache and returns
-hidden states, and `logits` on the rows that sample (or, for a step of a few plain
-decodes, `fused.decode` instead: `engine/fused_decode.py`).
+hidden states, and `logits` on the rows that sample (or, for a step of plain decodes
+only, up to `fused_decode.MAX_ROWS` of them, `fused.decode` instead:
+`engine/fused_decode.py`).
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@ and `none` by default); at engine start `resolve_dtype` turns `auto` into a torc
 for the device, once, and logs why; `LlamaModel` computes in that dtype and hands its
 projections to the linear kernel `pick_linear_kernel` chose for the pair.
 
-Why bf16 by default where the CPU computes it natively: on the development host (AMD
-EPYC with AVX-512 BF16), bf16 GEMMs at SmolLM2's shapes ran 2-2.5x the fp32 ones and
-the engine's prefill rose about 1.6x with no other change (docs/engine.md "Precision").
-A CPU without native bf16 converts every element through fp32 and gains nothing, so
-`auto` stays fp32 there. The accuracy gate in the test suite holds every non-fp32 mode
-to the fp32 engine; fp32 keeps token-exact parity with HF transformers.
+Why bf16 by default where the CPU computes it natively: there a bf16 product moves half
+the bytes of an fp32 one and runs on the CPU's bf16 dot products, so the model's GEMMs
+and the engine's prefill run faster with nothing else changed (measurements:
+docs/engine.md "Precision"). A CPU without native bf16 converts every element through
+fp32 and gains nothing, so `auto` stays fp32 there. The accuracy gate in the test suite
+holds every non-fp32 mode to the fp32 engine; fp32 keeps token-exact parity with HF
+transformers.
 """
 
 from __future__ import annotations

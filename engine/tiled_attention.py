@@ -5,39 +5,41 @@ bfloat16 prefill chunk of at least `MIN_QUERIES` tokens on the CPU, with the chu
 queries and its sequence's gathered keys and values (the chunk's own last); nothing is
 kept between calls.
 
-Why not torch's SDPA: its CPU flash kernel ran prefill attention at about 43 GFLOPS in
-bfloat16 (no faster than in float32), half of a 512-token chunk's time on the
-development host. Here each tile of a few dozen queries is one product against every
-key it may see (float32, through oneDNN), a softmax and one bfloat16 product with the
-values (oneDNN, about 400 GFLOPS): 1.5-2.1x SDPA's speed from 256 to 8,192 keys
-(`loadtest/roofline_bench` measures the prefill it speeds up). Below `MIN_QUERIES`
-SDPA is as fast or faster.
+Why not torch's SDPA: in bfloat16 its CPU flash kernel computes no faster than in
+float32, and it was the largest part of a long bfloat16 prefill chunk's time. Here each
+tile of a few dozen queries is one product against every key it may see (float32,
+through oneDNN), a softmax and one bfloat16 product with the values (oneDNN), so the
+attention's arithmetic runs in oneDNN's blocked products. Below `MIN_QUERIES` SDPA is
+as fast or faster. Measurements: docs/engine.md "Kernels" (`loadtest/roofline_bench`
+measures the prefill it speeds up).
 
 Tiles are sized so one key-value head's scores fit in about `SCORE_BUDGET` elements
 (inside a core's L2; sized by the tile's first query, so up to 9% over, and `MIN_TILE`
-overrides it past about 5,500 keys): larger tiles spilled and ran slower than SDPA at
-4,096 keys. Each KV head is its own 2-D product so the key and value slices stay
-contiguous (a batched product copied them every tile). oneDNN builds a kernel per
-product shape on first sight (about 0.5 ms); the step's layers all have the same tiles,
-so 30 layers share each build.
+overrides it past about 5,500 keys for groups of 3 query heads): larger tiles spill out
+of L2 and lose to SDPA at long contexts. Each KV head is its own 2-D product so the key
+and value slices stay contiguous (a batched product copied them every tile). oneDNN
+builds a kernel per product shape on first sight; the step's layers all have the same
+tiles, so every layer of a step after the first reuses each build.
 
 Numerics, as SDPA's flash kernel's but for one order: float32 scores and softmax,
 bfloat16 probabilities, products that sum in float32. It normalises the probabilities
-before rounding them to bfloat16 (SDPA divides the output after), and lands within 1.3x
-SDPA's distance from exact (`tests/unit/engine/test_tiled_attention.py`).
+before rounding them to bfloat16 (SDPA divides the output after), and stays within 1.5x
+SDPA's mean distance from exact (`tests/unit/engine/test_tiled_attention.py` holds it;
+what it measured: docs/engine.md "Kernels").
 
 Why the scores' product is float32: a bfloat16 product rounds the scores themselves,
-which at scores of +-15 put the output 3-7x further from exact than SDPA, for 1.2-1.6x
-more speed. oneDNN's float32 product ran 2.2x MKL's (`torch.mm`) at these shapes on
-the development host. (Nothing in pdserve lowers torch's float32 matmul precision,
-which would let oneDNN run this product in bfloat16.)
+and at large scores that puts the output several times further from exact than SDPA,
+for little speed. The float32 product goes through oneDNN's linear where torch has it,
+which is faster than MKL's `torch.mm` at these shapes. (Nothing in pdserve lowers
+torch's float32 matmul precision, which would let oneDNN run this product in
+bfloat16.)
 """
 
 from __future__ import annotations
 
 import torch
 
-#: Chunks shorter than this go to SDPA (it was faster at 64 queries).
+#: Chunks shorter than this go to SDPA (as fast or faster on short chunks).
 MIN_QUERIES = 128
 #: Score elements per KV head and tile: 128 Ki float32 values, 512 KB.
 SCORE_BUDGET = 1 << 17

@@ -16,30 +16,31 @@ to `PASS_ROWS` input rows with every accumulator in a vector register: per pair 
 features, two loads of weights, one broadcast of each row's pair and two dot products
 per row. Nothing is summed across vector lanes. Rows are rounded to bfloat16 once per
 call, as the torch path's activations already are; products and sums are float32.
+`matmul` runs every pass of the call's rows over a tile before it reads the next tile,
+so each weight leaves memory once per call whatever the number of rows.
 
 Where the CPU lacks AVX-512 BF16 (llvmlite's host features say so) the same loop widens
 each weight pair and each row's pair to float32 and runs fused multiply-adds: the same
 numbers up to the order of the sum (and `vdpbf16ps` flushing subnormal inputs and
-outputs to zero), at about half the speed in arithmetic.
+outputs to zero), with two multiply-adds and the widening where `vdpbf16ps` is one
+instruction.
 
 Why not numba's own vectorizer: written as loops over a row-major weight, LLVM
 vectorizes each output's dot product along the input features, which needs a lane-wise
-sum per output and row and converts each weight once per row; from 4 rows on that ran
-slower than oneDNN's packed products (SmolLM2-135M's projections at 8 rows: 39 ms,
-against oneDNN's 12.2). numba cannot keep a small accumulator array in registers, so
-the tile's loop is emitted as LLVM IR through `numba.extending.intrinsic`: one loop for
-each row count from 1 to `PASS_ROWS`, chosen by a switch on the count.
+sum per output and row and converts each weight once per row; from a few rows on that
+was slower than oneDNN's packed products. numba cannot keep a small accumulator array
+in registers, so the tile's loop is emitted as LLVM IR through
+`numba.extending.intrinsic`: one loop for each row count from 1 to `PASS_ROWS`, chosen
+by a switch on the count.
 
-Why the prefetch: in cache a float32 version of the tile reached this host's float32
-roof at 8 rows (256 GFLOPS); streaming weights from memory it reached half of that,
-because the hardware prefetcher did not run far enough ahead of a loop that computes
-between loads. Each step of the loop therefore asks for the lines `PREFETCH_BYTES`
-ahead (past the tile's end that is the next tile's start, which is contiguous).
-Measured on the development host, one thread, every projection of SmolLM2-135M's 30
-layers and its LM head, float32 version (ms at 1 / 4 / 8 rows): no prefetch 6.3 / 10.8
-/ 16.5, 4 KiB ahead 5.9 / 7.2 / 10.0, 8 KiB 5.4 / 6.1 / 9.2, 16 KiB 5.6 / 5.5 / 8.6,
-32 KiB 5.6 / 5.6 / 8.7; oneDNN's packed bfloat16 products 8.2 / 9.9 / 12.2. With the
-dot products: 5.7 / 6.7 / 6.8 ms, and 14 rows in 8.7 ms (430 GFLOPS).
+Why the prefetch: with its weights in cache the tile's loop is bound by arithmetic, but
+streaming them from memory the hardware prefetcher does not run far enough ahead of a
+loop that computes between loads, and the loop waits on memory. Each step of the loop
+therefore asks for the lines `PREFETCH_BYTES` ahead (past the tile's end that is the
+next tile's start, which is contiguous); the distance was chosen by measurement.
+
+Measurements (the products against oneDNN's by row count, the prefetch distances
+tried, the numba-vectorized products this replaced): docs/engine.md "Kernels".
 
 numba's disk cache checks only the source file of the function it caches, so
 `decode_kernel`, which compiles this module's code into its step, keys its cache on a
