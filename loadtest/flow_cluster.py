@@ -25,7 +25,8 @@ from engine.priority import Priority
 from loadtest.flow_config import FlowBenchConfig
 from loadtest.leak_probe import LeakProbe, Leaks, ProbeTarget
 from loadtest.settings import RunSettings
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from services.gateway.client import GatewayClient, build_request
 
 #: Tokens per KV block on the workers (they run the engine's default).

@@ -34,7 +34,8 @@ from engine.tokenizer import Tokenizer
 from loadtest.bench_main import BenchSpec, run_main
 from loadtest.settings import RunSettings
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from services.common import sampling
 from services.gateway.client import GatewayClient, build_request
 

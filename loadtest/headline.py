@@ -47,7 +47,8 @@ from loadtest.request_spec import BenchRequest
 from loadtest.runner import Pace, run_point
 from loadtest.settings import RunSettings
 from loadtest.traffic import TrafficConfig, make_requests
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from services.common.config import add_config_args, config_from_args
 
 SYSTEMS = ("disaggregated", "colocated")

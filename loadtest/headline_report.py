@@ -21,7 +21,7 @@ from loadtest.provenance import Provenance
 from loadtest.report import POINT_HEADER, PointResult, detail_lines, point_row, slo_text
 from loadtest.result_file import write_result
 from loadtest.traffic import TrafficConfig
-from services.cluster.local_cluster import ClusterConfig
+from services.cluster.config import ClusterConfig
 
 SCHEMA = "pdserve.headline/1"
 

@@ -36,7 +36,8 @@ import redis
 
 from kvtransfer.config import TransferConfig
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from services.common.metrics import family_samples, scrape
 from services.common.role import Role
 from services.common.tls import TlsConfig, open_aio_channel

@@ -36,7 +36,8 @@ from pathlib import Path
 import grpc
 
 from loadtest.leak_probe import LeakProbe, Leaks, ProbeTarget
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from services.common.metrics import scrape
 from services.gateway.client import GatewayClient, build_request
 

@@ -30,7 +30,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from loadtest.bench_main import BenchSpec, Progress, run_main
 from loadtest.settings import RunSettings
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from services.common.telemetry_config import TelemetryConfig
 from services.gateway.client import GatewayClient, build_request
 
