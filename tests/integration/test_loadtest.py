@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from loadtest.cli import main
+from loadtest.harness.cli import main
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
 from tests.conftest import MODEL_CACHE
