@@ -9,7 +9,7 @@ import pytest
 from loadtest.engine import accuracy, accuracy_reference
 from loadtest.engine.accuracy import continuations
 from loadtest.engine.accuracy_reference import Reference, ReferenceScores
-from loadtest.reports.sections import accuracy as render
+from loadtest.reports.engine_sections import accuracy as render
 from tests.conftest import EngineFactory
 
 pytest.importorskip("transformers")
