@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 Json = dict[str, Any]
+NOT_CURRENT = "not current"  # a stale result's targets, in place of met / not met
 
 
 def num(value: object) -> float | None:
@@ -38,14 +39,22 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
-def targets_table(data: Json) -> list[str]:
+def verdict(met: object, current: bool = True) -> str:
+    """A target's result column: met or not met, or "not current" for a stale result
+    (whatever it was when measured, it says nothing about main now)."""
+    if not current:
+        return NOT_CURRENT
+    return "met" if met else "**not met**"
+
+
+def targets_table(data: Json, current: bool = True) -> list[str]:
     """The result's `targets` as a table (nothing if it has none), led by a blank line."""
     targets = data.get("targets") or []
     if not targets:
         return []
     rows = [
         [t["name"], fmt(t.get("measured"), ".3f"), f"{t['comparison']} {t['threshold']:g}",
-         "met" if t.get("met") else "**not met**", t.get("context", "")]
+         verdict(t.get("met"), current), t.get("context", "")]
         for t in targets
     ]  # fmt: skip
     return ["", *table(["target", "measured", "wanted", "result", "context"], rows)]

@@ -6,8 +6,10 @@ wants the docs to quote it copies or writes it under docs/results/ (`--out
 docs/results/<name>.json`) and commits it. This command then reads every `*.json` there
 (a file without provenance is an error: the docs quote nothing whose commit, time and
 host they cannot name), renders one section per file (`sections`: headline first,
-then the component benchmarks), and rewrites the markdown. The page depends only on the
-files, never on the clock, so regenerating it without new results changes nothing;
+then the component benchmarks), marks each result registered in `stale` as not current
+(its section says since which commit and why, and the count of met targets at the top
+leaves it out), and rewrites the markdown. The page depends only on the files and the
+registry, never on the clock, so regenerating it without new results changes nothing;
 `--check true` exits 1 instead of writing when the page is out of date (for CI).
 """
 
@@ -16,12 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtest.reports.markdown import Json, dicts
 from loadtest.reports.result_file import read_result
 from loadtest.reports.sections import section, sort_key
+from loadtest.reports.stale import StaleResult, by_result
 from services.common.config import add_config_args, config_from_args
 
 HEADER = """# Benchmark results
@@ -34,6 +38,9 @@ hosts are shared and noisy); absolute numbers are context.
 
 To add or refresh a result: run the benchmark with `--out docs/results/<name>.json`
 (`make bench` writes to bench-results/ instead), commit the file, run `make bench-docs`.
+A result that main has moved past is registered in `loadtest/reports/stale.py` until it
+is re-run: it keeps its numbers, its section says since which commit it is stale and
+why, and its targets read "not current" and are not counted as met.
 """
 
 
@@ -50,16 +57,39 @@ class ResultsConfig:
     )
 
 
-def render(results_dir: Path, page_dir: Path) -> str:
-    """The whole page, linking each file relative to `page_dir` (where the page lives);
+def targets_summary(loaded: Sequence[tuple[Path, Json]], stale: Mapping[str, StaleResult]) -> str:
+    """One line: how many targets the current results meet, and which results are not
+    current (their targets are not counted)."""
+    current = [data for path, data in loaded if path.stem not in stale]
+    targets = [t for data in current for t in dicts(data.get("targets"))]
+    met = sum(1 for t in targets if t.get("met"))
+    line = f"Targets met in the current results: {met} of {len(targets)}."
+    not_current = sorted(path.stem for path, _ in loaded if path.stem in stale)
+    if not_current:
+        line += (
+            f" Not current (stale: see each section; their targets are not counted): "
+            f"{', '.join(not_current)}."
+        )
+    return line
+
+
+def render(
+    results_dir: Path, page_dir: Path, stale: Mapping[str, StaleResult] | None = None
+) -> str:
+    """The whole page, linking each file relative to `page_dir` (where the page lives)
+    and marking the results `stale` names (by file stem; default: the registry);
     ValueError naming the file if one is not a result with provenance."""
+    stale = by_result() if stale is None else stale
     loaded = [(path, read_result(path)) for path in sorted(results_dir.glob("*.json"))]
     loaded.sort(key=lambda item: sort_key(str(item[1].get("schema")), item[0]))
     lines = [HEADER]
     if not loaded:
         lines.append(f"No results committed yet under {results_dir}.\n")
+    else:
+        lines += [targets_summary(loaded, stale), ""]
     for path, data in loaded:
-        lines += section(data, Path(os.path.relpath(path, page_dir)).as_posix())
+        link = Path(os.path.relpath(path, page_dir)).as_posix()
+        lines += section(data, link, stale.get(path.stem))
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -2,12 +2,14 @@
 page's order, and what every section has around its renderer's tables.
 
 Lifecycle: `loadtest.reports.results` reads each committed result file and calls
-`section` on it. `section` writes the heading; the provenance line (when, on which commit
-and host, with which command); the renderer's tables (`engine_sections`,
-`cluster_sections`); then the targets. A renderer reads only the file: nothing is
-measured or recomputed here, so the page says exactly what the files say. A schema
-without a renderer gets its top-level numbers (`generic`), so a new benchmark's results
-are quoted before anyone writes a table for them.
+`section` on it, with the file's `StaleResult` when `stale` registers one. `section`
+writes the heading; for a stale result the line "Stale since <commit>: <reason>"; the
+provenance line (when, on which commit and host, with which command); the renderer's
+tables (`engine_sections`, `cluster_sections`); then the targets, which read "not
+current" instead of met or not met when the result is stale. A renderer reads only the
+file: nothing is measured or recomputed here, so the page says exactly what the files
+say. A schema without a renderer gets its top-level numbers (`generic`), so a new
+benchmark's results are quoted before anyone writes a table for them.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from loadtest.reports.engine_sections import (
     structured,
 )
 from loadtest.reports.markdown import Json, fmt, num, provenance_line, table, targets_table
+from loadtest.reports.stale import StaleResult
 
 Renderer = Callable[[Json], list[str]]
 
@@ -75,16 +78,19 @@ def sort_key(schema: str, file: Path) -> tuple[int, str]:
     return (order.index(schema) if schema in order else len(order), file.name)
 
 
-def section(data: Json, file: str) -> list[str]:
-    """The heading, the provenance line, the schema's tables and the targets."""
+def section(data: Json, file: str, stale: StaleResult | None = None) -> list[str]:
+    """The heading, the stale line when `stale` is given, the provenance line, the
+    schema's tables and the targets (each "not current" when stale)."""
     schema = str(data.get("schema", "unknown"))
     title, render = SECTIONS.get(schema, (f"`{schema}`", generic))
+    marked = [f"**Not current.** {stale.line}", ""] if stale is not None else []
     return [
         f"## {title}",
         "",
+        *marked,
         provenance_line(data, file),
         "",
         *render(data),
-        *targets_table(data),
+        *targets_table(data, current=stale is None),
         "",
     ]
