@@ -38,7 +38,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
-	$(BIN)/python -m loadtest.results --check true
+	$(BIN)/python -m loadtest.reports.results --check true
 
 # Two phases. First the unit tests, on one process per core (pytest-xdist; a test file
 # stays in one process, with its module fixtures). Then the tests marked serial, one at a
@@ -58,40 +58,41 @@ test: model lint
 	[ $$unit -eq 0 ] && [ $$serial -eq 0 ]
 
 bench: model
-	$(BIN)/python -m loadtest.engine_bench --out bench-results/engine.json
+	$(BIN)/python -m loadtest.engine.bench --out bench-results/engine.json
 	# the engine against this machine's GEMM and bandwidth roofs, per precision (about 1 minute)
-	$(BIN)/python -m loadtest.roofline_bench --out bench-results/roofline.json
+	$(BIN)/python -m loadtest.engine.roofline_bench --out bench-results/roofline.json
 	# bf16, int8 and 8-bit KV against float32, and transformers' own bf16 against its
 	# float32 as the yardstick: perplexity and agreement (about 2.5 minutes)
-	$(BIN)/python -m loadtest.accuracy --out bench-results/accuracy.json
-	$(BIN)/python -m loadtest.transfer_bench --out bench-results/transfer.json
+	$(BIN)/python -m loadtest.engine.accuracy --out bench-results/accuracy.json
+	$(BIN)/python -m loadtest.transfer.bench --out bench-results/transfer.json
 	# 8-bit KV capacity and batch-32 throughput, offload-tier TTFT (about 10 minutes)
-	$(BIN)/python -m loadtest.kv_bench --out bench-results/kv.json
+	$(BIN)/python -m loadtest.engine.kv_bench --out bench-results/kv.json
 	# speculative decoding on and off at batch 1, repetitive and chat (about 4 minutes)
-	$(BIN)/python -m loadtest.spec_bench --out bench-results/spec.json
-	$(BIN)/python -m loadtest.gateway_bench --out bench-results/gateway.json
-	$(BIN)/python -m loadtest.router_bench --out bench-results/router.json
-	$(BIN)/python -m loadtest.tracing_bench --out bench-results/tracing.json
+	$(BIN)/python -m loadtest.engine.spec_bench --out bench-results/spec.json
+	$(BIN)/python -m loadtest.overhead.gateway_bench --out bench-results/gateway.json
+	$(BIN)/python -m loadtest.router.bench --out bench-results/router.json
+	$(BIN)/python -m loadtest.overhead.tracing_bench --out bench-results/tracing.json
 	# per-step cost of structured output and logit processing at batch 16 (about 1 minute)
-	$(BIN)/python -m loadtest.structured_bench --out bench-results/structured.json
+	$(BIN)/python -m loadtest.engine.structured_bench --out bench-results/structured.json
 	# a batch mixing 4 LoRA adapters against the same batch on the base model (about 2 minutes)
-	$(BIN)/python -m loadtest.lora_bench --out bench-results/lora.json
+	$(BIN)/python -m loadtest.engine.lora_bench --out bench-results/lora.json
 	# 2,000 requests, 10% cancelled, then leak and RSS accounting (about 3 minutes)
-	$(BIN)/python -m loadtest.soak --out bench-results/soak.json
+	$(BIN)/python -m loadtest.reliability.soak --out bench-results/soak.json
 	# the headline, short (about 15 minutes: 4-probe capacity searches per deployment, on
-	# the long-prompt mix and on chat alone); the full run is `python -m loadtest.headline`
-	$(BIN)/python -m loadtest.headline --out-dir bench-results --max-probes 4 --start-rate 0.4 \
+	# the long-prompt mix and on chat alone); the full run is
+	# `python -m loadtest.headline.bench`
+	$(BIN)/python -m loadtest.headline.bench --out-dir bench-results --max-probes 4 --start-rate 0.4 \
 		--num-requests 12 --duration-s 60 --long-fraction 0.2 --long-prompt-tokens 1024-2048 \
 		--short-num-requests 20 --short-duration-s 40
 	# flow control: 3x capacity with a class mix (about 7 minutes), then the noisy
 	# neighbour through one gateway and through two (about 9 minutes)
-	$(BIN)/python -m loadtest.overload_bench --out bench-results/overload.json --duration-s 120
-	$(BIN)/python -m loadtest.fairness_bench --out bench-results/fairness.json --phase-s 40
+	$(BIN)/python -m loadtest.flow.overload_bench --out bench-results/overload.json --duration-s 120
+	$(BIN)/python -m loadtest.flow.fairness_bench --out bench-results/fairness.json --phase-s 40
 
 # The docs quote only committed results: copy (or write, with --out) a result JSON into
 # docs/results/, commit it, then run this. `make lint` fails while the page is stale.
 bench-docs: install
-	$(BIN)/python -m loadtest.results
+	$(BIN)/python -m loadtest.reports.results
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache .mypy_cache .ruff_cache

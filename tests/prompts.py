@@ -1,6 +1,6 @@
 """The parity prompts, for the tests (they live in loadtest, which the accuracy gate's
 benchmark shares)."""
 
-from loadtest.parity_prompts import CHAT, PARAGRAPH, SHORT, long_prompt
+from loadtest.workloads.parity_prompts import CHAT, PARAGRAPH, SHORT, long_prompt
 
 __all__ = ["CHAT", "PARAGRAPH", "SHORT", "long_prompt"]

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from services.cli import ray_cmd
 from services.cli.completion import stream_completion
 from services.cli.rollout_cmd import describe_rollout
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from services.common.config import add_config_args, config_from_args
 from services.common.telemetry_config import TelemetryConfig
 from services.common.tls import TlsConfig

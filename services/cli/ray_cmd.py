@@ -66,7 +66,7 @@ def _scale(args: argparse.Namespace) -> int:
 def up_ray(args: argparse.Namespace) -> int:
     """The `--ray` branch of `pdserve up`."""
     from services.cli.completion import stream_completion
-    from services.cluster.local_cluster import ClusterConfig
+    from services.cluster.config import ClusterConfig
     from services.common.telemetry_config import TelemetryConfig
     from services.gateway.client import GatewayClient
     from services.ray.config import RayConfig

@@ -29,7 +29,7 @@ import ray
 
 from engine.config import EngineConfig
 from kvtransfer.config import TransferConfig
-from services.cluster.local_cluster import ClusterConfig
+from services.cluster.config import ClusterConfig
 from services.common.config import config_from_env, config_with_args
 from services.common.model_config import ModelConfig
 from services.common.role import Role

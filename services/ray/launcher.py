@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from services.cluster.local_cluster import ClusterConfig
+from services.cluster.config import ClusterConfig
 from services.common.config import pdserve_env
 from services.common.telemetry_config import TelemetryConfig
 from services.ray.config import RayConfig

@@ -7,7 +7,8 @@ from collections.abc import Iterator, Mapping
 
 import pytest
 
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from tests.conftest import MODEL_CACHE
 
 

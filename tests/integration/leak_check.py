@@ -1,5 +1,5 @@
 """The leak check that every integration test which cancels, kills or injects an error
-ends with: `loadtest.leak_probe` on the test's cluster.
+ends with: `loadtest.reliability.leak_probe` on the test's cluster.
 
 `probe = start_probe(cluster)` first thing in the test (the baseline: expiry counters,
 quota windows), `assert_cluster_clean(probe)` last. A test whose fault leaves a lease to
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 
-from loadtest.leak_probe import LeakProbe, Leaks, ProbeTarget
+from loadtest.reliability.leak_probe import LeakProbe, Leaks, ProbeTarget
 from services.cluster.local_cluster import LocalCluster
 
 

@@ -17,7 +17,8 @@ import torch
 from engine.model_spec import ModelSpec
 from engine.model_store import prepare_default_model
 from services.cli.main import main
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from tests.conftest import MODEL_CACHE
 from tests.tiny_models import ORIGINAL_CONTEXT, VOCAB_SIZE, word, write_tiny_model
 

@@ -16,7 +16,8 @@ import pytest
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatMessage
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from services.gateway.client import GatewayClient, build_request
 from tests.conftest import MODEL_CACHE, EngineFactory
 from tests.integration.leak_check import assert_cluster_clean, start_probe

@@ -31,7 +31,8 @@ from engine.model_spec import ModelSpec
 from engine.model_store import prepare_default_model
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, gateway_pb2
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from services.common.metrics import scrape
 from services.gateway.client import GatewayClient, build_request
 from tests.conftest import MODEL_CACHE

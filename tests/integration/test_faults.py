@@ -28,7 +28,7 @@ import grpc
 import pytest
 import redis
 
-from loadtest.leak_probe import LeakProbe, LeaseTtls, ProbeTarget
+from loadtest.reliability.leak_probe import LeakProbe, LeaseTtls, ProbeTarget
 from pdserve.v1 import (
     gateway_pb2,
     router_pb2,

@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loadtest.leak_probe import LeakProbe, ProbeTarget
+from loadtest.reliability.leak_probe import LeakProbe, ProbeTarget
 from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
 from services.cluster.local_cluster import LocalCluster
 from services.gateway.client import GatewayClient, build_request

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from loadtest.cli import main
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from loadtest.harness.cli import main
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from tests.conftest import MODEL_CACHE
 
 NUM_REQUESTS = 8

@@ -9,9 +9,10 @@ import asyncio
 import grpc
 import pytest
 
-from loadtest.flow_cluster import probe_targets
-from loadtest.leak_probe import LeakProbe
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from loadtest.flow.cluster import probe_targets
+from loadtest.reliability.leak_probe import LeakProbe
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from services.gateway.client import GatewayClient, build_request
 from tests.conftest import MODEL_CACHE
 

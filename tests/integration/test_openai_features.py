@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from engine.tokenizer import ChatMessage, Tokenizer
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from tests.conftest import MODEL_CACHE
 from tests.integration.leak_check import assert_cluster_clean, start_probe
 

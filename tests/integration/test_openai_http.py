@@ -19,7 +19,8 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from pdserve.v1 import common_pb2, gateway_pb2
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from services.gateway.client import GatewayClient, build_request
 from tests.conftest import MODEL_CACHE
 from tests.integration.leak_check import assert_cluster_clean, start_probe

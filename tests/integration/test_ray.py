@@ -20,8 +20,8 @@ import pytest
 
 ray = pytest.importorskip("ray")  # the `ray` extra (part of `test`)
 
-from loadtest.leak_probe import LeaseTtls, ProbeTarget  # noqa: E402
-from services.cluster.local_cluster import ClusterConfig  # noqa: E402
+from loadtest.reliability.leak_probe import LeaseTtls, ProbeTarget  # noqa: E402
+from services.cluster.config import ClusterConfig  # noqa: E402
 from services.gateway.client import GatewayClient, build_request  # noqa: E402
 from services.ray import launcher  # noqa: E402
 from services.ray.autoscaler import AutoscaleConfig  # noqa: E402

@@ -17,7 +17,8 @@ import grpc
 import pytest
 
 from pdserve.v1 import router_pb2, router_pb2_grpc
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from services.gateway.client import GatewayClient, build_request
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.keyspace import Keyspace

@@ -21,7 +21,8 @@ import pytest
 
 from engine.model_store import DEFAULT_MODEL_NAME
 from pdserve.v1 import gateway_pb2
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from services.common.tls import TlsConfig
 from services.gateway.client import GatewayClient, build_request
 from tests.certs import TestCA

@@ -3,7 +3,7 @@
 placement). It must end with no unexpected error, nothing held anywhere (blocks,
 requests, KV leases, load leases), no KV lease left to expire, and under 10% RSS growth
 of every process over the second half. `make bench` runs the full 2,000 requests
-(`python -m loadtest.soak`, JSON in bench-results/soak.json).
+(`python -m loadtest.reliability.soak`, JSON in bench-results/soak.json).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from loadtest.soak import SoakConfig, run_soak, soak_cluster_config, summary
+from loadtest.reliability.soak import SoakConfig, run_soak, soak_cluster_config, summary
 from services.cluster.local_cluster import LocalCluster
 from tests.conftest import MODEL_CACHE
 

@@ -21,7 +21,8 @@ from opentelemetry.proto.common.v1 import common_pb2 as otlp_common
 
 from pdserve.v1 import gateway_pb2
 from services.cli.timeline import format_timeline
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 from services.common.metrics import family_total, scrape
 from services.common.telemetry_config import TelemetryConfig
 from services.gateway.client import GatewayClient, build_request

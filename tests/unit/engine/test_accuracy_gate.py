@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from loadtest import accuracy
-from loadtest.accuracy import MODES, AccuracyReport, agreement
+from loadtest.engine import accuracy
+from loadtest.engine.accuracy import MODES, AccuracyReport, agreement
 
 SUITE_MODES = ("bfloat16", "int8, bfloat16", "kv int8", "kv fp8_e4m3")
 
@@ -25,7 +25,7 @@ def report(model_dir: Path) -> AccuracyReport:
     base = EngineConfig(model=str(model_dir), kv_cache_bytes=128 << 20,
                         max_num_batched_tokens=512)  # fmt: skip
     # bf16 and int8 as `dtype auto` runs them on a bf16 CPU; "int8, float32" is in the
-    # committed results (python -m loadtest.accuracy) and not repeated here.
+    # committed results (python -m loadtest.engine.accuracy) and not repeated here.
     modes = [m for m in MODES if m.name in SUITE_MODES]
     # Free-running agreement is reported, not gated: the committed results have it.
     return accuracy.measure(base, modes, free_running=False)

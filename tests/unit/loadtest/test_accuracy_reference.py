@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import accuracy, accuracy_reference
-from loadtest.accuracy import continuations
-from loadtest.accuracy_reference import Reference, ReferenceScores
-from loadtest.result_sections import accuracy as render
+from loadtest.engine import accuracy, accuracy_reference
+from loadtest.engine.accuracy import continuations
+from loadtest.engine.accuracy_reference import Reference, ReferenceScores
+from loadtest.reports.engine_sections import accuracy as render
 from tests.conftest import EngineFactory
 
 pytest.importorskip("transformers")
@@ -62,7 +62,7 @@ def test_page_shows_the_reference_table_beside_the_gate() -> None:
 def test_the_gated_report_is_handed_out_before_the_yardstick_runs(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`python -m loadtest.accuracy` writes the gated modes' results before transformers
+    """`python -m loadtest.engine.accuracy` writes the gated modes' results before transformers
     is scored, so a failure there loses nothing measured before it. Engines faked."""
 
     def score(config: object, prompts: object, ref: object = None, free_running: bool = True):  # type: ignore[no-untyped-def]

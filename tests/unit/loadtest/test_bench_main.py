@@ -4,6 +4,7 @@ aliases, usage errors, and the JSON every benchmark writes (with its provenance)
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -13,9 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import gateway_bench, router_bench, tracing_bench
-from loadtest.bench_main import Alias, BenchSpec, parse_args, run_main
-from loadtest.settings import RunSettings, parse_ints, parse_names, recorded_env
+from loadtest.engine import bench as engine_bench
+from loadtest.flow import fairness_bench, overload_bench
+from loadtest.harness.bench_main import Alias, BenchSpec, parse_args, run_main
+from loadtest.harness.settings import RunSettings, parse_ints, parse_names, recorded_env
+from loadtest.overhead import gateway_bench, tracing_bench
+from loadtest.router import bench as router_bench
+from loadtest.transfer import bench as transfer_bench
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ def _signalled(settings: RunSettings, cfg: ToyConfig) -> ToyReport:
 
 TOY = BenchSpec(
     name="toy",
+    module="loadtest.toy_bench",
     description="a toy benchmark",
     config=ToyConfig,
     run=_run,
@@ -114,7 +120,7 @@ def test_run_main_writes_the_report_with_its_provenance(tmp_path: Path) -> None:
 
 
 def test_sigterm_unwinds_the_run(tmp_path: Path) -> None:
-    spec = BenchSpec("toy", "", ToyConfig, _signalled, lambda r: "")
+    spec = BenchSpec("toy", "loadtest.toy_bench", "", ToyConfig, _signalled, lambda r: "")
     previous = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as exc:
         run_main(spec, ["--out", str(tmp_path / "x.json")])
@@ -134,6 +140,14 @@ def test_every_benchmark_parses_its_defaults() -> None:
         parse_args(gateway_bench.SPEC, ["--placement", "ring"])
     _, tracing = parse_args(tracing_bench.SPEC, ["--rounds", "1", "--round-s", "2"])
     assert tracing == tracing_bench.TracingBenchConfig(rounds=1, round_s=2.0)
+
+
+def test_every_spec_names_the_module_that_runs_it() -> None:
+    """The command a result file records (`spec.prog`) runs the benchmark it came from."""
+    for module in (engine_bench, transfer_bench, router_bench, overload_bench, fairness_bench,
+                   gateway_bench, tracing_bench):  # fmt: skip
+        assert importlib.import_module(module.SPEC.module) is module
+        assert module.SPEC.prog == f"python -m {module.__name__}"
 
 
 def test_list_parsers() -> None:

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from loadtest.metrics import (
+from loadtest.harness.metrics import (
     Dist,
     RequestRecord,
     Slo,

@@ -7,13 +7,13 @@ from pathlib import Path
 
 from PIL import Image
 
-from loadtest.bench import plot_points
-from loadtest.bench_config import BenchConfig
-from loadtest.metrics import RequestRecord, summarize
-from loadtest.provenance import collect_provenance
-from loadtest.report import BenchResults, PointResult, write_markdown
-from loadtest.result_file import write_result
-from loadtest.traffic import TrafficConfig
+from loadtest.harness.bench import plot_points
+from loadtest.harness.bench_config import BenchConfig
+from loadtest.harness.bench_report import BenchResults, PointResult, write_markdown
+from loadtest.harness.metrics import RequestRecord, summarize
+from loadtest.harness.traffic import TrafficConfig
+from loadtest.reports.provenance import collect_provenance
+from loadtest.reports.result_file import write_result
 
 
 def _point(label: str, rate: float, n: int) -> PointResult:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from loadtest.capacity_search import (
+from loadtest.harness.capacity_search import (
     CapacitySearch,
     Probe,
     Qualifier,

@@ -22,9 +22,10 @@ import pytest
 import torch
 
 from engine.model_spec import ModelSpec
-from loadtest import engine_report, engine_workload
-from loadtest.engine_bench import main, parse_args
-from loadtest.engine_workload import PRESETS, PhasePlan, log_uniform, make_workload
+from loadtest.engine import bench_report as engine_report
+from loadtest.engine import workload as engine_workload
+from loadtest.engine.bench import main, parse_args
+from loadtest.engine.workload import PRESETS, PhasePlan, log_uniform, make_workload
 
 pytest.importorskip("transformers")
 

@@ -10,20 +10,20 @@ from pathlib import Path
 import pytest
 
 from engine.priority import Priority
-from loadtest import fairness_bench, overload_bench
-from loadtest.bench_main import parse_args
-from loadtest.capacity_search import Probe, Qualifier, SearchResult
-from loadtest.fairness_bench_config import FairnessBenchConfig
-from loadtest.flow_cluster import LeakCheck, Tenant, cluster_config, keys_file_text
-from loadtest.flow_phase import summarize_phase
-from loadtest.flow_record import FlowRecord
-from loadtest.flow_traffic import FlowStream
-from loadtest.leak_probe import Leaks
-from loadtest.overload_bench_config import OverloadBenchConfig, parse_mix
-from loadtest.provenance import Host, Provenance
-from loadtest.result_file import read_result, write_result
-from loadtest.result_sections import section
-from loadtest.settings import RunSettings
+from loadtest.flow import fairness_bench, overload_bench
+from loadtest.flow.cluster import LeakCheck, Tenant, cluster_config, keys_file_text
+from loadtest.flow.fairness_config import FairnessBenchConfig
+from loadtest.flow.overload_config import OverloadBenchConfig, parse_mix
+from loadtest.flow.phase import summarize_phase
+from loadtest.flow.record import FlowRecord
+from loadtest.flow.traffic import FlowStream
+from loadtest.harness.bench_main import parse_args
+from loadtest.harness.capacity_search import Probe, Qualifier, SearchResult
+from loadtest.harness.settings import RunSettings
+from loadtest.reliability.leak_probe import Leaks
+from loadtest.reports.provenance import Host, Provenance
+from loadtest.reports.result_file import read_result, write_result
+from loadtest.reports.sections import section
 from services.gateway.auth import ApiKeys
 
 STD = Priority.STANDARD

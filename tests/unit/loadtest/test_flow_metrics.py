@@ -9,12 +9,12 @@ import random
 import pytest
 
 from engine.priority import Priority
-from loadtest.flow_metrics import class_stats, goodput, jain_index, tenant_stats
-from loadtest.flow_record import FlowRecord
-from loadtest.flow_slo import FlowSlo, RefusalTiming
-from loadtest.flow_traffic import FlowStream, RequestShape, class_mix, poisson_offsets, schedule
-from loadtest.prompt_text import TextSynth
-from loadtest.refusal import Refusal, metadata_dict, reason_of, refusal_of
+from loadtest.flow.metrics import class_stats, goodput, jain_index, tenant_stats
+from loadtest.flow.record import FlowRecord
+from loadtest.flow.refusal import Refusal, metadata_dict, reason_of, refusal_of
+from loadtest.flow.slo import FlowSlo, RefusalTiming
+from loadtest.flow.traffic import FlowStream, RequestShape, class_mix, poisson_offsets, schedule
+from loadtest.workloads.prompt_text import TextSynth
 from services.common.status import RefusalReason
 
 SLO = FlowSlo.of({}, immediate_s=0.05, tolerance=0.1, slack_s=0.2)  # 10 / 5 / 2 s

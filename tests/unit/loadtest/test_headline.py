@@ -17,17 +17,17 @@ import pytest
 from PIL import Image
 
 from engine.precision import DType
-from loadtest.bench import load_synth
-from loadtest.headline import SYSTEMS, _Deployment, _interleaved, cluster_config
-from loadtest.headline_config import HeadlineConfig
-from loadtest.headline_report import HeadlineResults, SystemResult, markdown, write_outputs
-from loadtest.metrics import RequestRecord, summarize
-from loadtest.provenance import collect_provenance
-from loadtest.report import PointResult
-from loadtest.request_spec import BenchRequest
-from loadtest.runner import Pace
-from loadtest.settings import RunSettings
-from loadtest.traffic import TrafficConfig
+from loadtest.harness.bench import load_synth
+from loadtest.harness.bench_report import PointResult
+from loadtest.harness.metrics import RequestRecord, summarize
+from loadtest.harness.request_spec import BenchRequest
+from loadtest.harness.runner import Pace
+from loadtest.harness.settings import RunSettings
+from loadtest.harness.traffic import TrafficConfig
+from loadtest.headline.bench import SYSTEMS, _Deployment, _interleaved, cluster_config
+from loadtest.headline.config import HeadlineConfig
+from loadtest.headline.report import HeadlineResults, SystemResult, markdown, write_outputs
+from loadtest.reports.provenance import collect_provenance
 
 # attainment of each deployment at each rate of the sweep below
 ATTAINMENT = {

@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 
 from engine.model_spec import ModelSpec
-from loadtest import kv_bench
-from loadtest.kv_bench import (
+from loadtest.engine import kv_bench
+from loadtest.engine.kv_bench import (
     KvBenchReport,
     ThroughputRow,
     evaluate,
     measure_capacity,
     measure_offload,
 )
-from loadtest.result_sections import section
+from loadtest.reports.sections import section
 
 
 def test_capacity_counts_the_engines_own_blocks(model_dir: Path) -> None:

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
 from kvtransfer.leases import LeaseTable
-from loadtest.leak_probe import (
+from loadtest.reliability.leak_probe import (
     HELD_GAUGE,
     HELD_RESOURCES,
     LeakProbe,

@@ -11,10 +11,10 @@ import torch
 
 from engine.lora_set import available_adapters
 from engine.model_spec import ModelSpec
-from loadtest import lora_bench
-from loadtest.provenance import collect_provenance
-from loadtest.result_file import read_result, write_result
-from loadtest.result_sections import section
+from loadtest.engine import lora_bench
+from loadtest.reports.provenance import collect_provenance
+from loadtest.reports.result_file import read_result, write_result
+from loadtest.reports.sections import section
 
 
 def test_the_adapters_are_peft_shaped(tmp_path: Path, model_dir: Path) -> None:

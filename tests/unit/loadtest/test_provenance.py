@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import provenance
-from loadtest.provenance import Host, Provenance, collect_provenance, cpu_model, describe
+from loadtest.reports import provenance
+from loadtest.reports.provenance import Host, Provenance, collect_provenance, cpu_model, describe
 
 
 def _git_head() -> str | None:

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.provenance import Host, Provenance
-from loadtest.result_file import read_result, write_result
-from loadtest.results import main, render
-from loadtest.target import TargetResult
+from loadtest.harness.target import TargetResult
+from loadtest.reports.provenance import Host, Provenance
+from loadtest.reports.result_file import read_result, write_result
+from loadtest.reports.results import main, render
 
 PROVENANCE = Provenance(
     commit="ab" * 20,
     dirty=False,
     taken_at="2026-01-02T03:04:05+00:00",
-    command="python -m loadtest.gateway_bench --out docs/results/gateway.json",
+    command="python -m loadtest.overhead.gateway_bench --out docs/results/gateway.json",
     host=Host("bench-host", "Example CPU @ 2.0GHz", 2, 2, "3.11.9", "Linux"),
 )
 
@@ -57,7 +57,7 @@ def test_page_quotes_each_file_with_its_provenance(tmp_path: Path) -> None:
     assert "host bench-host (Example CPU @ 2.0GHz; 2 of 2 CPUs usable)" in page
     link = f"{tmp_path.name}/gateway.json"
     assert f"File [{link}]({link})" in page
-    assert "`python -m loadtest.gateway_bench --out docs/results/gateway.json`" in page
+    assert "`python -m loadtest.overhead.gateway_bench --out docs/results/gateway.json`" in page
     assert "| 101.50 | 100.00 | 1.50 | 1.25 | <= 3 | 300 |" in page
     assert "| `speedup` | 1.7 |" in page  # a schema without a renderer: its numbers
 

@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 
 from engine.model_spec import ModelSpec
-from loadtest import machine_roof
-from loadtest.machine_roof import gemm_roof, linear_flops, linear_weight_bytes, projections
-from loadtest.roofline_bench import (
+from loadtest.engine import machine_roof
+from loadtest.engine.machine_roof import gemm_roof, linear_flops, linear_weight_bytes, projections
+from loadtest.engine.roofline_bench import (
     DecodePoint,
     PrecisionResult,
     PrefillPoint,

@@ -19,8 +19,13 @@ from typing import Any
 
 import pytest
 
-from loadtest import router_bench, router_report
-from loadtest.prefix_workload import (
+from loadtest.harness.settings import RunSettings
+from loadtest.router import bench as router_bench
+from loadtest.router import report as router_report
+from loadtest.router.bench import parse_args
+from loadtest.router.config import RouterBenchConfig
+from loadtest.router.latency import RoundTripCounter
+from loadtest.workloads.prefix import (
     ClusterSim,
     OraclePlacer,
     PrefixCache,
@@ -31,10 +36,6 @@ from loadtest.prefix_workload import (
     upper_bound_hit_ratio,
     zipf_weights,
 )
-from loadtest.router_bench import parse_args
-from loadtest.router_bench_config import RouterBenchConfig
-from loadtest.router_latency import RoundTripCounter
-from loadtest.settings import RunSettings
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.prefix_key import prefix_key, tenant_seed
 from services.router.redis_client import connect

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loadtest import spec_bench
-from loadtest.provenance import collect_provenance
-from loadtest.result_file import read_result, write_result
-from loadtest.result_sections import section
+from loadtest.engine import spec_bench
+from loadtest.reports.provenance import collect_provenance
+from loadtest.reports.result_file import read_result, write_result
+from loadtest.reports.sections import section
 from tests.tiny_models import write_tiny_model
 
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from loadtest.prompt_text import TextSynth
-from loadtest.trace import parse_line, parse_trace, trace_requests
+from loadtest.harness.trace import parse_line, parse_trace, trace_requests
+from loadtest.workloads.prompt_text import TextSynth
 
 WORDS = [f" t{chr(97 + i % 26)}{chr(97 + i // 26 % 26)}q" for i in range(100)]
 

@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 
 from kvtransfer.service import CHUNK_BYTES
-from loadtest import transfer_report
-from loadtest.transfer_bench import main, parse_args
-from loadtest.transfer_bench_config import HEADROOM_BLOCKS, TransferBenchConfig
-from loadtest.transfer_exporter import BLOCK_SIZE, PinnedRanges
-from loadtest.transfer_measure import block_ids, merged_descriptors
-from loadtest.transfer_peer import ExporterPeer
+from loadtest.transfer import report as transfer_report
+from loadtest.transfer.bench import main, parse_args
+from loadtest.transfer.config import HEADROOM_BLOCKS, TransferBenchConfig
+from loadtest.transfer.exporter import BLOCK_SIZE, PinnedRanges
+from loadtest.transfer.measure import block_ids, merged_descriptors
+from loadtest.transfer.peer import ExporterPeer
 
 TOKENS = 32
 

@@ -7,11 +7,11 @@ from collections import Counter
 
 import pytest
 
-from loadtest.bench_config import BenchConfig, is_loopback
-from loadtest.prefix_workload import ZipfSampler
-from loadtest.prompt_text import TextSynth
-from loadtest.runner import Pace, arrival_offsets
-from loadtest.traffic import TrafficConfig, draw_length, is_long, make_requests, parse_range
+from loadtest.harness.bench_config import BenchConfig, is_loopback
+from loadtest.harness.runner import Pace, arrival_offsets
+from loadtest.harness.traffic import TrafficConfig, draw_length, is_long, make_requests, parse_range
+from loadtest.workloads.prefix import ZipfSampler
+from loadtest.workloads.prompt_text import TextSynth
 
 WORDS = [f" w{chr(97 + i % 26)}{chr(97 + i // 26 % 26)}x" for i in range(200)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.precision import DType
-from services.cluster.local_cluster import ClusterConfig
+from services.cluster.config import ClusterConfig
 from services.common.telemetry_config import TelemetryConfig
 from services.ray.config import RayConfig
 from services.ray.controller import ClusterController

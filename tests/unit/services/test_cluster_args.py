@@ -7,7 +7,8 @@ its own worker. The LoRA adapters: to the gateway and the primary model's worker
 from __future__ import annotations
 
 from engine.precision import DType, KvCacheDType, WeightQuant
-from services.cluster.local_cluster import ClusterConfig, LocalCluster
+from services.cluster.config import ClusterConfig
+from services.cluster.local_cluster import LocalCluster
 
 
 def _flag(args: list[str], name: str) -> str | None:

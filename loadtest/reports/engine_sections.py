@@ -1,0 +1,214 @@
+"""Sections of docs/benchmarks.md for the benchmarks of one engine in-process: decode
+throughput, the roofline, the accuracy gate, 8-bit KV and offload, speculative decoding,
+multi-LoRA, structured output.
+
+Lifecycle: `sections.SECTIONS` maps each schema to one renderer here; `sections.section`
+calls it with the result file's JSON and adds the heading, provenance and targets around
+its lines. A renderer only reads the file.
+"""
+
+from __future__ import annotations
+
+from loadtest.reports.markdown import Json, dicts, fmt, num, table
+
+
+def _side_tps(phase: Json, side: str) -> str:
+    return fmt((phase.get(side) or {}).get("tokens_per_s"), ".1f")
+
+
+def _verdict(ratio: object, met: object) -> str:
+    if num(ratio) is None:
+        return "-"
+    return fmt(ratio, ".2f", "x") + ("" if met is None else "" if met else " (**not met**)")
+
+
+def engine(data: Json) -> list[str]:
+    rows = [
+        [str(p["batch_size"]), str(p["num_requests"]), fmt(p["pdserve"]["tokens_per_s"], ".1f"),
+         fmt(p["transformers"]["tokens_per_s"], ".1f"), fmt(p["ratio"], ".2f", "x"),
+         "-" if p.get("target") is None else f">= {p['target']:.2f}x",
+         "-" if p.get("met") is None else ("met" if p["met"] else "**not met**"),
+         _side_tps(p, "transformers_cb"), _verdict(p.get("cb_ratio"), p.get("cb_met")),
+         _side_tps(p, "pdserve_fp32"), _verdict(p.get("dtype_ratio"), p.get("dtype_met"))]
+        for p in data.get("phases", [])
+    ]  # fmt: skip
+    header = ["batch", "requests", "pdserve tok/s", "transformers tok/s", "ratio", "target",
+              "result", "HF CB tok/s", "vs HF CB", "pdserve fp32 tok/s", "vs fp32"]  # fmt: skip
+    kv = data.get("kv", {})
+    preset = data.get("config", {}).get("preset", "?")
+    caveat = (
+        [f"**Preset `{preset}`**: a few tiny requests per batch size, a check that the "
+         "benchmark runs end to end, not a throughput figure to quote.", ""]
+        if preset == "smoke" else []
+    )  # fmt: skip
+    dtype = data.get("machine", {}).get("dtype", "float32")
+    return [
+        "Decode tokens/s of pdserve against HF transformers on the same requests, run back "
+        f"to back (preset `{preset}`, {dtype}; ratio = pdserve / transformers static "
+        "`generate`; vs HF CB = pdserve / transformers' continuous batching, target >= 3x; "
+        "vs fp32 = pdserve / pdserve in float32).",
+        "",
+        *caveat,
+        *table(header, rows),
+        "",
+        f"KV pool: {kv.get('total_blocks', '?')} blocks x {kv.get('block_size', '?')} tokens, "
+        f"{fmt(kv.get('pool_mib'), '.1f')} MiB; {kv.get('bytes_per_token', '?')} bytes/token.",
+    ]
+
+
+def structured(data: Json) -> list[str]:
+    """Per-step cost of structured output and logit processing at one batch size."""
+    rows = [
+        [
+            str(b.get("name")),
+            fmt(num(b.get("median_ms")), ".1f"),
+            fmt(num(b.get("ratio")), ".2f", "x"),
+            str(len(b.get("step_ms") or [])),
+        ]
+        for b in dicts(data.get("batches"))
+    ]
+    mask = fmt(num(data.get("mask_ms_per_step")), ".2f")
+    return [
+        f"Batch of {data.get('batch')} decoding requests; {data.get('note', '')}.",
+        "",
+        *table(["batch", "median step ms", "ratio to plain", "steps timed"], rows),
+        "",
+        f"Grammar masks of the constrained rows, timed alone: {mask} ms per step.",
+    ]
+
+
+def roofline(data: Json) -> list[str]:
+    """The engine's prefill and decode GFLOPS as fractions of roofs measured in the run."""
+    rows = []
+    for r in data.get("precisions", []):
+        for p in r.get("prefill", []):
+            rows.append([r["name"], f"prefill {p['tokens']} tokens", fmt(p["tokens_per_s"], ".0f")
+                         + " tok/s", fmt(p["gflops"], ".1f"), fmt(p["roof_gflops"], ".0f"),
+                         fmt(p["fraction"], ".2f")])  # fmt: skip
+        for d in r.get("decode", []):
+            rows.append([r["name"], f"decode batch {d['batch']}", fmt(d["step_ms"], ".1f")
+                         + " ms/step", fmt(d["gflops"], ".1f"), fmt(d["roof_gflops"], ".0f"),
+                         fmt(d["fraction"], ".2f")])  # fmt: skip
+        rows.append([r["name"], "batch-1 bandwidth bound", fmt(r.get("bandwidth_bound_ms"), ".1f")
+                     + " ms", "-", "-", fmt(r.get("bandwidth_fraction"), ".2f")])  # fmt: skip
+    header = ["precision", "work", "speed", "GFLOPS", "roof GFLOPS", "fraction"]
+    return [
+        f"{data.get('threads', '?')} torch thread(s); copy bandwidth "
+        f"{fmt(data.get('bandwidth_gb_s'), '.1f')} GB/s. {data.get('note', '')}.",
+        "",
+        *table(header, rows),
+    ]
+
+
+def _accuracy_rows(modes: list[Json]) -> list[list[str]]:
+    return [
+        [m["name"], fmt(m["perplexity"], ".3f"), fmt(100 * m["ppl_rise"], "+.2f", "%"),
+         f"<= +{100 * m['max_ppl_rise']:.0f}%", fmt(m["forced_agreement"], ".3f"),
+         f">= {m['min_agreement']:.2f}", fmt(m["agreement"], ".3f"),
+         fmt(m["prefix_agreement"], ".3f"), "pass" if m["passed"] else "**fail**"]
+        for m in modes
+    ]  # fmt: skip
+
+
+def accuracy(data: Json) -> list[str]:
+    """Perplexity and agreement of each reduced-precision mode against float32, and
+    transformers' own bf16 against its float32 where the run measured it."""
+    header = ["mode", "perplexity", "rise", "bound", "forced agreement", "floor",
+              "free agreement", "free prefix", "gate"]  # fmt: skip
+    lines = [
+        f"{data.get('reference_tokens', '?')} reference tokens, {data.get('prompts', '?')} "
+        f"parity prompts, {data.get('continuation_tokens', '?')} tokens each. "
+        f"{data.get('note', '')}.",
+        "",
+        *table(header, _accuracy_rows(data.get("modes", []))),
+    ]
+    if data.get("reference"):
+        lines += [
+            "",
+            "The yardstick, same run and inputs: transformers' own bfloat16 against its own "
+            "float32, scored the same way (its gate column says whether it would pass). "
+            f"transformers' float32 continuations equal the float32 engine's on "
+            f"{data.get('reference_fp32_same', '?')} of {data.get('prompts', '?')} prompts.",
+            "",
+            *table(header, _accuracy_rows(data["reference"])),
+        ]
+    return lines
+
+
+def kv_memory(data: Json) -> list[str]:
+    capacity = [
+        [c["cache"], c["stored_dtype"], str(c["bytes_per_block"]), str(c["blocks"]),
+         fmt(c["vs_bfloat16"], ".2f", "x"), fmt(c["vs_float32"], ".2f", "x")]
+        for c in data.get("capacity", [])
+    ]  # fmt: skip
+    throughput = [
+        [t["cache"], fmt(t["tokens_per_s"], ".1f"), fmt(t["vs_unquantized"], ".2f", "x"),
+         ", ".join(fmt(x, ".1f") for x in t["rounds_tokens_per_s"]),
+         ", ".join(fmt(x, ".2f", "x") for x in t.get("round_ratios", [])) or "-",
+         fmt(t.get("median_round_ratio"), ".2f", "x")]
+        for t in data.get("throughput", [])
+    ]  # fmt: skip
+    o = data.get("offload") or {}
+    offload = (
+        [f"Offload: a {o['prompt_tokens']}-token prompt evicted from a {o['pool_blocks']}-block "
+         f"pool; TTFT recomputed {o['recompute_ttft_s']} s, restored from a "
+         f"{o['tier_blocks']}-block tier {o['tier_ttft_s']} s ({o['restored_blocks']} blocks "
+         f"restored): {fmt(o['ttft_ratio'], '.3f')}x."]
+        if o else []
+    )  # fmt: skip
+    return [
+        f"KV cache dtypes and the offload tier; compute {data.get('compute_dtype')}, "
+        f"{data.get('threads')} thread(s). Capacity of "
+        f"{fmt(data.get('capacity_bytes', 0) / 2**20, '.0f')} MiB:",
+        "",
+        *table(["cache", "stored", "bytes/block", "blocks", "/bf16", "/fp32"], capacity),
+        "",
+        "Output tokens/s at batch 32 (best of rounds, each run in its own process, order rotated):",
+        "",
+        *table(
+            ["cache", "tok/s", "/unquantized", "rounds", "round by round", "median"], throughput
+        ),
+        "",
+        *offload,
+    ]
+
+
+def speculation(data: Json) -> list[str]:
+    rows = [
+        [w["workload"], str(w["requests"]), fmt(w["off_tokens_per_s"], ".1f"),
+         fmt(w["spec_tokens_per_s"], ".1f"), fmt(w["ratio"], ".2f", "x"),
+         fmt(w["acceptance_rate"], ".2f"), fmt(w["tokens_per_verification"], ".2f")]
+        for w in data.get("workloads", [])
+    ]  # fmt: skip
+    head = ["workload", "requests", "off tok/s", "auto tok/s", "auto/off", "acceptance",
+            "tokens/verification"]  # fmt: skip
+    return [
+        f"Decode tokens/s at batch 1, greedy, {data.get('max_tokens')} tokens per request, "
+        f"compute {data.get('compute_dtype')}, {data.get('threads')} thread(s); best of "
+        f"{data.get('reps')} interleaved rounds per side. Speculation `auto`: prompt-lookup "
+        "drafts with adaptive length.",
+        "",
+        *table(head, rows),
+    ]
+
+
+def lora(data: Json) -> list[str]:
+    """One batch on the base model against the same batch mixing four LoRA adapters."""
+    rows = [
+        [
+            str(s.get("name")),
+            fmt(num(s.get("tokens_per_s")), ".1f"),
+            fmt(num(s.get("ratio")), ".2f", "x"),
+            fmt(num(s.get("step_ms")), ".1f"),
+        ]
+        for s in dicts(data.get("sides"))
+    ]
+    return [
+        f"Batch of {data.get('batch')} greedy requests, {data.get('max_tokens')} tokens each, "
+        f"{data.get('compute_dtype')}; a mixed batch spreads its requests over "
+        f"{data.get('adapters_per_batch')} adapters of one shape (every step mixes them all). "
+        "Shapes: `qv-r8` is PEFT's default for Llama (q and v, rank 8), `all-linear-r16` every "
+        "projection at rank 16. Tokens/s over prefill and decode, best round of each.",
+        "",
+        *table(["batch", "tokens/s", "ratio to base", "decode step ms"], rows),
+    ]

@@ -1,0 +1,75 @@
+"""The parts every section of docs/benchmarks.md is built from: numbers read safely out
+of a result file, markdown tables, the targets table and the provenance line.
+
+Lifecycle: the renderers (`engine_sections`, `cluster_sections`) and `sections.section`
+call these while the page is rendered. Result files are JSON written by
+`result_file.write_result`; they are read as plain dicts (the one place loadtest does
+so), through `num`/`fmt` so that a missing or null number prints as "-" rather than
+failing the whole page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+Json = dict[str, Any]
+NOT_CURRENT = "not current"  # a stale result's targets, in place of met / not met
+
+
+def num(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def dicts(value: object) -> list[Json]:
+    """The objects of a JSON list (nothing, if it is not one)."""
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def fmt(value: object, spec: str = ".2f", suffix: str = "") -> str:
+    number = num(value)
+    return "-" if number is None else f"{number:{spec}}{suffix}"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
+def verdict(met: object, current: bool = True) -> str:
+    """A target's result column: met or not met, or "not current" for a stale result
+    (whatever it was when measured, it says nothing about main now)."""
+    if not current:
+        return NOT_CURRENT
+    return "met" if met else "**not met**"
+
+
+def targets_table(data: Json, current: bool = True) -> list[str]:
+    """The result's `targets` as a table (nothing if it has none), led by a blank line."""
+    targets = data.get("targets") or []
+    if not targets:
+        return []
+    rows = [
+        [t["name"], fmt(t.get("measured"), ".3f"), f"{t['comparison']} {t['threshold']:g}",
+         verdict(t.get("met"), current), t.get("context", "")]
+        for t in targets
+    ]  # fmt: skip
+    return ["", *table(["target", "measured", "wanted", "result", "context"], rows)]
+
+
+def provenance_line(data: Json, file: str) -> str:
+    p = data["provenance"]
+    host = p.get("host", {})
+    commit = p.get("commit")
+    where = f"commit `{commit[:12]}`" if commit else "no git checkout"
+    if p.get("dirty"):
+        where += " with uncommitted changes"
+    return (
+        f"Taken {p.get('taken_at', '?')} on {where}, host {host.get('hostname', '?')} "
+        f"({host.get('cpu_model', '?')}; {host.get('usable_cpus', '?')} of "
+        f"{host.get('cpu_count', '?')} CPUs usable). File [{file}]({file}); command "
+        f"`{p.get('command', '?')}`."
+    )

@@ -1,0 +1,96 @@
+"""The sections of docs/benchmarks.md: which renderer each result schema gets, in the
+page's order, and what every section has around its renderer's tables.
+
+Lifecycle: `loadtest.reports.results` reads each committed result file and calls
+`section` on it, with the file's `StaleResult` when `stale` registers one. `section`
+writes the heading; for a stale result the line "Stale since <commit>: <reason>"; the
+provenance line (when, on which commit and host, with which command); the renderer's
+tables (`engine_sections`, `cluster_sections`); then the targets, which read "not
+current" instead of met or not met when the result is stale. A renderer reads only the
+file: nothing is measured or recomputed here, so the page says exactly what the files
+say. A schema without a renderer gets its top-level numbers (`generic`), so a new
+benchmark's results are quoted before anyone writes a table for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from loadtest.reports.cluster_sections import (
+    fairness,
+    gateway,
+    headline,
+    overload,
+    router,
+    sweep,
+    tracing,
+    transfer,
+)
+from loadtest.reports.engine_sections import (
+    accuracy,
+    engine,
+    kv_memory,
+    lora,
+    roofline,
+    speculation,
+    structured,
+)
+from loadtest.reports.markdown import Json, fmt, num, provenance_line, table, targets_table
+from loadtest.reports.stale import StaleResult
+
+Renderer = Callable[[Json], list[str]]
+
+
+def generic(data: Json) -> list[str]:
+    """Top-level numbers and flags of a schema without its own renderer."""
+    rows = [
+        [f"`{k}`", fmt(v, ".4g") if num(v) is not None else str(v)]
+        for k, v in data.items()
+        if isinstance(v, int | float | bool)
+    ]
+    return table(["field", "value"], rows)
+
+
+#: schema -> (title, renderer), in the page's order.
+SECTIONS: dict[str, tuple[str, Renderer]] = {
+    "pdserve.headline/1": ("Headline: disaggregated vs colocated", headline),
+    "pdserve.engine_bench/1": ("Engine: decode throughput", engine),
+    "pdserve.engine_bench/2": ("Engine: decode throughput", engine),
+    "roofline_bench/v1": ("Engine against this machine's roofs", roofline),
+    "accuracy_gate/v1": ("Accuracy gate: reduced precision against float32", accuracy),
+    "pdserve.transfer_bench/1": ("KV transfer", transfer),
+    "pdserve.kv_bench/1": ("KV memory: 8-bit caches and the offload tier", kv_memory),
+    "pdserve.spec_bench/1": ("Speculative decoding", speculation),
+    "pdserve.router_bench/1": ("Router", router),
+    "pdserve.gateway_bench/1": ("Gateway overhead", gateway),
+    "pdserve.tracing_bench/1": ("Tracing cost", tracing),
+    "pdserve.overload_bench/1": ("Overload: admission control at 3x capacity", overload),
+    "pdserve.fairness_bench/1": ("Noisy neighbour: fairness between tenants", fairness),
+    "pdserve.bench/1": ("Load sweep (pdserve-bench)", sweep),
+    "structured_bench/v1": ("Structured output and logit processing: cost per step", structured),
+    "pdserve.lora_bench/1": ("Multi-LoRA: a batch mixing adapters against the base model", lora),
+}
+
+
+def sort_key(schema: str, file: Path) -> tuple[int, str]:
+    order = list(SECTIONS)
+    return (order.index(schema) if schema in order else len(order), file.name)
+
+
+def section(data: Json, file: str, stale: StaleResult | None = None) -> list[str]:
+    """The heading, the stale line when `stale` is given, the provenance line, the
+    schema's tables and the targets (each "not current" when stale)."""
+    schema = str(data.get("schema", "unknown"))
+    title, render = SECTIONS.get(schema, (f"`{schema}`", generic))
+    marked = [f"**Not current.** {stale.line}", ""] if stale is not None else []
+    return [
+        f"## {title}",
+        "",
+        *marked,
+        provenance_line(data, file),
+        "",
+        *render(data),
+        *targets_table(data, current=stale is None),
+        "",
+    ]

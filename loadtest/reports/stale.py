@@ -1,0 +1,98 @@
+"""Committed results that no longer describe main: which, since which commit, and why.
+
+Lifecycle: when main changes under a committed result (a kernel, admission, a default)
+so that its numbers no longer hold, an entry goes into `STALE` in the same commit as
+the finding, naming the result (its file's stem under docs/results/), the commit that
+made it stale and, in the reason, what changed and what a re-run measured if one was
+made. `results` reads the registry when it renders docs/benchmarks.md: a stale result
+keeps its numbers, its section says "stale since <commit>: <reason>", its targets read
+"not current" instead of met or not met, and the page's count of met targets leaves it
+out. A fresh run committed under docs/results/ replaces the file; its entry is deleted
+in the same commit.
+
+The re-runs quoted below were made on main as of the commit that registered them, on a
+host with half-width AVX-512 units rather than the committed files' host: they say
+which way a number moved, not what that host would measure now.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_FUSED_DECODE = "0f07b397ab8c8a8eb869662946cf2ecddf837328"  # the fused bf16 decode kernel
+_BF16_DEFAULT = "7db916db5706fe6349f7f11a6548e6c82c040c28"  # dtype auto = bf16 where native
+# The first of the 14 admission commits after 48ceba9, where overload and fairness ran.
+_FIRST_ADMISSION = "8f23f52b4dbbf9480afafb755851c6f38edae9de"
+# The commit that added 53 lines to bounded_load.lua, the placement script routed by.
+_PLACEMENT_53 = "cfe15b5309b1b182498fcce26bbaf721aa0637de"
+_FLOW_REASON = (
+    "measured on 2026-11-23 in fp32, before 14 admission commits, conditional "
+    "disaggregation and the bf16 default"
+)
+
+
+@dataclass(frozen=True)
+class StaleResult:
+    """One committed result that main has moved past."""
+
+    result: str  # the result file's stem: "spec" for docs/results/spec.json
+    since: str  # the full hash of the commit from which the result no longer holds
+    reason: str  # what changed, and what a re-run measured; one sentence, no final stop
+
+    def __post_init__(self) -> None:
+        if not self.result or "/" in self.result or self.result.endswith(".json"):
+            raise ValueError(f"result must be a file stem like 'spec', got {self.result!r}")
+        if not _COMMIT.fullmatch(self.since):
+            raise ValueError(f"{self.result}: since must be a full commit hash, got {self.since!r}")
+        if not self.reason.strip():
+            raise ValueError(f"{self.result}: a stale result needs its reason")
+
+    @property
+    def line(self) -> str:
+        """The sentence the page shows beside the result's section."""
+        return f"Stale since `{self.since[:12]}`: {self.reason}."
+
+
+STALE: tuple[StaleResult, ...] = (
+    StaleResult(
+        "spec",
+        _FUSED_DECODE,
+        "measured before the fused bf16 decode kernel, which now runs only its baseline; "
+        "re-run on the current main: speculation on the repetitive workload 1.01x "
+        "(target 1.8x)",
+    ),
+    StaleResult(
+        "lora",
+        _FUSED_DECODE,
+        "measured before the fused decode kernel; re-run: four q,v rank-8 adapters 0.72x "
+        "(target 0.8x)",
+    ),
+    StaleResult(
+        "kv",
+        _FUSED_DECODE,
+        "measured before the fused decode kernel; re-run: int8 KV 0.61x and fp8 KV 0.60x "
+        "at batch 32 (target 0.9x)",
+    ),
+    StaleResult("overload", _FIRST_ADMISSION, _FLOW_REASON),
+    StaleResult("fairness", _FIRST_ADMISSION, _FLOW_REASON),
+    # Of its two causes the bf16 default came first (the fused kernel a day later).
+    StaleResult("structured", _BF16_DEFAULT, "fp32, before the fused decode kernel"),
+    StaleResult(
+        "router",
+        _PLACEMENT_53,
+        "before 53 new lines of the placement script (pd route p99 0.974 ms against 1 ms)",
+    ),
+)
+
+
+def by_result(entries: Iterable[StaleResult] = STALE) -> dict[str, StaleResult]:
+    """The entries keyed by result; ValueError if a result is registered twice."""
+    found: dict[str, StaleResult] = {}
+    for entry in entries:
+        if entry.result in found:
+            raise ValueError(f"{entry.result} is registered as stale twice")
+        found[entry.result] = entry
+    return found

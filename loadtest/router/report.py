@@ -1,0 +1,117 @@
+"""The router benchmark's report: its shape (schema `pdserve.router_bench/1`), its
+targets and its terminal table.
+
+Lifecycle: `bench.run` measures, then `evaluate_targets` holds the numbers to the
+issue's targets (each latency target beside the same run's PING) and `RouterReport`
+collects everything; `bench_main` writes it as JSON and prints `format_table`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis
+
+from loadtest.harness.settings import RunSettings
+from loadtest.harness.target import TargetResult, target_rows
+from loadtest.router.config import RouterBenchConfig
+from loadtest.router.latency import LatencyResult
+from loadtest.workloads.prefix import HitRateResult, WorkloadConfig, hit_rate_rows
+
+SCHEMA = "pdserve.router_bench/1"
+#: The issue's targets.
+TARGET_ROUTE_P99_MS = 1.0
+TARGET_ROUND_TRIPS = 2.0
+TARGET_VS_ORACLE = 0.9
+
+
+@dataclass(frozen=True)
+class MachineInfo:
+    """How busy the host was (load averages 1/5/15 min) and what served the run."""
+
+    loadavg_start: list[float]
+    loadavg_end: list[float]
+    redis_server: str
+    redis_py: str
+
+
+@dataclass(frozen=True)
+class RouterReport:
+    schema: str
+    started_at: str
+    finished_at: str
+    wall_s: float
+    redis_pid: int
+    machine: MachineInfo
+    settings: RunSettings
+    config: RouterBenchConfig
+    workload: WorkloadConfig
+    latency: list[LatencyResult]
+    hit_rate: HitRateResult
+    targets: list[TargetResult]
+    targets_met: bool
+
+
+def machine_info(client: redis.Redis, loadavg_start: Sequence[float]) -> MachineInfo:
+    return MachineInfo(
+        loadavg_start=[round(x, 2) for x in loadavg_start],
+        loadavg_end=[round(x, 2) for x in os.getloadavg()],
+        redis_server=str(client.info("server")["redis_version"]),
+        redis_py=importlib.metadata.version("redis"),
+    )
+
+
+def evaluate_targets(latency: Sequence[LatencyResult], hits: HitRateResult) -> list[TargetResult]:
+    targets = []
+    for r in latency:
+        context = f"PING p99 {r.ping.p99_ms:.3f} ms; route/PING p99 {r.route_vs_ping_p99:.2f}x"
+        targets += [
+            TargetResult.check(f"route p99 ms ({r.pool})", r.route.p99_ms, "<=",
+                               TARGET_ROUTE_P99_MS, context),
+            TargetResult.check(f"round trips/route ({r.pool})", r.round_trips_per_route, "<=",
+                               TARGET_ROUND_TRIPS),
+        ]  # fmt: skip
+    for p in hits.policies:
+        if p.policy == "bounded":
+            context = f"oracle held to the same bound: {hits.oracle_bounded.vs_oracle:.3f}"
+            targets.append(TargetResult.check("bounded hit ratio / oracle", p.vs_oracle, ">=",
+                                              TARGET_VS_ORACLE, context))  # fmt: skip
+    return targets
+
+
+def format_latency(report: RouterReport) -> list[str]:
+    m = report.machine
+    rows = [
+        f"decision latency, one Router replica, redis-server {m.redis_server} on TCP loopback; "
+        f"baseline: PING on the same connection, interleaved; load average "
+        f"{m.loadavg_start} -> {m.loadavg_end}",
+        f"{'pool':<6} {'workers':>7} {'route p50':>9} {'p99':>6} {'release p50':>11} "
+        f"{'ping p50':>8} {'p99':>6} {'route/ping p50':>14} {'p99':>6} {'decisions/s':>11} "
+        f"{'pings/s':>8} {'RT/route':>8} {'RT/release':>10} {'us/evalsha':>10}  (ms)",
+    ]
+    for r in report.latency:
+        workers = "+".join(str(n) for n in r.workers.values())
+        rows.append(
+            f"{r.pool:<6} {workers:>7} {r.route.p50_ms:>9.3f} {r.route.p99_ms:>6.3f} "
+            f"{r.release.p50_ms:>11.3f} {r.ping.p50_ms:>8.3f} {r.ping.p99_ms:>6.3f} "
+            f"{r.route_vs_ping_p50:>13.2f}x {r.route_vs_ping_p99:>5.2f}x "
+            f"{r.decisions_per_s:>11.0f} {r.pings_per_s:>8.0f} {r.round_trips_per_route:>8.3f} "
+            f"{r.round_trips_per_release:>10.3f} {r.server_usec_per_evalsha:>10.1f}"
+        )
+    return rows
+
+
+def format_table(report: RouterReport) -> str:
+    rows = [
+        *format_latency(report),
+        "",
+        *hit_rate_rows(report.hit_rate, report.workload),
+        "",
+        "targets:",
+        *target_rows(report.targets),
+        f"wall {report.wall_s:.0f}s; all targets met: {report.targets_met}",
+    ]
+    return "\n".join(rows)
