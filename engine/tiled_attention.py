@@ -10,7 +10,7 @@ float32, and it was the largest part of a long bfloat16 prefill chunk's time. He
 tile of a few dozen queries is one product against every key it may see (float32,
 through oneDNN), a softmax and one bfloat16 product with the values (oneDNN), so the
 attention's arithmetic runs in oneDNN's blocked products. Below `MIN_QUERIES` SDPA is
-as fast or faster. Measurements: docs/engine.md "Kernels" (`loadtest/roofline_bench`
+as fast or faster. Measurements: docs/engine.md "Kernels" (`loadtest/engine/roofline_bench`
 measures the prefill it speeds up).
 
 Tiles are sized so one key-value head's scores fit in about `SCORE_BUDGET` elements
