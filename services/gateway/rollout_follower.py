@@ -3,8 +3,8 @@ the outcomes it reports, and the automatic rollback.
 
 Lifecycle: `build_service` makes one follower per named model and `tick()`s it once
 before serving, so a restarted gateway follows a rollout already running (or the
-version an earlier one promoted) from its first request. `run()` then ticks every
-`rollout_refresh_s` in a worker thread until `close()`. A tick:
+version an earlier one promoted) from its first request. `start(refresh_s)` then ticks
+every `rollout_refresh_s` in a worker thread until `close()`. A tick:
 1. sends the outcomes requests reported since the last tick (`observe`) to Redis;
 2. reads the rollout, and has a backend made (`ensure`) for its stable and canary
    versions before any request is sent there;
@@ -32,6 +32,7 @@ import xxhash
 
 from pdserve.v1 import gateway_pb2
 from services.common.status import RolloutConflict
+from services.gateway.config import GatewayConfig
 from services.router.rollout_store import Outcome, Rollout, RolloutStore, now_ms
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,14 @@ class RollbackPolicy:
     min_requests: int = 20  # canary requests in the window before any verdict
     error_margin: float = 0.05  # the canary's error rate may pass the stable one's by this
     latency_margin: float = 0.5  # its TTFT or ITL p90 may pass the stable one's by this share
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig) -> RollbackPolicy:
+        """The policy of `--rollout-window-s`, `--rollout-min-requests` and the margins."""
+        return cls(
+            config.rollout_window_s, config.rollout_min_requests, config.rollout_error_margin,
+            config.rollout_latency_margin,
+        )  # fmt: skip
 
     def verdict(self, stable: Sequence[Outcome], canary: Sequence[Outcome]) -> str | None:
         """Why the canary should be rolled back, or None while it holds up (or there are
@@ -122,14 +131,12 @@ class RolloutFollower:
         store: RolloutStore,
         model: str,
         policy: RollbackPolicy,
-        refresh_s: float,
         ensure: Callable[[str], object],
         on_rollback: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.store = store
         self.model = model
         self.policy = policy
-        self.refresh_s = refresh_s
         self.ensure = ensure  # makes the backend of a version (in the tick's thread)
         self.on_rollback = on_rollback
         self.rollout = Rollout(model)
@@ -202,16 +209,17 @@ class RolloutFollower:
         return rolled
 
     # -- the loop --------------------------------------------------------------------
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+    def start(self, refresh_s: float) -> None:
+        """Tick every `refresh_s` (`--rollout-refresh-s`) until `close()`."""
+        self._task = asyncio.get_running_loop().create_task(self._run(refresh_s))
 
-    async def _run(self) -> None:
+    async def _run(self, refresh_s: float) -> None:
         while True:
             try:
                 await asyncio.to_thread(self.tick)
             except Exception as exc:  # Redis away: keep the last view, try again
                 log.warning("model %s: rollout state unreadable: %s", self.model, exc)
-            await asyncio.sleep(self.refresh_s)
+            await asyncio.sleep(refresh_s)
 
     async def close(self) -> None:
         if self._task is not None:

@@ -38,7 +38,7 @@ from services.gateway.http_api import HttpApi
 from services.gateway.model_backend import Backend
 from services.gateway.record_book import HeldCollector
 from services.gateway.rollout_admin import RolloutAdmin
-from services.gateway.rollout_follower import RolloutFollower
+from services.gateway.rollout_follower import RollbackPolicy, RolloutFollower
 from services.gateway.service import GatewayService
 from services.gateway.stream_telemetry import GatewayTelemetry
 from services.gateway.wire import add_servicer
@@ -208,15 +208,15 @@ def follow_rollouts(
                 telemetry.count_rollback(name)
 
         model.make_backend = make
+        policy = RollbackPolicy.from_config(parts.config)
         model.follower = RolloutFollower(
-            store, model.name, parts.config.rollback_policy, parts.config.rollout_refresh_s,
-            model.ensure_version, rolled_back,
-        )  # fmt: skip
+            store, model.name, policy, model.ensure_version, rolled_back
+        )
         try:
             model.follower.tick()
         except Exception as exc:  # Redis away at start: the loop tries again
             log.warning("model %s: rollout state unreadable at start: %s", model.name, exc)
-        model.follower.start()
+        model.follower.start(parts.config.rollout_refresh_s)
 
 
 def _redis_url(placement: Placement, router: RouterConfig) -> str:

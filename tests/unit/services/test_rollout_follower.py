@@ -37,7 +37,7 @@ def test_the_verdict() -> None:
 
 
 def _follower(store: RolloutStore, made: list[str] | None = None) -> RolloutFollower:
-    return RolloutFollower(store, "m", POLICY, 1.0, (made if made is not None else []).append)
+    return RolloutFollower(store, "m", POLICY, (made if made is not None else []).append)
 
 
 def test_the_split_holds_its_share_and_sticky_tenants_stay(

@@ -55,7 +55,7 @@ class Rollouts:
         self.store = RolloutStore(client, base)
         model = self.gw.service.models.primary
         model.make_backend = self._backend
-        model.follower = RolloutFollower(self.store, MODEL, POLICY, 1.0, model.ensure_version)
+        model.follower = RolloutFollower(self.store, MODEL, POLICY, model.ensure_version)
         self.follower = model.follower
         self.gw.service.rollouts = RolloutAdmin(
             self.gw.service.models, self.store, base, drain_after_s=0.2
