@@ -28,21 +28,21 @@ from services.common.model_config import ModelConfig
 from services.common.telemetry import Telemetry
 from services.common.telemetry_config import TelemetryConfig
 from services.common.tls import TlsConfig, server_ssl_context
-from services.gateway.access import Access
-from services.gateway.adapter_catalog import AdapterCatalog
-from services.gateway.admission import Admission
-from services.gateway.admission_metrics import AdmissionMetrics
+from services.gateway.access.gate import Access
 from services.gateway.config import GatewayConfig
-from services.gateway.fair_share import FairShare
-from services.gateway.http_api import HttpApi
-from services.gateway.model_backend import Backend
-from services.gateway.record_book import HeldCollector
-from services.gateway.rollout_admin import RolloutAdmin
-from services.gateway.rollout_follower import RollbackPolicy, RolloutFollower
+from services.gateway.flow.admission import Admission
+from services.gateway.flow.admission_metrics import AdmissionMetrics
+from services.gateway.flow.fair_share import FairShare
+from services.gateway.models.adapter_catalog import AdapterCatalog
+from services.gateway.models.backend import Backend
+from services.gateway.models.rollout_admin import RolloutAdmin
+from services.gateway.models.rollout_follower import RollbackPolicy, RolloutFollower
+from services.gateway.openai.http_api import HttpApi
 from services.gateway.service import GatewayService
-from services.gateway.stream_telemetry import GatewayTelemetry
+from services.gateway.stream.record_book import HeldCollector
+from services.gateway.stream.telemetry import GatewayTelemetry
+from services.gateway.stream.worker_stubs import WorkerStubs
 from services.gateway.wire import add_servicer
-from services.gateway.worker_stubs import WorkerStubs
 from services.router.identity_check import GATEWAY_PARTS
 from services.router.keyspace import Keyspace, pool_namespace
 from services.router.placement import Placement, StaticPlacement

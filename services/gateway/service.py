@@ -44,21 +44,21 @@ from services.common.status import (
     abort_with,
     status_for,
 )
-from services.gateway.access import Access
-from services.gateway.admission import Admission, Usage
-from services.gateway.auth import ANONYMOUS, AuthError, Principal
+from services.gateway.access.auth import ANONYMOUS, AuthError, Principal
+from services.gateway.access.gate import Access
 from services.gateway.config import GatewayConfig
-from services.gateway.model_backend import Backend
-from services.gateway.model_catalog import ModelCatalog
-from services.gateway.record_book import RecordBook, Resource
-from services.gateway.request_record import Keepers, Prepared, RequestRecord
-from services.gateway.request_stream import RequestStream, StreamError
-from services.gateway.rollout_admin import RolloutAdmin
-from services.gateway.rollout_follower import OutcomeClock
-from services.gateway.served_model import ServedModel
-from services.gateway.stream_buffer import Disconnect, StreamBuffer
-from services.gateway.stream_telemetry import GatewayTelemetry
-from services.gateway.worker_stubs import WorkerStubs
+from services.gateway.flow.admission import Admission, Usage
+from services.gateway.models.backend import Backend
+from services.gateway.models.catalog import ModelCatalog
+from services.gateway.models.rollout_admin import RolloutAdmin
+from services.gateway.models.rollout_follower import OutcomeClock
+from services.gateway.models.served_model import ServedModel
+from services.gateway.stream.buffer import Disconnect, StreamBuffer
+from services.gateway.stream.record_book import RecordBook, Resource
+from services.gateway.stream.request_record import Keepers, Prepared, RequestRecord
+from services.gateway.stream.request_stream import RequestStream, StreamError
+from services.gateway.stream.telemetry import GatewayTelemetry
+from services.gateway.stream.worker_stubs import WorkerStubs
 from services.router.placement import Placement
 
 MAX_PROMPT_CHARS = 1_000_000

@@ -26,7 +26,7 @@ from engine.model_store import DEFAULT_MODEL_NAME
 from pdserve.v1 import common_pb2, gateway_pb2_grpc
 from services.cluster.local_cluster import LocalCluster
 from services.gateway.client import GatewayClient, build_request
-from services.gateway.http_api import PRIORITY_HEADER
+from services.gateway.openai.http_api import PRIORITY_HEADER
 from tests.integration.keyed_cluster import keyed_cluster
 from tests.integration.leak_check import assert_cluster_clean, start_probe
 

@@ -26,16 +26,16 @@ from engine.model_identity import ModelIdentity
 from engine.model_spec import ModelSpec
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2
-from services.gateway.access import Access
-from services.gateway.auth import ANONYMOUS, Principal
+from services.gateway.access.auth import ANONYMOUS, Principal
+from services.gateway.access.gate import Access
+from services.gateway.access.quota import TokenQuota
 from services.gateway.client import build_request
 from services.gateway.config import GatewayConfig
-from services.gateway.quota import TokenQuota
-from services.gateway.record_book import Resource
-from services.gateway.request_record import RequestRecord, RequestState
 from services.gateway.service import GatewayService
-from services.gateway.stream_buffer import Disconnect
-from services.gateway.worker_stubs import WorkerStubs
+from services.gateway.stream.buffer import Disconnect
+from services.gateway.stream.record_book import Resource
+from services.gateway.stream.request_record import RequestRecord, RequestState
+from services.gateway.stream.worker_stubs import WorkerStubs
 from services.router.identity_check import GATEWAY_PARTS
 from services.router.keyspace import Keyspace
 from services.router.redis_placement import RedisPlacement

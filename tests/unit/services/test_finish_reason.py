@@ -22,8 +22,8 @@ import redis
 
 from pdserve.v1 import common_pb2, gateway_pb2_grpc
 from services.gateway.client import build_request
-from services.gateway.http_api import HttpApi
-from services.gateway.record_book import Resource
+from services.gateway.openai.http_api import HttpApi
+from services.gateway.stream.record_book import Resource
 from services.gateway.wire import add_servicer
 from tests.unit.services.gateway_fakes import Gateway, build_gateway
 

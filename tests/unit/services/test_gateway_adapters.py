@@ -17,10 +17,10 @@ from safetensors.torch import save_file
 
 from engine.lora import CONFIG_FILE, WEIGHTS_FILE, AdapterRef, adapter_digest
 from services.common.status import UnknownModelError
-from services.gateway.adapter_catalog import AdapterCatalog
 from services.gateway.client import build_request
-from services.gateway.model_catalog import ModelCard
-from services.gateway.record_book import Resource
+from services.gateway.models.adapter_catalog import AdapterCatalog
+from services.gateway.models.catalog import ModelCard
+from services.gateway.stream.record_book import Resource
 from tests.unit.services.gateway_fakes import PROMPT, Gateway, build_gateway
 
 

@@ -18,10 +18,10 @@ import pytest
 
 from engine.model_spec import ModelSpec
 from engine.tokenizer import Tokenizer
-from services.gateway.access import Access
-from services.gateway.auth import ApiKeys
+from services.gateway.access.auth import ApiKeys
+from services.gateway.access.gate import Access
 from services.gateway.config import GatewayConfig
-from services.gateway.http_api import HttpApi
+from services.gateway.openai.http_api import HttpApi
 from services.gateway.service import GatewayService
 from services.router.placement import StaticPlacement
 

@@ -9,7 +9,7 @@ import math
 
 import redis
 
-from services.gateway.rollout_follower import RollbackPolicy, RolloutFollower
+from services.gateway.models.rollout_follower import RollbackPolicy, RolloutFollower
 from services.router.rollout_store import Outcome, RolloutPhase, RolloutStore, now_ms
 
 POLICY = RollbackPolicy(window_s=60.0, min_requests=20, error_margin=0.05, latency_margin=0.5)

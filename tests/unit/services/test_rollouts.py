@@ -20,15 +20,15 @@ from hypothesis import strategies as st
 
 from pdserve.v1 import gateway_pb2
 from services.common.status import NoRolloutsError, RolloutConflict
-from services.gateway.access import Access
-from services.gateway.admission import Admission
-from services.gateway.auth import ApiKeys
+from services.gateway.access.auth import ApiKeys
+from services.gateway.access.gate import Access
 from services.gateway.client import build_request
-from services.gateway.model_backend import Backend
-from services.gateway.record_book import Resource
-from services.gateway.request_stream import StreamError
-from services.gateway.rollout_admin import RolloutAdmin
-from services.gateway.rollout_follower import RollbackPolicy, RolloutFollower
+from services.gateway.flow.admission import Admission
+from services.gateway.models.backend import Backend
+from services.gateway.models.rollout_admin import RolloutAdmin
+from services.gateway.models.rollout_follower import RollbackPolicy, RolloutFollower
+from services.gateway.stream.record_book import Resource
+from services.gateway.stream.request_stream import StreamError
 from services.router.keyspace import Keyspace, pool_namespace
 from services.router.redis_placement import RedisPlacement
 from services.router.registry import Registry, WorkerInfo

@@ -21,11 +21,11 @@ from services.common.metrics import GatewayMetrics
 from services.common.model_config import extra_model_dirs
 from services.common.status import UnknownModelError
 from services.common.tracing import Tracing
-from services.gateway.admission import Admission
 from services.gateway.client import build_request
 from services.gateway.config import GatewayConfig
-from services.gateway.record_book import Resource
-from services.gateway.stream_telemetry import GatewayTelemetry
+from services.gateway.flow.admission import Admission
+from services.gateway.stream.record_book import Resource
+from services.gateway.stream.telemetry import GatewayTelemetry
 from services.router.keyspace import Keyspace, pool_namespace
 from services.router.redis_placement import RedisPlacement
 from services.router.registry import Registry, WorkerInfo

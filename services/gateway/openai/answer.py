@@ -20,8 +20,8 @@ from typing import Any
 
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, gateway_pb2
-from services.gateway.openai_schema import OpenAIRequest
-from services.gateway.tool_calls import (
+from services.gateway.openai.schema import OpenAIRequest
+from services.gateway.openai.tools.calls import (
     ContentDelta,
     ToolCallDelta,
     ToolCallStream,

@@ -4,7 +4,7 @@ Lifecycle: `Access.from_config(config, redis_client)` is built once at start: wi
 keys file every caller is the anonymous tenant "" and nothing is metered, which suits a
 single team on a private network. Per call, both front doors run
 `authenticate(headers)` → `Principal`, then the request's record
-(`services.gateway.request_record`) runs `admit(principal, prompt_tokens, max_tokens)`
+(`services.gateway.stream.request_record`) runs `admit(principal, prompt_tokens, max_tokens)`
 before routing and `settle(grant, completion_tokens)` when the request ends, however it
 ends.
 """
@@ -17,9 +17,9 @@ from collections.abc import Awaitable, Iterable
 import redis
 
 from services.common.detached import done, in_thread
-from services.gateway.auth import ANONYMOUS, ApiKeys, Principal, key_from_headers
+from services.gateway.access.auth import ANONYMOUS, ApiKeys, Principal, key_from_headers
+from services.gateway.access.quota import Grant, TokenQuota
 from services.gateway.config import GatewayConfig
-from services.gateway.quota import Grant, TokenQuota
 
 NO_GRANT = Grant()
 

@@ -39,7 +39,7 @@ class Grant:
 
 
 def _script(name: str) -> str:
-    return resources.files("services.gateway").joinpath(name).read_text(encoding="utf-8")
+    return resources.files("services.gateway.access").joinpath(name).read_text(encoding="utf-8")
 
 
 class TokenQuota:

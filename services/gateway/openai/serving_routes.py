@@ -22,10 +22,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from engine.tokenizer import ChatMessage, Tokenizer
 from services.common.status import UnknownModelError
-from services.gateway.json_body import read_json
-from services.gateway.openai_sampling import SchemaError, get_bool
-from services.gateway.openai_schema import error_body
-from services.gateway.served_model import ServedModel
+from services.gateway.models.served_model import ServedModel
+from services.gateway.openai.json_body import read_json
+from services.gateway.openai.sampling import SchemaError, get_bool
+from services.gateway.openai.schema import error_body
 from services.gateway.service import GatewayService
 
 #: Paths answered without an API key.

@@ -2,13 +2,13 @@
 
 Lifecycle: `HttpApi(service).start(host, port)` binds an aiohttp server on the gateway's
 event loop and returns the bound address. Each /v1/completions or /v1/chat/completions
-body is parsed by `openai_schema` into the gateway's GenerateRequest and goes down the
+body is parsed by `schema` into the gateway's GenerateRequest and goes down the
 same path as gRPC Generate (`GatewayService.stream`: validation, tokenization, the
 stream cap, placement, `RequestStream`). The handler waits for the first message before
 it answers, so every failure before token 1 gets its own HTTP status; a streamed answer
 then writes SSE chunks and `data: [DONE]`, and a failure after that is sent as one last
 `data: {"error": ...}` event. Errors get the HTTP status of their gRPC status (one
-table: `services.common.status`, then `openai_schema.http_for_status`). The
+table: `services.common.status`, then `schema.http_for_status`). The
 `x-pdserve-priority` header asks for a priority class (400 naming the header if no class
 has that name; 403 above the key's highest). A client that disconnects gets its handler
 task cancelled (`handler_cancellation`), and the stream's generator is always closed,
@@ -47,14 +47,14 @@ from services.common.status import (
     UnknownModelError,
     code_for,
 )
-from services.gateway import openai_schema as oa
-from services.gateway.auth import Principal
-from services.gateway.json_body import read_json
-from services.gateway.model_catalog import ModelCard
-from services.gateway.openai_answer import Answer, Choices, TokenText
-from services.gateway.served_model import ServedModel
+from services.gateway.access.auth import Principal
+from services.gateway.models.catalog import ModelCard
+from services.gateway.models.served_model import ServedModel
+from services.gateway.openai import schema as oa
+from services.gateway.openai.answer import Answer, Choices, TokenText
+from services.gateway.openai.json_body import read_json
+from services.gateway.openai.serving_routes import OPEN_PATHS, ServingRoutes
 from services.gateway.service import REFUSAL_REASON_KEY, GatewayService
-from services.gateway.serving_routes import OPEN_PATHS, ServingRoutes
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.priority import Priority
 from services.common.status import RefusalReason
-from services.gateway.fair_share import FairView
-from services.gateway.waiting_room import WaitingRoom
+from services.gateway.flow.fair_share import FairView
+from services.gateway.flow.waiting_room import WaitingRoom
 
 WAIT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 

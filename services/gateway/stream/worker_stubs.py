@@ -2,7 +2,7 @@
 
 Lifecycle: the gateway builds one `WorkerStubs` at start. `stubs[address]` opens a
 channel to a worker on first use (membership changes while the gateway runs) and keeps
-it. Request records (`services.gateway.request_record`) run their cleanup in `cleanups`,
+it. Request records (`services.gateway.stream.request_record`) run their cleanup in `cleanups`,
 so it reaches its end however the request's task ends. `close()` at shutdown gives the
 unfinished cleanups a moment (their Abort calls need the channels), then closes the
 channels.

@@ -1,12 +1,12 @@
 """The sampling half of an OpenAI body: every parameter that shapes token choice, into
 the gateway's protobuf `SamplingParams`.
 
-Lifecycle: `openai_schema` calls `parse_sampling` once per body, after the body's shape
+Lifecycle: `schema` calls `parse_sampling` once per body, after the body's shape
 is checked. This module checks each parameter's JSON type and OpenAI's own range and
 copies it onto the proto; limits that pdserve's engine sets (min_tokens <= max_tokens,
 token ids below the vocabulary, the size of a guided-decoding spec) are checked by the
 gateway's validation of that proto, the same for gRPC and HTTP, and come back as 400s
-naming the OpenAI parameter (`openai_schema.param_for`).
+naming the OpenAI parameter (`schema.param_for`).
 
 Accepted: OpenAI's temperature, top_p, seed, stop, presence_penalty, frequency_penalty,
 logit_bias, n, logprobs (completions: an int; chat: a bool plus top_logprobs), echo and

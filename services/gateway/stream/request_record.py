@@ -58,13 +58,13 @@ from engine.priority import Priority
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import worker_pb2
 from services.common.status import RefusalReason, StreamCapReached
-from services.gateway.access import Access
-from services.gateway.admission import Admission
-from services.gateway.auth import Principal
-from services.gateway.capacity import Cost, Pass
-from services.gateway.quota import Grant
-from services.gateway.record_book import RecordBook, Resource
-from services.gateway.worker_stubs import WorkerStubs
+from services.gateway.access.auth import Principal
+from services.gateway.access.gate import Access
+from services.gateway.access.quota import Grant
+from services.gateway.flow.admission import Admission
+from services.gateway.flow.capacity import Cost, Pass
+from services.gateway.stream.record_book import RecordBook, Resource
+from services.gateway.stream.worker_stubs import WorkerStubs
 from services.router.placement import Placement, RouteDecision
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 
-from services.gateway.openai_sampling import SchemaError
+from services.gateway.openai.sampling import SchemaError
 
 MAX_DEPTH = 64
 

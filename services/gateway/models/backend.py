@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.gateway.admission import Admission
-from services.gateway.prefill_site import SitePolicy
-from services.gateway.request_record import Keepers
+from services.gateway.flow.admission import Admission
+from services.gateway.flow.prefill_site import SitePolicy
+from services.gateway.stream.request_record import Keepers
 from services.router.placement import Placement
 
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 from engine.grammar import GrammarCompiler
 from engine.tokenizer import Tokenizer
-from services.gateway.adapter_catalog import AdapterCatalog
-from services.gateway.admission import Admission
-from services.gateway.model_backend import Backend
-from services.gateway.prefill_site import SitePolicy
-from services.gateway.request_record import Keepers
-from services.gateway.rollout_follower import RolloutFollower
+from services.gateway.flow.admission import Admission
+from services.gateway.flow.prefill_site import SitePolicy
+from services.gateway.models.adapter_catalog import AdapterCatalog
+from services.gateway.models.backend import Backend
+from services.gateway.models.rollout_follower import RolloutFollower
+from services.gateway.stream.request_record import Keepers
 from services.router.placement import Placement
 
 

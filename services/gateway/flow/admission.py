@@ -40,12 +40,12 @@ from dataclasses import dataclass
 from engine.priority import Priority
 from services.common.role import Role
 from services.common.status import Overloaded, RefusalReason
-from services.gateway.admission_metrics import AdmissionMetrics
-from services.gateway.capacity import Capacity, Cost, Pass
 from services.gateway.config import GatewayConfig
-from services.gateway.fair_share import FairShare, FairView
-from services.gateway.prefill_site import SitePolicy
-from services.gateway.waiting_room import Ticket, WaitingRoom
+from services.gateway.flow.admission_metrics import AdmissionMetrics
+from services.gateway.flow.capacity import Capacity, Cost, Pass
+from services.gateway.flow.fair_share import FairShare, FairView
+from services.gateway.flow.prefill_site import SitePolicy
+from services.gateway.flow.waiting_room import Ticket, WaitingRoom
 from services.router.redis_client import REDIS_DOWN_ERRORS
 from services.router.worker_signal import SignalBoard, WorkerSignal
 

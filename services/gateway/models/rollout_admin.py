@@ -19,9 +19,9 @@ import logging
 
 from pdserve.v1 import gateway_pb2
 from services.common.status import NoRolloutsError
-from services.gateway.model_catalog import ModelCatalog
-from services.gateway.rollout_follower import RolloutFollower, error_rate, itls, p90, ttfts
-from services.gateway.served_model import ServedModel
+from services.gateway.models.catalog import ModelCatalog
+from services.gateway.models.rollout_follower import RolloutFollower, error_rate, itls, p90, ttfts
+from services.gateway.models.served_model import ServedModel
 from services.router.keyspace import Keyspace, pool_namespace
 from services.router.registry import Registry
 from services.router.rollout_store import Outcome, Rollout, RolloutStore, check_start

@@ -2,12 +2,12 @@
 
 Lifecycle: the HTTP layer hands a decoded JSON body to `parse_completion` or
 `parse_chat`. They check the type of every OpenAI field pdserve honours (the sampling
-ones in `openai_sampling`), refuse the ones it cannot honour (`UNSUPPORTED`) with a
+ones in `sampling`), refuse the ones it cannot honour (`UNSUPPORTED`) with a
 `SchemaError` naming the parameter, and return an `OpenAIRequest`;
 `to_generate_request` turns that into the gateway's protobuf request. Limits that depend
 on the model (context length, vocabulary, chat roles) are checked afterwards by the
 gateway's own validation, the same as for gRPC; `param_for` renames its field names to
-the OpenAI parameter. While the request runs, `openai_answer.Answer` turns gateway
+the OpenAI parameter. While the request runs, `answer.Answer` turns gateway
 messages into completion bodies or SSE chunk bodies.
 """
 
@@ -21,15 +21,15 @@ import grpc
 
 from engine.tokenizer import ChatMessage
 from pdserve.v1 import common_pb2, gateway_pb2
-from services.gateway.openai_sampling import (
+from services.gateway.openai.sampling import (
     Sampling,
     SchemaError,
     get_bool,
     get_int,
     parse_sampling,
 )
-from services.gateway.tool_prompt import add_tool_prompt, forced_json_schema, render_message
-from services.gateway.tool_request import ToolRequest, parse_tools
+from services.gateway.openai.tools.prompt import add_tool_prompt, forced_json_schema, render_message
+from services.gateway.openai.tools.request import ToolRequest, parse_tools
 
 __all__ = ["OpenAIRequest", "SchemaError", "parse_chat", "parse_completion"]
 

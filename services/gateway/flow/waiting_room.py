@@ -1,7 +1,7 @@
 """The gateway's waiting room: requests that cannot start yet, ordered by class and
 fairness, each for at most its class's TTFT budget.
 
-Lifecycle of a `Ticket`: the admission controller (`services.gateway.admission`) makes
+Lifecycle of a `Ticket`: the admission controller (`services.gateway.flow.admission`) makes
 one for a request that cannot start at once and `offer`s it. The room is bounded: when
 it is full, a newcomer of a higher class displaces the newest ticket of the lowest class
 present (so `critical` is never refused while a lower class holds a place), and
@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from engine.priority import Priority
-from services.gateway.capacity import Cost
+from services.gateway.flow.capacity import Cost
 
 NO_COST = Cost(0, 0)
 

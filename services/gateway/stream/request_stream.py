@@ -56,12 +56,12 @@ from services.common.log_format import log_context
 from services.common.metrics import NO_MODEL
 from services.common.status import NoWorkerError, StatusError
 from services.gateway.config import GatewayConfig
-from services.gateway.decode_retry import REFUSALS, DecodeRefusal, DecodeRetry
-from services.gateway.prefill_site import PrefillSite, SitePolicy
-from services.gateway.request_record import RequestRecord
-from services.gateway.stop_text import StopTrimmer
-from services.gateway.stream_telemetry import GatewayTelemetry, MigrationOutcome, PromptKvSource
-from services.gateway.worker_stubs import WorkerStubs
+from services.gateway.flow.prefill_site import PrefillSite, SitePolicy
+from services.gateway.stream.decode_retry import REFUSALS, DecodeRefusal, DecodeRetry
+from services.gateway.stream.request_record import RequestRecord
+from services.gateway.stream.stop_text import StopTrimmer
+from services.gateway.stream.telemetry import GatewayTelemetry, MigrationOutcome, PromptKvSource
+from services.gateway.stream.worker_stubs import WorkerStubs
 from services.router.placement import RouteDecision
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from engine.lora import AdapterRef
 from services.common.status import UnknownModelError
-from services.gateway.served_model import ServedModel
+from services.gateway.models.served_model import ServedModel
 
 
 @dataclass(frozen=True)

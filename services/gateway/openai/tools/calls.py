@@ -5,7 +5,7 @@ into content and calls; while it streams, one `ToolCallStream` per choice is fed
 text delta (`feed`) and flushed once at the end (`finish`), and the events it returns,
 joined, say exactly what `parse_tool_calls` says of the whole text, however the text was
 cut into deltas. The prompt side (tools into the prompt, forced calls as a JSON schema)
-is `tool_prompt`.
+is `prompt`.
 
 What counts as a call: a `<tool_call>` block, up to the first `</tool_call>` or the end
 of the answer, holding a JSON object `{"name": <one of the tools>, "arguments": <object,
@@ -26,8 +26,8 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.gateway.tool_prompt import CLOSE, OPEN
-from services.gateway.tool_request import ToolSpec
+from services.gateway.openai.tools.prompt import CLOSE, OPEN
+from services.gateway.openai.tools.request import ToolSpec
 
 __all__ = [
     "ContentDelta",

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from engine.priority import Priority
 from services.common.role import Role
-from services.gateway.prefill_site import SitePolicy
+from services.gateway.flow.prefill_site import SitePolicy
 
 if TYPE_CHECKING:  # only its fields are read here
     from services.router.worker_signal import WorkerSignal

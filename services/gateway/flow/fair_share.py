@@ -83,7 +83,9 @@ class FairShare:
         self.namespace = namespace
         self.half_life_ms = round(half_life_s * 1000)
         self.backlog_ttl_ms = round(backlog_ttl_s * 1000)
-        text = resources.files("services.gateway").joinpath("fair_share.lua").read_text("utf-8")
+        text = (
+            resources.files("services.gateway.flow").joinpath("fair_share.lua").read_text("utf-8")
+        )
         self._script = client.register_script(text)
         self._lock = threading.Lock()
         self._down = False

@@ -26,7 +26,7 @@ from services.common.metrics import NO_MODEL, GatewayMetrics
 from services.common.status import code_for
 from services.common.telemetry import Telemetry
 from services.common.tracing import Metadata, Phase, Tracing, trace_id_hex
-from services.gateway.prefill_site import SiteChoice
+from services.gateway.flow.prefill_site import SiteChoice
 from services.router.metrics import RouterCollector
 from services.router.placement import Placement, RouteDecision
 from services.router.redis_placement import RedisPlacement

@@ -5,8 +5,8 @@ Lifecycle: the OpenAI parser calls `parse_tools(body)` once per chat body. It re
 malformed tool with a `SchemaError` naming the place (`tools[2].function.name`,
 `tool_choice.function.name`, ...) and returns a `ToolRequest`, or None when the request
 offers no tools or says `tool_choice: none` (then nothing about tools is rendered or
-parsed). The request is immutable and read by `tool_prompt` (into the prompt, and the
-schema of a forced call) and `tool_calls` (calls out of the answer).
+parsed). The request is immutable and read by `prompt` (into the prompt, and the
+schema of a forced call) and `calls` (calls out of the answer).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.gateway.openai_sampling import SchemaError, get_bool
+from services.gateway.openai.sampling import SchemaError, get_bool
 
 #: OpenAI's own limit on tools per request.
 MAX_TOOLS = 128

@@ -1,7 +1,7 @@
 """What the gateway's live requests hold, counted per resource, and its Prometheus gauge.
 
 Lifecycle: the gateway keeps one `RecordBook`. Each request record
-(`services.gateway.request_record`) reports what it holds after every change
+(`services.gateway.stream.request_record`) reports what it holds after every change
 (`update`) and leaves the book when its cleanup is over (`forget`), so
 `count(resource)` is always the number of live records holding that resource: the
 stream cap reads the stream slots here, and `HeldCollector` exposes every count as

@@ -1,7 +1,7 @@
 """A chat request's tools into the prompt, and a forced call into the JSON schema that
 structured output enforces.
 
-Lifecycle (pure functions, once per request, after `tool_request.parse_tools`):
+Lifecycle (pure functions, once per request, after `request.parse_tools`):
 1. `render_message(i, msg, content)` gives each message's text: an assistant turn's
    `tool_calls` become <tool_call> blocks after its content (content may be null), a
    `tool` turn's result is wrapped in <tool_response>. This runs with or without tools in
@@ -21,7 +21,7 @@ Lifecycle (pure functions, once per request, after `tool_request.parse_tools`):
    its properties takes no others unless it says so). The whole answer is constrained
    to that object with JSON_SCHEMA guided decoding, without the <tool_call> tags, so a
    forced call always parses (unless `max_tokens` cuts it short), and
-   `tool_calls.parse_tool_calls(..., forced=True)` reads the bare object as the call. (A
+   `calls.parse_tool_calls(..., forced=True)` reads the bare object as the call. (A
    Lark grammar could wrap the same schema in the tags with `%json`; that would buy
    nothing a client sees, and a JSON schema is what every guided-decoding engine takes.)
    The prompt tells a forced request to answer with the bare object, so what the model
@@ -34,8 +34,8 @@ import json
 from collections.abc import Mapping, Sequence
 
 from engine.tokenizer import ChatMessage
-from services.gateway.openai_sampling import SchemaError
-from services.gateway.tool_request import ToolChoice, ToolChoiceMode, ToolRequest, ToolSpec
+from services.gateway.openai.sampling import SchemaError
+from services.gateway.openai.tools.request import ToolChoice, ToolChoiceMode, ToolRequest, ToolSpec
 
 #: The tags a call is written in, in the prompt and in the model's answer.
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
