@@ -54,9 +54,10 @@ from services.gateway.models.rollout_admin import RolloutAdmin
 from services.gateway.models.rollout_follower import OutcomeClock
 from services.gateway.models.served_model import ServedModel
 from services.gateway.stream.buffer import Disconnect, StreamBuffer
+from services.gateway.stream.errors import StreamError
 from services.gateway.stream.record_book import RecordBook, Resource
 from services.gateway.stream.request_record import Keepers, Prepared, RequestRecord
-from services.gateway.stream.request_stream import RequestStream, StreamError
+from services.gateway.stream.request_stream import RequestStream
 from services.gateway.stream.telemetry import GatewayTelemetry
 from services.gateway.stream.worker_stubs import WorkerStubs
 from services.router.placement import Placement
@@ -254,9 +255,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             await self._admit(record, principal, backend)
             skip = prepared.params.skip_special_tokens
             detok = IncrementalDetokenizer(served.tokenizer, skip_special_tokens=skip)
-            relay = RequestStream(
-                record, self.config, self.stubs, detok, self.telemetry, backend.sites
-            )
+            relay = RequestStream(record, self.config, detok, self.telemetry, backend.sites)
             timing.admitted()
             buffer.start(relay.run(), timing.message)
             while (msg := await buffer.next()) is not None:

@@ -38,8 +38,8 @@ import grpc
 from pdserve.v1 import gateway_pb2
 from services.common.status import StatusError
 from services.gateway.config import GatewayConfig
+from services.gateway.stream.errors import StreamError, deadline_error
 from services.gateway.stream.request_record import RequestRecord
-from services.gateway.stream.request_stream import StreamError, deadline_error
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Where to decode next when a decode worker refuses a request before its first chunk,
 and until when.
 
-Lifecycle: `RequestStream` starts one `DecodeRetry` as it opens the request's first
+Lifecycle: `StreamRecovery` starts one `DecodeRetry` as it opens the request's first
 Decode call (`DecodeRetry.start`). Every attempt waits for its first chunk until
 `first_token_deadline`: `--first-token-timeout-s` runs from the first Decode call, across
 retries. A call that fails before its first chunk with a status in `REFUSALS` is

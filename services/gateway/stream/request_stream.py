@@ -10,22 +10,14 @@ charge). It moves the record through its states:
    if the worker is unreachable or misses the deadline, the request is routed again
    excluding it and retried once; token 1 is streamed (TTFT ends here);
 3. decode: the decode worker imports the KV and streams the rest; the first decode
-   token has its own deadline (it includes the transfer), later tokens an idle deadline;
-   a decode worker that refuses the request before its first chunk (no room for the KV:
-   RESOURCE_EXHAUSTED, or unreachable: UNAVAILABLE) is swapped for another, or tried
-   again after a backoff when all were full, within that first-token deadline and the
-   KV lease (`DecodeRetry`); the prefill worker's lease is still good, so the new
-   decode worker pulls from the same handle; an import that finds the KV gone
-   (NOT_FOUND: the lease ended, or its exporter cannot be reached) has the same decode
-   worker compute it instead, once per request (`_reprefill`, not a move);
-4. migration: when the decode worker dies or stalls (no token within its deadline)
-   after tokens went out, the decode side is placed again, excluding it, and the new
-   worker gets the prompt and every token streamed so far (`resume_token_ids`): it
-   computes their KV and goes on after them, so the client sees neither an error nor a
-   repeated or missing token (greedy and seeded streams continue exactly; see
-   `engine.LLMEngine._resume`). At most `max_migrations` times per request, for n = 1;
-   then, or with no decode worker left, the stream ends with the lost worker's status;
-5. the last message carries usage and the finish reason (and the trace id and phase
+   token has its own deadline (it includes the transfer), later tokens an idle deadline.
+   Each Decode call is a `DecodeAttempt` of the stream's `StreamRecovery`
+   (`stream.recovery`), which names the next one when a call fails: another decode
+   worker when one refused the request before its first chunk (decode reroute), the
+   same one computing the prompt when its import found the KV gone (re-prefill), or,
+   after tokens went out, another one resuming after them when the worker died or
+   stalled (migration); else the stream ends with the failed call's status;
+4. the last message carries usage and the finish reason (and the trace id and phase
    timeline: `StreamTelemetry` traces and measures every step above).
 Both worker calls carry the request's class, and no wait outlasts the request's total
 deadline (`Prepared.deadline`): each hop's timeout is cut to the time left, which the
@@ -41,10 +33,9 @@ cancelled, an un-pulled prefill lease aborted, load leases released, quota refun
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -54,17 +45,22 @@ from services.common import adapter_proto, priority_proto, sampling
 from services.common.detokenizer import IncrementalDetokenizer
 from services.common.log_format import log_context
 from services.common.metrics import NO_MODEL
-from services.common.status import NoWorkerError, StatusError
+from services.common.status import NoWorkerError
 from services.gateway.config import GatewayConfig
 from services.gateway.flow.prefill_site import PrefillSite, SitePolicy
-from services.gateway.stream.decode_retry import REFUSALS, DecodeRefusal, DecodeRetry
+from services.gateway.stream.decode_retry import REFUSALS
+from services.gateway.stream.errors import (
+    Deadline,
+    DecodeRefused,
+    KvLost,
+    StreamError,
+    WorkerLost,
+)
+from services.gateway.stream.recovery import DecodeAttempt, StreamRecovery
 from services.gateway.stream.request_record import RequestRecord
 from services.gateway.stream.stop_text import StopTrimmer
-from services.gateway.stream.telemetry import GatewayTelemetry, MigrationOutcome, PromptKvSource
-from services.gateway.stream.worker_stubs import WorkerStubs
+from services.gateway.stream.telemetry import GatewayTelemetry, StreamLabels
 from services.router.placement import RouteDecision
-
-log = logging.getLogger(__name__)
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 #: A prefill worker may also be out of something another has: a free LoRA adapter slot
@@ -72,37 +68,18 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 PREFILL_RETRYABLE = (*RETRYABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
-class StreamError(StatusError):
-    """Ends the client's stream with this gRPC status (a worker's, or a deadline)."""
+@dataclass(frozen=True)
+class Workers:
+    """The workers a message names (empty: none): the prefill worker on a request's first
+    message (a mixed or locally prefilled request's decode worker), the decode worker on
+    each of its decode messages."""
+
+    prefill: str = ""
+    decode: str = ""
 
 
-class WorkerLost(StreamError):
-    """The decode worker died (UNAVAILABLE, or its stream ended early) or sent no token
-    within its deadline. After tokens went out, another decode worker may take the
-    stream over (`RequestStream._migrate`); otherwise the stream ends with this status."""
-
-
-class KvLost(StreamError):
-    """The decode worker could not import the prefilled KV before its first chunk
-    (NOT_FOUND: the lease ended before or during the read, or the prefill worker
-    restarted): the bytes were discarded, and the same decode worker may prefill the
-    prompt itself (`RequestStream._reprefill`)."""
-
-
-class DecodeRefused(StreamError):
-    """A decode worker refused the request before its first chunk (`REFUSALS`): another
-    attempt may take it over. Ends the stream with its status when none can."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, refusal: DecodeRefusal) -> None:
-        super().__init__(code, message)
-        self.refusal = refusal
-
-
-def deadline_error(deadline_s: float) -> StreamError:
-    return StreamError(
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        f"request_deadline_s: the request ran past its {deadline_s:g}s deadline",
-    )
+def prefilled_by(decision: RouteDecision) -> str:
+    return decision.prefill.worker_id if decision.prefill else decision.decode.worker_id
 
 
 class RequestStream:
@@ -110,7 +87,6 @@ class RequestStream:
         self,
         record: RequestRecord,
         config: GatewayConfig,
-        stubs: WorkerStubs,
         detok: IncrementalDetokenizer,
         telemetry: GatewayTelemetry | None = None,
         sites: SitePolicy | None = None,
@@ -119,34 +95,21 @@ class RequestStream:
         self.sites = sites or SitePolicy(0, 0.0)
         self.req = record.req
         self.config = config
-        self.stubs = stubs
+        self.stubs = record.keepers.stubs  # the gateway's, as the record's cleanup uses
         # Each fork (n > 1) has its own text: detokenizer and stop trimmer, by index.
         self.texts: dict[int, tuple[IncrementalDetokenizer, StopTrimmer]] = {}
         self.detok = detok
         self.open_forks = self.req.params.n  # the stream ends when each fork has
         self.prompt_sent = False  # prompt_logprobs go on the first message only
         self.cached_tokens = 0
-        self.output: list[int] = []  # fork 0's tokens streamed so far (what a move resumes)
-        self.lost: list[str] = []  # decode workers the stream moved away from
-        self.reprefills = 0  # times a decode worker prefilled again after the KV was lost
-        self.tel = (telemetry or GatewayTelemetry.disabled()).stream(
-            self.req.request_id,
-            self.req.tenant,
-            len(self.req.prompt),
-            self.req.priority,
+        labels = StreamLabels(
+            self.req.request_id, self.req.tenant, len(self.req.prompt), self.req.priority,
             self.req.model or NO_MODEL,
-        )
+        )  # fmt: skip
+        self.tel = (telemetry or GatewayTelemetry.disabled()).stream(labels)
         self.priority = priority_proto.to_proto(self.req.priority)
-
-    def _left(self) -> float:
-        """Seconds left before the request's deadline; DEADLINE_EXCEEDED once none are."""
-        left = self.req.deadline - time.monotonic()
-        if left <= 0:
-            raise deadline_error(self.config.request_deadline_s)
-        return left
-
-    def _past_deadline(self) -> bool:
-        return time.monotonic() >= self.req.deadline
+        self.deadline = Deadline(self.req.deadline, config.request_deadline_s)
+        self.recovery = StreamRecovery(record, config, self.tel, self.sites, self._prefill_call)
 
     async def run(self) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         self.tel.begin()
@@ -159,8 +122,8 @@ class RequestStream:
                 return
             lps = list(first.first_logprobs)
             yield self._delta(
-                [first.first_token_id], prefill=decision, logprobs=lps[:1],
-                prompt_logprobs=first.prompt_logprobs,
+                [first.first_token_id], workers=Workers(prefill=prefilled_by(decision)),
+                logprobs=lps[:1], prompt_logprobs=first.prompt_logprobs,
             )  # fmt: skip
             for index, token in enumerate(first.fork_token_ids, start=1):
                 yield self._delta([token], index=index, logprobs=lps[index : index + 1])
@@ -193,8 +156,8 @@ class RequestStream:
             try:
                 return decision, await self._prefill(decision)
             except grpc.aio.AioRpcError as exc:
-                if self._past_deadline():  # no time left to retry in
-                    raise deadline_error(self.config.request_deadline_s) from exc
+                if self.deadline.passed():  # no time left to retry in
+                    raise self.deadline.error() from exc
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self.record.report_down(decision.prefill.worker_id)
                 if exc.code() not in PREFILL_RETRYABLE or attempt == self.config.prefill_retries:
@@ -238,7 +201,7 @@ class RequestStream:
             priority=self.priority, adapter=self._adapter(),
         )  # fmt: skip
         address = decision.prefill.address
-        timeout = min(self.config.prefill_timeout_s, self._left())
+        timeout = min(self.config.prefill_timeout_s, self.deadline.left())
         self.record.prefill_sent(address)
         response: worker_pb2.PrefillResponse = await self.stubs[address].Prefill(
             request, timeout=timeout, metadata=self.tel.metadata()
@@ -250,183 +213,27 @@ class RequestStream:
     async def _decode_with_retry(
         self, decision: RouteDecision, handle: common_pb2.KvHandle | None
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        """Decode on `decision`'s decode worker, or on another when it refuses the
-        request before its first chunk (nothing was yielded then)."""
-        retry = DecodeRetry.start(
-            self.config.first_token_timeout_s, handle, time.monotonic(), time.time()
-        )
-        resume: list[int] = []
+        """Decode on `decision`'s decode worker; when a call fails, the stream's recovery
+        policy names the next attempt, or raises the status that ends the stream."""
+        attempt = self.recovery.first(decision, handle)
         while True:
             try:
-                async for msg in self._decode(decision, handle, retry.first_token_deadline, resume):
+                async for msg in self._decode(attempt):
                     yield msg
                 return
             except DecodeRefused as refused:
-                if refused.refusal is DecodeRefusal.GONE:
-                    self.record.report_down(decision.decode.worker_id)
-                retry.refused(decision.decode.worker_id, refused.refusal)
-                decision = await self._reroute_decode(decision, retry, refused)
+                attempt = await self.recovery.after_refusal(attempt, refused)
             except (WorkerLost, KvLost) as lost:
-                if isinstance(lost, WorkerLost):
-                    decision, handle = await self._migrate(decision, lost)
-                elif resume:  # a moved stream's import failed: that move recomputes it
-                    handle = None
-                else:
-                    self._reprefill(decision, lost)
-                    handle = None
-                resume = list(self.output)
-                retry = DecodeRetry.start(
-                    self.config.first_token_timeout_s, handle, time.monotonic(), time.time()
-                )
+                attempt = await self.recovery.after_loss(attempt, lost)
 
-    def _why_not_migrate(self, *, reprefill: bool = False) -> MigrationOutcome | None:
-        """Why a lost stream may not move (or, `reprefill`, have its lost KV computed
-        again on the same decode worker), or None if it may."""
-        if self.config.max_migrations == 0:
-            return MigrationOutcome.LIMIT
-        # A re-prefill does not move the stream, so it does not use up a move: a stream
-        # whose hand-off lost the KV on a loaded host still survives its worker's death.
-        # It happens at most once: after it, the stream has tokens to resume, and a lost
-        # import is a moved stream's, recomputed within its move.
-        if not reprefill and len(self.lost) >= self.config.max_migrations:
-            return MigrationOutcome.LIMIT
-        if self.req.params.n > 1:
-            return MigrationOutcome.FORKS  # each fork would resume on its own: not done
-        if not self.output:
-            return MigrationOutcome.NO_TOKENS  # nothing went out: its own errors apply
-        return None
-
-    def _move_attrs(self, worker: str, lost: StreamError) -> dict[str, str | int]:
-        return {
-            "pdserve.migration.from": worker, "pdserve.migration.reason": lost.code.name,
-            "pdserve.migration.resumed_tokens": len(self.output),
-        }  # fmt: skip
-
-    def _may_move(
-        self, start: float, attrs: dict[str, str | int], lost: StreamError, *, reprefill: bool
-    ) -> None:
-        """Raises `lost` (the refusal traced, counted and logged) when the stream may not
-        move, or not prefill again (`reprefill`)."""
-        refusal = self._why_not_migrate(reprefill=reprefill)
-        if refusal is not None:
-            self.tel.migrated(start, attrs, refusal)
-            log.warning(
-                "request %s: %s; the stream may not %s (%s): it ends with that status",
-                self.req.request_id, lost, "prefill again" if reprefill else "move",
-                refusal.value,
-            )  # fmt: skip
-            raise lost
-
-    def _reprefill(self, decision: RouteDecision, lost: KvLost) -> None:
-        """The prefilled KV is gone: the same decode worker computes it again, resuming
-        after the tokens already sent (once at most, apart from the request's
-        `max_migrations` moves; 0 turns both off); raises `lost` when it may not."""
-        start, attrs = time.monotonic(), self._move_attrs(decision.decode.worker_id, lost)
-        attrs["pdserve.migration.to"] = decision.decode.worker_id
-        self._may_move(start, attrs, lost, reprefill=True)
-        self.reprefills += 1
-        self.tel.migrated(start, attrs, MigrationOutcome.REPREFILL)
-        log.warning(
-            "request %s: the prefilled KV was lost before decode (%s); decode worker %s "
-            "prefills it again", self.req.request_id, lost, decision.decode.worker_id,
-        )  # fmt: skip
-
-    async def _migrate(
-        self, lost_on: RouteDecision, lost: WorkerLost
-    ) -> tuple[RouteDecision, common_pb2.KvHandle | None]:
-        """Place the decode side again after `lost_on`'s decode worker was lost mid-stream,
-        with a handle on the prompt's KV when a prefill worker exports it again
-        (`_export_again`); raises `lost` when the stream may not move or no decode worker
-        is left."""
-        worker = lost_on.decode.worker_id
-        start, attrs = time.monotonic(), self._move_attrs(worker, lost)
-        if lost.code == grpc.StatusCode.UNAVAILABLE:
-            self.record.report_down(worker)  # dead, not slow: every gateway skips it now
-        self._may_move(start, attrs, lost, reprefill=False)
-        self.lost.append(worker)
-        self.record.decode_lost()
-        try:
-            call = self.record.reroute_decode(lost_on, self.lost)
-            decision = await self.tel.route(call, len(self.lost))
-        except NoWorkerError:
-            self.tel.migrated(start, attrs, MigrationOutcome.NO_WORKER)
-            raise lost from None
-        attrs["pdserve.migration.to"] = decision.decode.worker_id
-        handle = await self._export_again(decision)
-        source = PromptKvSource.RECOMPUTED if handle is None else PromptKvSource.IMPORTED
-        self.tel.migrated(start, attrs, MigrationOutcome.MOVED, source)
-        log.warning(
-            "request %s: decode worker %s lost after %d tokens (%s); the stream moves to %s "
-            "(prompt KV %s)", self.req.request_id, worker, len(self.output), lost,
-            decision.decode.worker_id, source.value,
-        )  # fmt: skip
-        return decision, handle
-
-    async def _export_again(self, decision: RouteDecision) -> common_pb2.KvHandle | None:
-        """A handle on the prompt's KV for a moved stream: the prefill worker that
-        prefilled it most likely still caches its full blocks (and the router placed the
-        same prompt there again), so a Prefill there computes little more than the last
-        partial block and leases the blocks out afresh; the new decode worker imports
-        them and computes only the tokens streamed so far. None, and the new worker
-        computes the prompt too, when the request had no prefill hop, its prompt is one
-        conditional disaggregation prefills locally, or that Prefill fails."""
-        if decision.prefill is None:
-            return None
-        choice = self.sites.choose(
-            len(self.req.prompt), decision.decode_cached_tokens,
-            decision.prefill.worker_id, decision.decode.worker_id,
-        )  # fmt: skip
-        if choice.site is PrefillSite.LOCAL:
-            return None
-        params = replace(self.req.params, prompt_logprobs=None)  # they went out already
-        try:
-            response = await self._prefill_call(decision, params)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self.record.report_down(decision.prefill.worker_id)
-            log.warning(
-                "request %s: prefill worker %s did not export the prompt's KV again (%s: "
-                "%s); the new decode worker computes it", self.req.request_id,
-                decision.prefill.worker_id, exc.code().name, exc.details(),
-            )  # fmt: skip
-            return None
-        # Its first draw ended it there (an unseeded sample may differ from the stream's):
-        # no KV was kept, and the stream's own tokens decide what happens next.
-        return None if response.finished else response.kv_handle
-
-    async def _reroute_decode(
-        self, failed: RouteDecision, retry: DecodeRetry, refused: DecodeRefused
-    ) -> RouteDecision:
-        """The next decode worker to try; raises once retrying is over: past a deadline,
-        or with no worker left that may take the request (then `refused` itself)."""
-        while True:
-            now = time.monotonic()
-            if self._past_deadline():
-                raise deadline_error(self.config.request_deadline_s) from refused
-            if not retry.open(now):
-                message = retry.window_message(str(refused))
-                raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, message) from refused
-            try:
-                call = self.record.reroute_decode(failed, retry.exclude() + self.lost)
-                return await self.tel.route(call, retry.attempts)
-            except NoWorkerError:
-                if not retry.can_wait():
-                    raise refused from None
-            # Every worker left was full: give them a moment to free blocks, then again.
-            await asyncio.sleep(min(retry.backoff(now), self._left()))
-            retry.retry_full()
-
-    async def _decode(
-        self,
-        decision: RouteDecision,
-        handle: common_pb2.KvHandle | None,
-        first_by: float,
-        resume: Sequence[int] = (),
-    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    async def _decode(self, attempt: DecodeAttempt) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """One Decode call; DecodeRefused when it fails before its first chunk with a
-        status another attempt may cure, WorkerLost when the worker dies or stalls. Its
-        first chunk is due by `first_by`. `resume`: the tokens a migrated stream already
-        sent (the prompt's log-probabilities went out with them)."""
+        status another attempt may cure, KvLost when its import finds the KV gone,
+        WorkerLost when the worker dies or stalls. Its first chunk is due by the
+        attempt's first-token deadline; the attempt's `resume`: the tokens a migrated
+        stream already sent (the prompt's log-probabilities went out with them)."""
+        decision, handle, resume = attempt.decision, attempt.handle, attempt.resume
+        first_by = attempt.retry.first_token_deadline
         params = replace(self.req.params, prompt_logprobs=None) if resume else self.req.params
         request = worker_pb2.DecodeRequest(
             request_id=self.req.worker_request_id, prompt_token_ids=self.req.prompt,
@@ -436,7 +243,7 @@ class RequestStream:
         if handle is not None:
             request.kv_handle.CopyFrom(handle)
         call = self.stubs[decision.decode.address].Decode(
-            request, timeout=self._left(), metadata=self.tel.metadata()
+            request, timeout=self.deadline.left(), metadata=self.tel.metadata()
         )
         self.record.decode_opened(call)
         pulled_from = decision.prefill.address if decision.prefill and handle else None
@@ -450,8 +257,9 @@ class RequestStream:
             if chunk.phases:
                 self.tel.add_phases(chunk.phases)
             if chunk.token_ids:
+                prefill = prefilled_by(decision) if first else ""
                 yield self._delta(
-                    list(chunk.token_ids), prefill=decision if first else None, decode=decision,
+                    list(chunk.token_ids), workers=Workers(prefill, decision.decode.worker_id),
                     logprobs=chunk.logprobs, prompt_logprobs=chunk.prompt_logprobs,
                     index=chunk.index,
                 )  # fmt: skip
@@ -495,12 +303,12 @@ class RequestStream:
         """The next chunk within `timeout` (`limit` names it in the error); StreamError on
         a missed deadline, a failed or ended stream."""
         worker = decision.decode.worker_id
-        wait = max(0.0, min(timeout, self._left()))
+        wait = max(0.0, min(timeout, self.deadline.left()))
         try:
             chunk = await asyncio.wait_for(call.read(), wait)
         except TimeoutError as exc:
-            if self._past_deadline():
-                raise deadline_error(self.config.request_deadline_s) from exc
+            if self.deadline.passed():
+                raise self.deadline.error() from exc
             raise WorkerLost(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"decode worker {worker} sent no token "
@@ -508,8 +316,8 @@ class RequestStream:
             ) from exc
         except grpc.aio.AioRpcError as exc:
             self.record.decode_ended()
-            if self._past_deadline():  # the call's own deadline: the request's
-                raise deadline_error(self.config.request_deadline_s) from exc
+            if self.deadline.passed():  # the call's own deadline: the request's
+                raise self.deadline.error() from exc
             error = WorkerLost if exc.code() == grpc.StatusCode.UNAVAILABLE else StreamError
             raise error(exc.code(), f"decode worker {worker}: {exc.details()}") from exc
         if chunk is grpc.aio.EOF:
@@ -525,8 +333,7 @@ class RequestStream:
         self,
         tokens: list[int],
         *,
-        prefill: RouteDecision | None = None,
-        decode: RouteDecision | None = None,
+        workers: Workers = Workers(),
         logprobs: Sequence[common_pb2.TokenLogprobs] = (),
         prompt_logprobs: Sequence[common_pb2.TokenLogprobs] = (),
         index: int = 0,
@@ -534,7 +341,7 @@ class RequestStream:
         self.record.generated(len(tokens))
         self.tel.on_tokens(len(tokens))
         if index == 0:
-            self.output += tokens
+            self.recovery.sent(tokens)
         detok, trim = self._text(index)
         text = trim.push(detok.push(tokens))
         msg = gateway_pb2.GenerateResponse(
@@ -545,12 +352,10 @@ class RequestStream:
             self.prompt_sent = True
             msg.prompt_logprobs.extend(prompt_logprobs)
             msg.prompt_token_ids.extend(self.req.prompt)
-        if prefill is not None:
-            msg.prefill_worker = (
-                prefill.prefill.worker_id if prefill.prefill else prefill.decode.worker_id
-            )
-        if decode is not None:
-            msg.decode_worker = decode.decode.worker_id
+        if workers.prefill:
+            msg.prefill_worker = workers.prefill
+        if workers.decode:
+            msg.decode_worker = workers.decode
         return msg
 
     def _text(self, index: int) -> tuple[IncrementalDetokenizer, StopTrimmer]:

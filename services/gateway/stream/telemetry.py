@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry.trace import Span, SpanKind
@@ -78,16 +79,9 @@ class GatewayTelemetry:
         telemetry.registry.register(RouterCollector(routed))
         return cls(telemetry.tracing, metrics)
 
-    def stream(
-        self,
-        request_id: str,
-        tenant: str,
-        prompt_tokens: int,
-        priority: Priority = Priority.STANDARD,
-        model: str = NO_MODEL,
-    ) -> StreamTelemetry:
-        """One request's telemetry; `model` (its served model's name) labels its metrics."""
-        return StreamTelemetry(self, request_id, tenant, prompt_tokens, priority, model)
+    def stream(self, labels: StreamLabels) -> StreamTelemetry:
+        """One request's telemetry."""
+        return StreamTelemetry(self, labels)
 
     def count_version(self, model: str, version: str, ok: bool) -> None:
         """A request of a named model ended on `version` (a rollout's split)."""
@@ -110,23 +104,27 @@ class GatewayTelemetry:
         self.count_error(code_for(exc), model)
 
 
+@dataclass(frozen=True)
+class StreamLabels:
+    """What names one request in its root span's attributes; `priority` and `model` (its
+    served model's name) label its metrics too."""
+
+    request_id: str
+    tenant: str
+    prompt_tokens: int
+    priority: Priority = Priority.STANDARD
+    model: str = NO_MODEL
+
+
 class StreamTelemetry:
-    def __init__(
-        self,
-        owner: GatewayTelemetry,
-        request_id: str,
-        tenant: str,
-        prompt_tokens: int,
-        priority: Priority = Priority.STANDARD,
-        model: str = NO_MODEL,
-    ) -> None:
+    def __init__(self, owner: GatewayTelemetry, labels: StreamLabels) -> None:
         self._tracing = owner.tracing
         self._metrics = owner.metrics
-        self._request_id = request_id
-        self._tenant = tenant
-        self._prompt_tokens = prompt_tokens
-        self._priority = priority.label
-        self._model = model
+        self._request_id = labels.request_id
+        self._tenant = labels.tenant
+        self._prompt_tokens = labels.prompt_tokens
+        self._priority = labels.priority.label
+        self._model = labels.model
         self.start = time.monotonic()
         self._first_at: float | None = None
         self._last_at = 0.0

@@ -22,9 +22,9 @@ from pdserve.v1 import common_pb2
 from services.common.status import PermissionDeniedError, StatusError, code_for
 from services.gateway.access.auth import Principal
 from services.gateway.service import GrpcDisconnect
+from services.gateway.stream.errors import StreamError
 from services.gateway.stream.record_book import Resource
 from services.gateway.stream.request_record import RequestRecord, RequestState
-from services.gateway.stream.request_stream import StreamError
 from tests.unit.services.gateway_fakes import (
     MAX_TOKENS,
     Client,

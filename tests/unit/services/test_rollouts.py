@@ -27,8 +27,8 @@ from services.gateway.flow.admission import Admission
 from services.gateway.models.backend import Backend
 from services.gateway.models.rollout_admin import RolloutAdmin
 from services.gateway.models.rollout_follower import RollbackPolicy, RolloutFollower
+from services.gateway.stream.errors import StreamError
 from services.gateway.stream.record_book import Resource
-from services.gateway.stream.request_stream import StreamError
 from services.router.keyspace import Keyspace, pool_namespace
 from services.router.redis_placement import RedisPlacement
 from services.router.registry import Registry, WorkerInfo
