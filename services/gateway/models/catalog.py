@@ -1,22 +1,25 @@
 """The models one gateway serves, by name.
 
-Lifecycle: `add` adds the primary model first (`--model`, named by `--served-model-name`,
-or by its path or the default model's name), then each of `--extra-models`, at start; the
-catalog does not change after. `resolve(name)` resolves a request's `model` field (empty:
-the primary) to the model and, when it names one of the model's LoRA adapters
-("<model>:<adapter>", or the adapter's own name), that adapter; or raises
-UnknownModelError listing what is served. A model's own name wins over an adapter's;
-model names cannot hold ':', so "<model>:<adapter>" is never a model's.
+Lifecycle: `build_catalog` adds the primary model first (`--model`, named by
+`--served-model-name`, or by its path or the default model's name), then each of
+`--extra-models`, at start; the catalog does not change after. `resolve(name)` resolves
+a request's `model` field (empty: the primary) to the model and, when it names one of
+the model's LoRA adapters ("<model>:<adapter>", or the adapter's own name), that
+adapter; or raises UnknownModelError listing what is served. A model's own name wins
+over an adapter's; model names cannot hold ':', so "<model>:<adapter>" is never a
+model's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from engine.lora import AdapterRef
 from services.common.status import UnknownModelError
-from services.gateway.models.served_model import ServedModel
+from services.gateway.models.backend import Backend, SharedParts
+from services.gateway.models.served_model import ServedModel, ServedModelSpec
+from services.router.placement import Placement
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,25 @@ class ModelCatalog:
                 ]
         return out
 
+    def backends(self) -> list[Backend]:
+        """Every version of every model served now."""
+        return [b for m in self for b in m.backends()]
+
+    def placements(self) -> list[Placement]:
+        """The placement of every version served now (the metrics read their routers)."""
+        return [b.placement for b in self.backends()]
+
     def __iter__(self) -> Iterator[ServedModel]:
         return iter(self._by_name.values())
 
     def __len__(self) -> int:
         return len(self._by_name)
+
+
+def build_catalog(specs: Iterable[ServedModelSpec], parts: SharedParts) -> ModelCatalog:
+    """The catalog of the models `specs` names, the primary first, each served with the
+    gateway's shared `parts`."""
+    catalog = ModelCatalog()
+    for spec in specs:
+        catalog.add(spec.serve(parts))
+    return catalog

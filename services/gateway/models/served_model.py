@@ -1,8 +1,9 @@
 """One model a gateway serves, by the name clients send as `model`, and the versions of
 it that take its requests.
 
-Lifecycle: built at gateway start (`ModelCatalog` holds them all), with its own tokenizer
-and limits and one `Backend` per version that serves it. A model starts with its
+Lifecycle: built at gateway start from its `ServedModelSpec` (`build_catalog`; the
+`ModelCatalog` holds them all), with its own tokenizer and limits and one `Backend` per
+version that serves it. A model starts with its
 unversioned backend; a named model's `RolloutFollower` has the backends of the versions a
 rollout names made as it sees them (`ensure_version`), and `pick(tenant)` returns the
 backend a request goes to. What belongs to the gateway as a whole is shared: keys and
@@ -20,10 +21,28 @@ from engine.tokenizer import Tokenizer
 from services.gateway.flow.admission import Admission
 from services.gateway.flow.prefill_site import SitePolicy
 from services.gateway.models.adapter_catalog import AdapterCatalog
-from services.gateway.models.backend import Backend
+from services.gateway.models.backend import Backend, SharedParts
 from services.gateway.models.rollout_follower import RolloutFollower
 from services.gateway.stream.request_record import Keepers
 from services.router.placement import Placement
+
+
+@dataclass(frozen=True)
+class ServedModelSpec:
+    """What serving one model takes: the name clients send as `model`, its tokenizer and
+    limits, and where the requests of its base version are placed and admitted."""
+
+    name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    vocab_size: int
+    placement: Placement
+    admission: Admission
+
+    def serve(self, parts: SharedParts) -> ServedModel:
+        """The model, its base version served with the gateway's shared `parts`."""
+        base = parts.backend("", self.placement, self.admission)
+        return ServedModel(self.name, self.tokenizer, self.max_model_len, self.vocab_size, base)
 
 
 @dataclass

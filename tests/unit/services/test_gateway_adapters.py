@@ -82,11 +82,11 @@ def test_unknown_adapters_are_not_found_with_what_there_is(gw: Gateway) -> None:
 
 def test_adapters_are_listed_under_their_model(gw: Gateway, tmp_path: Path) -> None:
     assert gw.service.models.cards() == [
-        ModelCard("m", "", gw.service.max_model_len),
-        ModelCard("alpha", "m", gw.service.max_model_len),
-        ModelCard("beta", "m", gw.service.max_model_len),
+        ModelCard("m", "", gw.service.models.primary.max_model_len),
+        ModelCard("alpha", "m", gw.service.models.primary.max_model_len),
+        ModelCard("beta", "m", gw.service.models.primary.max_model_len),
     ]
-    models, limit = gw.service.models, gw.service.max_model_len
+    models, limit = gw.service.models, gw.service.models.primary.max_model_len
     assert models.card("m") == ModelCard("m", "", limit)  # /v1/models/{id}: as asked for
     assert models.card("m:beta") == ModelCard("m:beta", "m", limit)
     _adapter(tmp_path / "loras", "gamma")  # copied in later: listed (and served) at once

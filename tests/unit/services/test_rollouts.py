@@ -67,7 +67,7 @@ class Rollouts:
         )
         router.refresh()
         self.routers.append(router)
-        return self.gw.service.backend(
+        return self.gw.service.parts.backend(
             version, RedisPlacement(router), Admission(self.gw.service.config)
         )
 

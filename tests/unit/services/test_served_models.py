@@ -24,6 +24,7 @@ from services.common.tracing import Tracing
 from services.gateway.client import build_request
 from services.gateway.config import GatewayConfig
 from services.gateway.flow.admission import Admission
+from services.gateway.models.served_model import ServedModelSpec
 from services.gateway.stream.record_book import Resource
 from services.gateway.stream.telemetry import GatewayTelemetry
 from services.router.keyspace import Keyspace, pool_namespace
@@ -49,8 +50,10 @@ def _serve_tiny(gw: Gateway, namespace: str, tiny_dir: Path) -> Router:
     router.refresh()
     spec = ModelSpec.from_dir(tiny_dir)
     gw.service.add_model(
-        TINY, Tokenizer(tiny_dir), spec.max_position_embeddings, spec.vocab_size,
-        RedisPlacement(router), Admission(gw.service.config),
+        ServedModelSpec(
+            TINY, Tokenizer(tiny_dir), spec.max_position_embeddings, spec.vocab_size,
+            RedisPlacement(router), Admission(gw.service.config),
+        )
     )  # fmt: skip
     return router
 
@@ -82,7 +85,7 @@ def test_each_model_goes_to_its_own_workers_with_its_own_tokenizer(
         tiny = _serve_tiny(gw, namespace, tiny_dir)
         await _run(gw, TINY)
         await _run(gw, "")  # no name: the primary model
-        await _run(gw, gw.service.model_name)
+        await _run(gw, gw.service.models.primary.name)
         assert gw.cluster.prefills == ["tp0:1", "p0:1", "p0:1"]
         assert [d.address for d in gw.cluster.decodes] == ["td0:1", "d0:1", "d0:1"]
         prompts = [list(d.request.prompt_token_ids) for d in gw.cluster.decodes]
@@ -107,8 +110,8 @@ def test_each_model_has_its_own_limits_and_unknown_names_are_listed(
         with pytest.raises(UnknownModelError) as unknown:
             await _run(gw, "other")
         assert "'other' is not served here" in str(unknown.value)
-        assert f"{gw.service.model_name!r}, {TINY!r}" in str(unknown.value)
-        assert [m.name for m in gw.service.models] == [gw.service.model_name, TINY]
+        assert f"{gw.service.models.primary.name!r}, {TINY!r}" in str(unknown.value)
+        assert [m.name for m in gw.service.models] == [gw.service.models.primary.name, TINY]
         assert gw.cluster.prefills == []
         _nothing_held(gw, tiny)
 
@@ -134,7 +137,7 @@ def test_request_metrics_are_counted_by_model(
             (s.name, tuple(sorted(s.labels.items()))): s.value
             for family in metrics.registry.collect() for s in family.samples
         }  # fmt: skip
-        primary = gw.service.model_name
+        primary = gw.service.models.primary.name
 
         def count(name: str, **labels: str) -> float:
             return samples.get((name, tuple(sorted(labels.items()))), 0.0)
