@@ -29,7 +29,7 @@ from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2
 from services.gateway.access.auth import ANONYMOUS, Principal
 from services.gateway.access.gate import Access
 from services.gateway.access.quota import TokenQuota
-from services.gateway.client import build_request
+from services.gateway.client import RequestOptions, build_request
 from services.gateway.config import GatewayConfig
 from services.gateway.flow.admission import Admission
 from services.gateway.models.backend import SharedParts
@@ -327,7 +327,7 @@ def build_gateway(
 
 # -- driving one request through the service, and the leak check ------------------------
 def request(max_tokens: int = MAX_TOKENS) -> gateway_pb2.GenerateRequest:
-    return build_request(prompt=PROMPT, max_tokens=max_tokens, request_id="r")
+    return build_request(PROMPT, RequestOptions(max_tokens=max_tokens, request_id="r"))
 
 
 def prompt_tokens(gw: Gateway) -> int:

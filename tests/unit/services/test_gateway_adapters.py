@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from engine.lora import CONFIG_FILE, WEIGHTS_FILE, AdapterRef, adapter_digest
 from services.common.status import UnknownModelError
-from services.gateway.client import build_request
+from services.gateway.client import RequestOptions, build_request
 from services.gateway.models.adapter_catalog import AdapterCatalog
 from services.gateway.models.catalog import ModelCard
 from services.gateway.stream.record_book import Resource
@@ -45,7 +45,7 @@ def gw(client: redis.Redis, namespace: str, model_dir: Path, tmp_path: Path) -> 
 
 def _run(gw: Gateway, model: str) -> None:
     async def go() -> None:
-        request = build_request(prompt=PROMPT, max_tokens=4, request_id="r", model=model)
+        request = build_request(PROMPT, RequestOptions(max_tokens=4, request_id="r", model=model))
         async for _ in gw.service.stream(request):
             pass
 

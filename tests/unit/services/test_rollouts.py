@@ -22,7 +22,7 @@ from pdserve.v1 import gateway_pb2
 from services.common.status import NoRolloutsError, RolloutConflict
 from services.gateway.access.auth import ApiKeys
 from services.gateway.access.gate import Access
-from services.gateway.client import build_request
+from services.gateway.client import RequestOptions, build_request
 from services.gateway.flow.admission import Admission
 from services.gateway.models.backend import Backend
 from services.gateway.models.rollout_admin import RolloutAdmin
@@ -91,7 +91,7 @@ class Rollouts:
         out = []
         for _ in range(n):
             before = len(self.gw.cluster.prefills)
-            request = build_request(prompt=PROMPT, max_tokens=4, model=MODEL)
+            request = build_request(PROMPT, RequestOptions(max_tokens=4, model=MODEL))
             try:
                 async for _msg in self.gw.service.stream(request):
                     pass

@@ -21,7 +21,7 @@ from services.common.metrics import GatewayMetrics
 from services.common.model_config import extra_model_dirs
 from services.common.status import UnknownModelError
 from services.common.tracing import Tracing
-from services.gateway.client import build_request
+from services.gateway.client import RequestOptions, build_request
 from services.gateway.config import GatewayConfig
 from services.gateway.flow.admission import Admission
 from services.gateway.models.served_model import ServedModelSpec
@@ -65,7 +65,9 @@ def tiny_dir(tmp_path: Path) -> Path:
 
 
 async def _run(gw: Gateway, model: str, max_tokens: int = 4) -> list[gateway_pb2.GenerateResponse]:
-    request = build_request(prompt=PROMPT, max_tokens=max_tokens, request_id="r", model=model)
+    request = build_request(
+        PROMPT, RequestOptions(max_tokens=max_tokens, request_id="r", model=model)
+    )
     return [msg async for msg in gw.service.stream(request)]
 
 
