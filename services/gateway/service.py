@@ -54,8 +54,9 @@ from services.gateway.models.rollout_follower import OutcomeClock
 from services.gateway.models.served_model import ServedModel, ServedModelSpec
 from services.gateway.stream.buffer import Disconnect, StreamBuffer
 from services.gateway.stream.errors import StreamError
+from services.gateway.stream.prepared import Prepared
 from services.gateway.stream.record_book import Resource
-from services.gateway.stream.request_record import Prepared, RequestRecord
+from services.gateway.stream.request_record import RequestRecord
 from services.gateway.stream.request_stream import RequestStream
 from services.gateway.stream.telemetry import GatewayTelemetry
 

@@ -48,14 +48,10 @@ import enum
 import logging
 import math
 import time
-import uuid
 from collections.abc import Awaitable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.lora import AdapterRef
-from engine.priority import Priority
-from engine.sampling_params import SamplingParams
 from pdserve.v1 import worker_pb2
 from services.common.status import RefusalReason, StreamCapReached
 from services.gateway.access.auth import Principal
@@ -63,6 +59,7 @@ from services.gateway.access.gate import Access
 from services.gateway.access.quota import Grant
 from services.gateway.flow.admission import Admission
 from services.gateway.flow.capacity import Cost, Pass
+from services.gateway.stream.prepared import Prepared
 from services.gateway.stream.record_book import RecordBook, Resource
 from services.gateway.stream.worker_stubs import WorkerStubs
 from services.router.placement import Placement, RouteDecision
@@ -71,29 +68,6 @@ log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 2.0  # a worker that does not answer by then lets the lease expire
 STREAM_CAP_RETRY_S = 1.0  # a stream slot frees when any stream ends: soon, on a busy gateway
-
-
-@dataclass
-class Prepared:
-    """A validated request: what the record and the stream need to run it."""
-
-    request_id: str  # the client's (or a generated one): in responses, logs and spans
-    prompt: list[int]
-    params: SamplingParams
-    tenant: str
-    deadline: float  # time.monotonic() by which the request must have ended
-    priority: Priority = Priority.STANDARD  # its class, resolved against the caller's key
-    weight: float = 1.0  # its tenant's fair-share weight
-    # The id the workers see. A client-chosen id need not be unique (two clients, or one
-    # retrying, may send the same), and a worker holding a live request under that id
-    # refuses the second one and lets the first one stall; so each request gets its own.
-    worker_request_id: str = ""
-    model: str = ""  # the served model's name (`ModelCatalog`; "": the primary)
-    adapter: AdapterRef | None = None  # the LoRA adapter it runs (None: the model itself)
-
-    def __post_init__(self) -> None:
-        if not self.worker_request_id:
-            self.worker_request_id = f"{self.request_id}.{uuid.uuid4().hex[:8]}"
 
 
 class RequestState(enum.Enum):
