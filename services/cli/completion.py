@@ -10,7 +10,7 @@ import grpc
 
 from pdserve.v1 import common_pb2
 from services.cli.timeline import format_timeline
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 
 
 async def stream_completion(
@@ -23,9 +23,9 @@ async def stream_completion(
 ) -> int:
     """Stream one completion to stdout; `client` builds the client inside this loop."""
     request = build_request(
-        prompt=prompt if raw else None,
+        prompt if raw else None,
+        RequestOptions(**sampling),  # type: ignore[arg-type]
         messages=None if raw else [("user", prompt)],
-        **sampling,  # type: ignore[arg-type]
     )
     async with client() as gateway:
         try:

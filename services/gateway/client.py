@@ -1,8 +1,10 @@
 """The async Python client of the gateway, used by the CLI, the tests and the load tester.
 
-Lifecycle: `async with GatewayClient(address) as client:` opens one channel; `generate`
-returns the live streaming call (iterate it for deltas; `call.cancel()` or leaving the
-iteration early cancels the request everywhere); `complete` returns the whole answer.
+Lifecycle: `build_request(prompt, RequestOptions(...))` makes a request (a chat one:
+`build_request(messages=..., options=...)`); `async with GatewayClient(address) as
+client:` opens one channel; `generate` returns the live streaming call (iterate it for
+deltas; `call.cancel()` or leaving the iteration early cancels the request everywhere);
+`complete` returns the whole answer.
 """
 
 from __future__ import annotations
@@ -18,27 +20,36 @@ from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.tls import TlsConfig, open_aio_channel
 
 
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a request asks for besides its input: sampling (None: the server's default),
+    the model it names ("": the gateway's primary) and its id ("": one is made)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    ignore_eos: bool = False
+    model: str = ""
+    request_id: str = ""
+
+
 def build_request(
     prompt: str | None = None,
-    messages: Sequence[tuple[str, str]] | None = None,
+    options: RequestOptions = RequestOptions(),
     *,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: Sequence[str] = (),
-    ignore_eos: bool = False,
-    model: str = "",
-    request_id: str = "",
+    messages: Sequence[tuple[str, str]] | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest from plain values; exactly one of prompt/messages."""
-    sp = common_pb2.SamplingParams(stop=list(stop), ignore_eos=ignore_eos)
-    for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
-                        ("top_p", top_p), ("top_k", top_k), ("seed", seed)):  # fmt: skip
+    o = options
+    sp = common_pb2.SamplingParams(stop=list(o.stop), ignore_eos=o.ignore_eos)
+    for name, value in (("max_tokens", o.max_tokens), ("temperature", o.temperature),
+                        ("top_p", o.top_p), ("top_k", o.top_k), ("seed", o.seed)):  # fmt: skip
         if value is not None:
             setattr(sp, name, value)
-    req = gateway_pb2.GenerateRequest(model=model, sampling=sp, request_id=request_id)
+    req = gateway_pb2.GenerateRequest(model=o.model, sampling=sp, request_id=o.request_id)
     if messages is not None:
         req.messages.messages.extend(
             gateway_pb2.ChatMessage(role=r, content=c) for r, c in messages

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from engine.priority import Priority
 from services.common.model_config import check_model_name, extra_model_dirs
-from services.gateway.rollout_follower import RollbackPolicy
 
 
 @dataclass(frozen=True)
@@ -235,13 +234,6 @@ class GatewayConfig:
             raise ValueError(f"extra_models: {self.served_model_name!r} names --model already")
         if self.placement == "static" and not self.decode_workers:
             raise ValueError("decode_workers: static placement needs at least one worker address")
-
-    @property
-    def rollback_policy(self) -> RollbackPolicy:
-        return RollbackPolicy(
-            self.rollout_window_s, self.rollout_min_requests, self.rollout_error_margin,
-            self.rollout_latency_margin,
-        )  # fmt: skip
 
     @property
     def extra_model_dirs(self) -> dict[str, str]:

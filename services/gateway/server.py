@@ -1,8 +1,9 @@
 """The gateway process.
 
 Lifecycle: `serve_gateway(config, model_cfg)` loads the tokenizer and model shape
-(converting the default model on first use), builds the placement (static worker
-lists, or the Redis router on the workers' registry), starts the gRPC server with
+(converting the default model on first use) and builds the catalog of the models it
+serves, each on its placement (static worker lists, or the Redis router on the workers'
+registry) and admission, then starts the gRPC server with
 health and reflection and the OpenAI-compatible HTTP API beside it on the same event
 loop (unless --http-port is -1), prints a JSON ready line with both addresses, and
 serves until SIGTERM/SIGINT; then it reports NOT_SERVING and lets open streams on both
@@ -28,21 +29,23 @@ from services.common.model_config import ModelConfig
 from services.common.telemetry import Telemetry
 from services.common.telemetry_config import TelemetryConfig
 from services.common.tls import TlsConfig, server_ssl_context
-from services.gateway.access import Access
-from services.gateway.adapter_catalog import AdapterCatalog
-from services.gateway.admission import Admission
-from services.gateway.admission_metrics import AdmissionMetrics
+from services.gateway.access.gate import Access
 from services.gateway.config import GatewayConfig
-from services.gateway.fair_share import FairShare
-from services.gateway.http_api import HttpApi
-from services.gateway.model_backend import Backend
-from services.gateway.record_book import HeldCollector
-from services.gateway.rollout_admin import RolloutAdmin
-from services.gateway.rollout_follower import RolloutFollower
+from services.gateway.flow.admission import Admission
+from services.gateway.flow.admission_metrics import AdmissionMetrics
+from services.gateway.flow.fair_share import FairShare
+from services.gateway.models.adapter_catalog import AdapterCatalog
+from services.gateway.models.backend import Backend, SharedParts
+from services.gateway.models.catalog import build_catalog
+from services.gateway.models.rollout_admin import RolloutAdmin
+from services.gateway.models.rollout_follower import RollbackPolicy, RolloutFollower
+from services.gateway.models.served_model import ServedModelSpec
+from services.gateway.openai.http_api import HttpApi
 from services.gateway.service import GatewayService
-from services.gateway.stream_telemetry import GatewayTelemetry
+from services.gateway.stream.record_book import HeldCollector
+from services.gateway.stream.telemetry import GatewayTelemetry
+from services.gateway.stream.worker_stubs import WorkerStubs
 from services.gateway.wire import add_servicer
-from services.gateway.worker_stubs import WorkerStubs
 from services.router.identity_check import GATEWAY_PARTS
 from services.router.keyspace import Keyspace, pool_namespace
 from services.router.placement import Placement, StaticPlacement
@@ -115,28 +118,20 @@ def build_service(
         FairShare(client, router.namespace, config.fair_share_half_life_s) if client else None,
     )  # fmt: skip
     placements = [first, *(parts.placement(s.pool_namespace) for s in sources[1:])]
-    service: GatewayService | None = None
-
-    def every_placement() -> list[Placement]:
-        return [b.placement for m in service.models for b in m.backends()] if service else []
-
-    tel = GatewayTelemetry.on(telemetry, every_placement) if telemetry else None
-    access = Access.from_config(config, client, router.namespace)
-    stubs = WorkerStubs(tls or TlsConfig())
+    shared = SharedParts(
+        Access.from_config(config, client, router.namespace), WorkerStubs(tls or TlsConfig())
+    )
+    specs = []
     for source, placement in zip(sources, placements, strict=True):
         spec = source.spec
         parts.expect(placement, spec)
         tokenizer, vocab = Tokenizer(source.model_dir), spec.vocab_size
         limit = spec.max_position_embeddings
         admission = parts.admission(source.pool_namespace)
-        if service is None:
-            service = GatewayService(
-                config, placement, tokenizer, source.name, limit, vocab, tel, access, stubs,
-                admission,
-            )  # fmt: skip
-        else:
-            service.add_model(source.name, tokenizer, limit, vocab, placement, admission)
-    assert service is not None
+        specs.append(ServedModelSpec(source.name, tokenizer, limit, vocab, placement, admission))
+    models = build_catalog(specs, shared)
+    tel = GatewayTelemetry.on(telemetry, models.placements) if telemetry else None
+    service = GatewayService(config, models, shared, tel)
     if config.lora_dir:
         service.models.primary.adapters = AdapterCatalog(Path(config.lora_dir).expanduser())
     if client is not None and isinstance(first, RedisPlacement):
@@ -201,22 +196,22 @@ def follow_rollouts(
             pool = pool_namespace(namespace, source.name, version)
             placement = parts.placement(pool)
             parts.expect(placement, source.spec)
-            return service.backend(version, placement, parts.admission(pool))
+            return service.parts.backend(version, placement, parts.admission(pool))
 
         def rolled_back(reason: str, name: str = model.name) -> None:
             if telemetry is not None:
                 telemetry.count_rollback(name)
 
         model.make_backend = make
+        policy = RollbackPolicy.from_config(parts.config)
         model.follower = RolloutFollower(
-            store, model.name, parts.config.rollback_policy, parts.config.rollout_refresh_s,
-            model.ensure_version, rolled_back,
-        )  # fmt: skip
+            store, model.name, policy, model.ensure_version, rolled_back
+        )
         try:
             model.follower.tick()
         except Exception as exc:  # Redis away at start: the loop tries again
             log.warning("model %s: rollout state unreadable at start: %s", model.name, exc)
-        model.follower.start()
+        model.follower.start(parts.config.rollout_refresh_s)
 
 
 def _redis_url(placement: Placement, router: RouterConfig) -> str:
@@ -265,7 +260,7 @@ async def serve_gateway(
     await built.mark_not_serving()
     await asyncio.gather(built.server.stop(grace=DRAIN_S), *([http.stop()] if http else []))
     await service.close()
-    backends = [b for m in service.models for b in m.backends()]
+    backends = service.models.backends()
     for backend in reversed(backends):  # the primary's base version owns an embedded Redis
         close = getattr(backend.placement, "close", None)
         if close is not None:

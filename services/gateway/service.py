@@ -30,7 +30,7 @@ import grpc
 import redis
 
 from engine.errors import InvalidRequestError
-from engine.tokenizer import ChatMessage, Tokenizer
+from engine.tokenizer import ChatMessage
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2
 from services.common import priority_proto, sampling
 from services.common.detokenizer import IncrementalDetokenizer
@@ -44,22 +44,21 @@ from services.common.status import (
     abort_with,
     status_for,
 )
-from services.gateway.access import Access
-from services.gateway.admission import Admission, Usage
-from services.gateway.auth import ANONYMOUS, AuthError, Principal
+from services.gateway.access.auth import ANONYMOUS, AuthError, Principal
 from services.gateway.config import GatewayConfig
-from services.gateway.model_backend import Backend
-from services.gateway.model_catalog import ModelCatalog
-from services.gateway.record_book import RecordBook, Resource
-from services.gateway.request_record import Keepers, Prepared, RequestRecord
-from services.gateway.request_stream import RequestStream, StreamError
-from services.gateway.rollout_admin import RolloutAdmin
-from services.gateway.rollout_follower import OutcomeClock
-from services.gateway.served_model import ServedModel
-from services.gateway.stream_buffer import Disconnect, StreamBuffer
-from services.gateway.stream_telemetry import GatewayTelemetry
-from services.gateway.worker_stubs import WorkerStubs
-from services.router.placement import Placement
+from services.gateway.flow.admission import Usage
+from services.gateway.models.backend import Backend, SharedParts
+from services.gateway.models.catalog import ModelCatalog
+from services.gateway.models.rollout_admin import RolloutAdmin
+from services.gateway.models.rollout_follower import OutcomeClock
+from services.gateway.models.served_model import ServedModel, ServedModelSpec
+from services.gateway.stream.buffer import Disconnect, StreamBuffer
+from services.gateway.stream.errors import StreamError
+from services.gateway.stream.prepared import Prepared
+from services.gateway.stream.record_book import Resource
+from services.gateway.stream.request_record import RequestRecord
+from services.gateway.stream.request_stream import RequestStream
+from services.gateway.stream.telemetry import GatewayTelemetry
 
 MAX_PROMPT_CHARS = 1_000_000
 # Trailing metadata (gRPC) and header (HTTP, with x-pdserve-) naming a refusal's reason.
@@ -70,53 +69,23 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     def __init__(
         self,
         config: GatewayConfig,
-        placement: Placement,
-        tokenizer: Tokenizer,
-        model_name: str,
-        max_model_len: int,
-        vocab_size: int,
+        models: ModelCatalog,
+        parts: SharedParts,
         telemetry: GatewayTelemetry | None = None,
-        access: Access | None = None,
-        stubs: WorkerStubs | None = None,
-        admission: Admission | None = None,
     ) -> None:
+        """`models`: what the gateway serves (`build_catalog`, the primary first), each
+        model served with `parts`, which every request shares too."""
         self.config = config
-        self.access = access or Access.open()
+        self.models = models
+        self.parts = parts
+        self.access, self.stubs, self.book = parts.access, parts.stubs, parts.book
         self.telemetry = telemetry or GatewayTelemetry.disabled()
-        self.stubs = stubs or WorkerStubs()
-        self.book: RecordBook[RequestRecord] = RecordBook()
-        self.models = ModelCatalog()
-        primary = self.add_model(
-            model_name, tokenizer, max_model_len, vocab_size, placement,
-            admission or Admission(config),
-        )  # fmt: skip
-        # The primary model's parts, under the names the front doors and tests use.
-        self.placement, self.tokenizer = primary.placement, primary.tokenizer
-        self.model_name, self.max_model_len = primary.name, primary.max_model_len
-        self.vocab_size, self.keepers = primary.vocab_size, primary.keepers
-        self.admission, self.sites = primary.admission, primary.sites
         self.rollouts: RolloutAdmin | None = None  # with Redis: `build_service` sets it
 
-    def backend(self, version: str, placement: Placement, admission: Admission) -> Backend:
-        """One version of a model, served with this gateway's keys, stubs and book."""
-        keepers = Keepers(placement, self.access, self.stubs, self.book)
-        # Routing's site policy is admission's, with its live queue lengths.
-        return Backend(version, placement, admission, keepers, admission.capacity.sites)
-
-    def add_model(
-        self,
-        name: str,
-        tokenizer: Tokenizer,
-        max_model_len: int,
-        vocab_size: int,
-        placement: Placement,
-        admission: Admission,
-    ) -> ServedModel:
-        """Serve a model (before the gateway starts serving; the first is the primary):
-        requests that name it use its tokenizer and limits, and go to its workers through
-        `placement`."""
-        base = self.backend("", placement, admission)
-        served = ServedModel(name, tokenizer, max_model_len, vocab_size, base)
+    def add_model(self, spec: ServedModelSpec) -> ServedModel:
+        """Serve one more model (before the gateway starts serving): requests that name
+        it use its tokenizer and limits, and go to its workers through its placement."""
+        served = spec.serve(self.parts)
         self.models.add(served)
         return served
 
@@ -254,9 +223,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             await self._admit(record, principal, backend)
             skip = prepared.params.skip_special_tokens
             detok = IncrementalDetokenizer(served.tokenizer, skip_special_tokens=skip)
-            relay = RequestStream(
-                record, self.config, self.stubs, detok, self.telemetry, backend.sites
-            )
+            relay = RequestStream(record, self.config, detok, self.telemetry, backend.sites)
             timing.admitted()
             buffer.start(relay.run(), timing.message)
             while (msg := await buffer.next()) is not None:
@@ -352,8 +319,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         )
         if self.rollouts is not None:
             reply.rollouts.extend(await self.rollouts.statuses())
-        backends = [b for m in self.models for b in m.backends()]
-        for ref in [w for b in backends for w in b.placement.workers()]:
+        for ref in [w for p in self.models.placements() for w in p.workers()]:
             try:
                 stats = await self.stubs[ref.address].Stats(worker_pb2.StatsRequest(), timeout=2.0)
             except grpc.aio.AioRpcError as exc:

@@ -18,7 +18,7 @@ import grpc
 
 from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
 from services.cluster.local_cluster import Child, LocalCluster
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 from services.router.keyspace import Keyspace
 from services.router.redis_client import connect
 from services.router.registry import Registry
@@ -70,9 +70,11 @@ class Stream:
         (then sampled at temperature 0.8 with that seed)."""
         temperature = None if seed is None else 0.8
         request = build_request(
-            prompt=prompt, max_tokens=max_tokens, ignore_eos=True, temperature=temperature,
-            seed=seed,
-        )  # fmt: skip
+            prompt,
+            RequestOptions(
+                max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=seed
+            ),
+        )
         stream = cls(client.generate(request))
         while len(stream.msgs) < first:
             stream._take(await stream.call.read())

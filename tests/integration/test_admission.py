@@ -25,8 +25,8 @@ import pytest
 from engine.model_store import DEFAULT_MODEL_NAME
 from pdserve.v1 import common_pb2
 from services.cluster.local_cluster import LocalCluster
-from services.gateway.client import GatewayClient, build_request
-from services.gateway.http_api import PRIORITY_HEADER
+from services.gateway.client import GatewayClient, RequestOptions, build_request
+from services.gateway.openai.http_api import PRIORITY_HEADER
 from tests.integration.keyed_cluster import keyed_cluster
 from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.prompts import PARAGRAPH
@@ -127,7 +127,7 @@ def test_grpc_refusal_carries_retry_after_ms(cluster: LocalCluster) -> None:
             await asyncio.sleep(0.3)
             try:
                 async with GatewayClient(cluster.gateway_address, api_key=KEY) as client:
-                    request = build_request(prompt=PARAGRAPH, max_tokens=2)
+                    request = build_request(PARAGRAPH, RequestOptions(max_tokens=2))
                     request.priority = common_pb2.PRIORITY_SHEDDABLE
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await client.complete(request)

@@ -18,7 +18,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatMessage
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 from tests.conftest import MODEL_CACHE, EngineFactory
 from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.prompts import long_prompt
@@ -52,8 +52,10 @@ def run(coro: object) -> object:
 
 
 async def _collect(address: str, **kwargs: object) -> list[object]:
+    prompt, messages = kwargs.pop("prompt", None), kwargs.pop("messages", None)
+    request = build_request(prompt, RequestOptions(**kwargs), messages=messages)  # type: ignore[arg-type]
     async with GatewayClient(address) as client:
-        return [m async for m in client.generate(build_request(**kwargs))]  # type: ignore[arg-type]
+        return [m async for m in client.generate(request)]
 
 
 async def _idle(address: str, timeout: float) -> list[object]:
@@ -92,7 +94,7 @@ def test_cancel_frees_blocks_on_both_workers_within_a_second(cluster: LocalClust
     async def scenario() -> list[object]:
         async with GatewayClient(cluster.gateway_address) as client:
             call = client.generate(
-                build_request(prompt=long_prompt(3), max_tokens=400, ignore_eos=True)
+                build_request(long_prompt(3), RequestOptions(max_tokens=400, ignore_eos=True))
             )
             seen = 0
             async for _ in call:
@@ -162,13 +164,13 @@ def test_stream_cap_and_dead_decode_worker() -> None:
         async def scenario() -> tuple[grpc.StatusCode, float, grpc.StatusCode]:
             async with GatewayClient(c.gateway_address) as client:
                 call = client.generate(
-                    build_request(prompt=long_prompt(1), max_tokens=400, ignore_eos=True)
+                    build_request(long_prompt(1), RequestOptions(max_tokens=400, ignore_eos=True))
                 )
                 it = call.__aiter__()
                 for _ in range(3):
                     await it.__anext__()
                 with pytest.raises(grpc.aio.AioRpcError) as busy:
-                    await client.complete(build_request(prompt="hi", max_tokens=2))
+                    await client.complete(build_request("hi", RequestOptions(max_tokens=2)))
                 decode = next(ch for ch in c.children if ch.name == "decode-0")
                 os.kill(decode.proc.pid, signal.SIGKILL)
                 start = time.monotonic()

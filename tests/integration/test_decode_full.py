@@ -34,7 +34,7 @@ from pdserve.v1 import common_pb2, gateway_pb2
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
 from services.common.metrics import scrape
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 from tests.conftest import MODEL_CACHE
 from tests.integration.cluster_drills import named
 from tests.integration.leak_check import assert_cluster_clean, start_probe
@@ -97,7 +97,8 @@ class Timed:
 
     @classmethod
     def open(cls, client: GatewayClient, prompt: str, max_tokens: int) -> Timed:
-        return cls(client.generate(build_request(prompt, max_tokens=max_tokens, ignore_eos=True)))
+        request = build_request(prompt, RequestOptions(max_tokens=max_tokens, ignore_eos=True))
+        return cls(client.generate(request))
 
     async def read(self) -> Timed:
         try:

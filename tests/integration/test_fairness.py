@@ -24,7 +24,7 @@ from engine.model_store import DEFAULT_MODEL_NAME
 from engine.priority import Priority
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
-from services.gateway.fair_share import FairShare
+from services.gateway.flow.fair_share import FairShare
 from services.router.redis_client import connect
 from tests.conftest import MODEL_CACHE
 from tests.integration.leak_check import assert_cluster_clean, start_probe

@@ -36,7 +36,7 @@ from pdserve.v1 import (
 )
 from services.cluster.local_cluster import Child, LocalCluster
 from services.common.metrics import scrape
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.keyspace import Keyspace
 from services.router.load import LoadLedger
@@ -301,7 +301,9 @@ def test_kill9_last_prefill_worker_mid_prefill_is_unavailable(cluster: LocalClus
     async def scenario() -> tuple[grpc.aio.AioRpcError, float, grpc.StatusCode]:
         async with GatewayClient(cluster.gateway_address) as client:
             decoding = await Stream.open(client, _prompt("lp-decoding"), 100)
-            long = client.complete(build_request(prompt=_unique_long_prompt(), max_tokens=4))
+            long = client.complete(
+                build_request(_unique_long_prompt(), RequestOptions(max_tokens=4))
+            )
             long_call = asyncio.ensure_future(long)
             killed = kill(await busy_prefill(cluster, long_call))
             with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from loadtest.reliability.leak_probe import LeakProbe, ProbeTarget
 from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
 from services.cluster.local_cluster import LocalCluster
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 from services.gateway.service import MAX_PROMPT_CHARS
 from tests.integration.test_cluster import _cluster
 from tests.integration.wire_bytes import JUNK, field, flip, frames, send_junk
@@ -103,7 +103,7 @@ def _assert_healthy_and_clean(rig: Rig, probe: LeakProbe) -> None:
                     health_pb2.HealthCheckRequest(), timeout=10
                 )
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, child.name
-        reply = await rig.client.complete(build_request(prompt="Hello", max_tokens=2))
+        reply = await rig.client.complete(build_request("Hello", RequestOptions(max_tokens=2)))
         assert reply.finished
         leaks = await probe.wait_clean()
         assert leaks.clean, leaks
@@ -409,8 +409,9 @@ def test_concurrent_requests_with_one_client_request_id_both_finish(
     """A client-chosen id is not trusted to be unique: the workers see distinct ids."""
 
     async def both() -> list[tuple[grpc.StatusCode, str, list[gateway_pb2.GenerateResponse]]]:
-        request = build_request(prompt="Count to ten:", max_tokens=8, ignore_eos=True,
-                                request_id="same-id")  # fmt: skip
+        request = build_request(
+            "Count to ten:", RequestOptions(max_tokens=8, ignore_eos=True, request_id="same-id")
+        )
         return list(await asyncio.gather(*(_generate(rig.client, request) for _ in range(3))))
 
     for code, details, msgs in rig.run(both()):

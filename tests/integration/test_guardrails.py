@@ -25,8 +25,8 @@ import pytest
 from engine.model_store import DEFAULT_MODEL_NAME
 from pdserve.v1 import common_pb2, gateway_pb2_grpc
 from services.cluster.local_cluster import LocalCluster
-from services.gateway.client import GatewayClient, build_request
-from services.gateway.http_api import PRIORITY_HEADER
+from services.gateway.client import GatewayClient, RequestOptions, build_request
+from services.gateway.openai.http_api import PRIORITY_HEADER
 from tests.integration.keyed_cluster import keyed_cluster
 from tests.integration.leak_check import assert_cluster_clean, start_probe
 
@@ -80,7 +80,7 @@ def test_priority_header_above_the_key_is_403_unknown_is_400(cluster: LocalClust
 
 async def _grpc_complete(cluster: LocalCluster, priority: int) -> None:
     async with GatewayClient(cluster.gateway_address, api_key=KEY) as client:
-        request = build_request(prompt="Hi", max_tokens=2)
+        request = build_request("Hi", RequestOptions(max_tokens=2))
         request.priority = priority  # type: ignore[assignment]
         await client.complete(request)
 
@@ -153,7 +153,7 @@ def test_a_grpc_client_that_stops_reading_gets_resource_exhausted(cluster: Local
         options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
         async with grpc.aio.insecure_channel(cluster.gateway_address, options=options) as ch:
             stub = gateway_pb2_grpc.GatewayStub(ch)
-            request = build_request(prompt=COUNTING, max_tokens=1500, temperature=0)
+            request = build_request(COUNTING, RequestOptions(max_tokens=1500, temperature=0))
             call = stub.Generate(request, metadata=(("authorization", f"Bearer {KEY}"),))
             await call.read()
             start = time.monotonic()

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from services.cluster.local_cluster import LocalCluster
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 from services.router.keyspace import Keyspace
 from services.router.redis_client import connect
 from services.router.registry import Registry
@@ -71,7 +71,9 @@ def cluster(setup: dict[str, Any]) -> Iterator[LocalCluster]:
 
 
 async def _generate(address: str, prompt: list[int], model: str) -> tuple[list[int], str]:
-    request = build_request(max_tokens=MAX_TOKENS, temperature=0.0, model=model)
+    request = build_request(
+        options=RequestOptions(max_tokens=MAX_TOKENS, temperature=0.0, model=model)
+    )
     request.prompt_token_ids.ids.extend(prompt)
     async with GatewayClient(address) as client:
         msgs = [m async for m in client.generate(request)]

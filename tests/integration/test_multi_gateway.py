@@ -13,7 +13,7 @@ from loadtest.flow.cluster import probe_targets
 from loadtest.reliability.leak_probe import LeakProbe
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 from tests.conftest import MODEL_CACHE
 
 LIMIT = 24  # --max-tokens-limit given through gateway_args
@@ -21,7 +21,9 @@ LIMIT = 24  # --max-tokens-limit given through gateway_args
 
 async def _tokens(address: str, max_tokens: int) -> int:
     async with GatewayClient(address) as client:
-        request = build_request(prompt="Name a river.", max_tokens=max_tokens, ignore_eos=True)
+        request = build_request(
+            "Name a river.", RequestOptions(max_tokens=max_tokens, ignore_eos=True)
+        )
         return sum([len(m.token_ids) async for m in client.generate(request, timeout=60)])
 
 

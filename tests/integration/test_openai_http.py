@@ -21,7 +21,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from pdserve.v1 import common_pb2, gateway_pb2
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 from tests.conftest import MODEL_CACHE
 from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.prompts import long_prompt
@@ -67,9 +67,12 @@ def model(cluster: LocalCluster) -> str:
 def _grpc(cluster: LocalCluster, **kwargs: object) -> tuple[str, gateway_pb2.GenerateResponse]:
     """The same request through gRPC Generate: (whole text, last message)."""
 
+    prompt, messages = kwargs.pop("prompt", None), kwargs.pop("messages", None)
+    request = build_request(prompt, RequestOptions(**kwargs), messages=messages)  # type: ignore[arg-type]
+
     async def collect() -> list[gateway_pb2.GenerateResponse]:
         async with GatewayClient(cluster.gateway_address) as c:
-            return [m async for m in c.generate(build_request(**kwargs))]  # type: ignore[arg-type]
+            return [m async for m in c.generate(request)]
 
     msgs = asyncio.run(collect())
     return "".join(m.text for m in msgs), msgs[-1]

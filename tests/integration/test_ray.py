@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray")  # the `ray` extra (part of `test`)
 
 from loadtest.reliability.leak_probe import LeaseTtls, ProbeTarget  # noqa: E402
 from services.cluster.config import ClusterConfig  # noqa: E402
-from services.gateway.client import GatewayClient, build_request  # noqa: E402
+from services.gateway.client import GatewayClient, RequestOptions, build_request  # noqa: E402
 from services.ray import launcher  # noqa: E402
 from services.ray.autoscaler import AutoscaleConfig  # noqa: E402
 from services.ray.config import RayConfig  # noqa: E402
@@ -80,7 +80,9 @@ def _alive(pid: int) -> bool:
 def _generate(address: str, max_tokens: int = 8) -> list[Any]:
     async def go() -> list[Any]:
         async with GatewayClient(address) as client:
-            request = build_request(messages=[("user", QUESTION)], max_tokens=max_tokens)
+            request = build_request(
+                messages=[("user", QUESTION)], options=RequestOptions(max_tokens=max_tokens)
+            )
             return [m async for m in client.generate(request)]
 
     return asyncio.run(go())
@@ -196,7 +198,7 @@ async def _drive(address: str, prompt: str, max_tokens: int, concurrency: int,
 
     async def one(client: GatewayClient) -> None:
         text = f"{next(numbers)}: {prompt}" if unique else prompt
-        request = build_request(prompt=text, max_tokens=max_tokens, ignore_eos=True)
+        request = build_request(text, RequestOptions(max_tokens=max_tokens, ignore_eos=True))
         msgs = [m async for m in client.generate(request)]
         done.append(bool(msgs) and msgs[-1].finished)
 

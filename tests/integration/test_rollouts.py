@@ -22,7 +22,7 @@ import pytest
 
 from pdserve.v1 import gateway_pb2
 from services.cluster.local_cluster import LocalCluster
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 from services.router.keyspace import Keyspace, pool_namespace
 from services.router.load import LoadLedger
 from services.router.redis_client import connect
@@ -70,8 +70,9 @@ async def _act(
 
 async def _one(client: GatewayClient, max_tokens: int = 2) -> tuple[str, grpc.StatusCode]:
     """(decode worker, status) of one request to the model."""
-    request = build_request(prompt="Say hi.", max_tokens=max_tokens, ignore_eos=True,
-                            model=MODEL)  # fmt: skip
+    request = build_request(
+        "Say hi.", RequestOptions(max_tokens=max_tokens, ignore_eos=True, model=MODEL)
+    )
     worker = ""
     try:
         async for msg in client.generate(request):
@@ -92,8 +93,9 @@ class _Held:
     """A long stream of the model, read to its first decode tokens, then to its end."""
 
     def __init__(self, client: GatewayClient) -> None:
-        request = build_request(prompt="Count slowly.", max_tokens=48, ignore_eos=True,
-                                model=MODEL)  # fmt: skip
+        request = build_request(
+            "Count slowly.", RequestOptions(max_tokens=48, ignore_eos=True, model=MODEL)
+        )
         self.call = client.generate(request)
         self.worker = ""
         self.tokens = 0

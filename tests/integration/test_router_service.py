@@ -19,7 +19,7 @@ import pytest
 from pdserve.v1 import router_pb2, router_pb2_grpc
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.keyspace import Keyspace
 from services.router.load import LoadLedger
@@ -106,7 +106,7 @@ def test_draining_decode_worker_finishes_its_stream_then_leaves() -> None:
         async def scenario() -> tuple[list[object], str]:
             async with GatewayClient(cluster.gateway_address) as client:
                 call = client.generate(
-                    build_request(prompt=long_prompt(1), max_tokens=60, ignore_eos=True)
+                    build_request(long_prompt(1), RequestOptions(max_tokens=60, ignore_eos=True))
                 )
                 msgs = []
                 async for msg in call:
@@ -132,7 +132,9 @@ def test_draining_decode_worker_finishes_its_stream_then_leaves() -> None:
                     await asyncio.sleep(0.2)
                 served = []
                 for _ in range(3):
-                    reply = await client.complete(build_request(prompt="Hello", max_tokens=3))
+                    reply = await client.complete(
+                        build_request("Hello", RequestOptions(max_tokens=3))
+                    )
                     served.append(reply.decode_worker)
             return ids, served
 

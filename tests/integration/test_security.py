@@ -24,7 +24,7 @@ from pdserve.v1 import gateway_pb2
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
 from services.common.tls import TlsConfig
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 from tests.certs import TestCA
 from tests.conftest import MODEL_CACHE
 from tests.integration.leak_check import assert_cluster_clean, start_probe
@@ -76,10 +76,9 @@ def _client(cluster: LocalCluster, pki: tuple[TlsConfig, TlsConfig], key: str) -
 
 async def _final(client: Callable[[], GatewayClient], prompt: str, max_tokens: int = 4) -> object:
     """The last message of a completion; the client is built inside the running loop."""
+    request = build_request(prompt, RequestOptions(max_tokens=max_tokens))
     async with client() as client:
-        msgs = [
-            m async for m in client.generate(build_request(prompt=prompt, max_tokens=max_tokens))
-        ]
+        msgs = [m async for m in client.generate(request)]
     return msgs[-1]
 
 
@@ -150,10 +149,10 @@ def test_quota_refuses_with_a_retry_hint(
     async def scenario() -> tuple[grpc.aio.AioRpcError, gateway_pb2.GenerateResponse]:
         async with _client(cluster, pki, KEY_C) as holder, _client(cluster, pki, KEY_C) as other:
             # Charged prompt + max_tokens > TPM_C while it streams: the next is refused.
-            call = holder.generate(build_request(prompt="Count to fifty.", max_tokens=60))
+            call = holder.generate(build_request("Count to fifty.", RequestOptions(max_tokens=60)))
             await anext(aiter(call))
             try:
-                await other.complete(build_request(prompt="hi", max_tokens=2))
+                await other.complete(build_request("hi", RequestOptions(max_tokens=2)))
             except grpc.aio.AioRpcError as exc:
                 refused = exc
             else:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from services.cluster.local_cluster import LocalCluster
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 from services.router.keyspace import Keyspace, pool_namespace
 from services.router.load import LoadLedger
 from services.router.redis_client import connect
@@ -40,7 +40,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 async def _generate(address: str, model: str) -> tuple[list[int], set[str], str]:
     async with GatewayClient(address) as client:
-        request = build_request(prompt="w5 w6 w7", max_tokens=6, ignore_eos=True, model=model)
+        request = build_request(
+            "w5 w6 w7", RequestOptions(max_tokens=6, ignore_eos=True, model=model)
+        )
         msgs = [m async for m in client.generate(request)]
     workers = {w for m in msgs for w in (m.prefill_worker, m.decode_worker) if w}
     return [t for m in msgs for t in m.token_ids], workers, "".join(m.text for m in msgs)

@@ -25,7 +25,7 @@ from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
 from services.common.metrics import family_total, scrape
 from services.common.telemetry_config import TelemetryConfig
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 from tests.conftest import MODEL_CACHE
 from tests.integration.leak_check import assert_cluster_clean, start_probe
 
@@ -153,8 +153,10 @@ def cluster(collector: tuple[Collector, int]) -> Iterator[LocalCluster]:
 
 
 async def _collect(address: str, **kwargs: object) -> list[gateway_pb2.GenerateResponse]:
+    prompt, messages = kwargs.pop("prompt", None), kwargs.pop("messages", None)
+    request = build_request(prompt, RequestOptions(**kwargs), messages=messages)  # type: ignore[arg-type]
     async with GatewayClient(address) as client:
-        return [m async for m in client.generate(build_request(**kwargs))]  # type: ignore[arg-type]
+        return [m async for m in client.generate(request)]
 
 
 def _story(tag: str) -> str:
@@ -293,7 +295,9 @@ def test_cancelled_request_is_counted(cluster: LocalCluster) -> None:
     async def cancel_after_two() -> None:
         async with GatewayClient(cluster.gateway_address) as client:
             call = client.generate(
-                build_request(prompt="Tell me a long story.", max_tokens=400, ignore_eos=True)
+                build_request(
+                    "Tell me a long story.", RequestOptions(max_tokens=400, ignore_eos=True)
+                )
             )
             seen = 0
             async for msg in call:

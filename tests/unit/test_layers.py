@@ -2,7 +2,8 @@
 
 `make lint` runs `lint-imports` on the tree; these tests run the same contracts here so a
 broken layer shows up in the test report too, and prove on a copy of the tree that an
-upward import and a hidden cycle (behind TYPE_CHECKING) each break them.
+upward import (between packages, or between the gateway's rooms) and a hidden cycle
+(behind TYPE_CHECKING) each break them.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def tree_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_tree_keeps_every_contract(tree_copy: Path) -> None:
     result = _lint(tree_copy)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 2 kept, 0 broken." in result.stdout
+    assert "Contracts: 3 kept, 0 broken." in result.stdout
 
 
 def test_an_upward_import_breaks_the_layers(tree_copy: Path) -> None:
@@ -56,6 +57,18 @@ def test_an_upward_import_breaks_the_layers(tree_copy: Path) -> None:
     assert result.returncode == 1
     assert "Imports only point down the layers BROKEN" in result.stdout
     assert "engine.reaches_up -> services.gateway.service" in result.stdout
+
+
+def test_an_upward_import_between_rooms_breaks_the_gateway_rooms(tree_copy: Path) -> None:
+    bad = tree_copy / "services" / "gateway" / "flow" / "reaches_up.py"
+    bad.write_text("from services.gateway import client  # noqa: F401\n")
+    try:
+        result = _lint(tree_copy)
+    finally:
+        bad.unlink()
+    assert result.returncode == 1
+    assert "The gateway's rooms only import downward BROKEN" in result.stdout
+    assert "services.gateway.flow.reaches_up -> services.gateway.client" in result.stdout
 
 
 def test_a_cycle_behind_type_checking_breaks_acyclic(tree_copy: Path) -> None:

@@ -26,16 +26,20 @@ from engine.model_identity import ModelIdentity
 from engine.model_spec import ModelSpec
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2
-from services.gateway.access import Access
-from services.gateway.auth import ANONYMOUS, Principal
-from services.gateway.client import build_request
+from services.gateway.access.auth import ANONYMOUS, Principal
+from services.gateway.access.gate import Access
+from services.gateway.access.quota import TokenQuota
+from services.gateway.client import RequestOptions, build_request
 from services.gateway.config import GatewayConfig
-from services.gateway.quota import TokenQuota
-from services.gateway.record_book import Resource
-from services.gateway.request_record import RequestRecord, RequestState
+from services.gateway.flow.admission import Admission
+from services.gateway.models.backend import SharedParts
+from services.gateway.models.catalog import build_catalog
+from services.gateway.models.served_model import ServedModelSpec
 from services.gateway.service import GatewayService
-from services.gateway.stream_buffer import Disconnect
-from services.gateway.worker_stubs import WorkerStubs
+from services.gateway.stream.buffer import Disconnect
+from services.gateway.stream.record_book import Resource
+from services.gateway.stream.request_record import RequestRecord, RequestState
+from services.gateway.stream.worker_stubs import WorkerStubs
 from services.router.identity_check import GATEWAY_PARTS
 from services.router.keyspace import Keyspace
 from services.router.redis_placement import RedisPlacement
@@ -268,7 +272,7 @@ class Gateway:
 
     @property
     def router(self) -> Router:
-        placement = self.service.placement
+        placement = self.service.models.primary.placement
         assert isinstance(placement, RedisPlacement)
         return placement.router
 
@@ -311,26 +315,23 @@ def build_gateway(
     quota.admit = charge_gate.wrap(quota.admit)  # type: ignore[method-assign]
     cluster = FakeCluster()
     config.setdefault("local_prefill_max_tokens", 0)  # the prefill hop, unless asked
-    service = GatewayService(
-        GatewayConfig(placement="redis", **config),
-        RedisPlacement(router),
-        Tokenizer(model_dir),
-        "m",
-        spec.max_position_embeddings,
-        spec.vocab_size,
-        access=Access(None, quota, tokens_per_minute),
-        stubs=FakeStubs(cluster),
-    )
+    cfg = GatewayConfig(placement="redis", **config)
+    parts = SharedParts(Access(None, quota, tokens_per_minute), FakeStubs(cluster))
+    model = ServedModelSpec(
+        "m", Tokenizer(model_dir), spec.max_position_embeddings, spec.vocab_size,
+        RedisPlacement(router), Admission(cfg),
+    )  # fmt: skip
+    service = GatewayService(cfg, build_catalog([model], parts), parts)
     return Gateway(service, cluster, client, namespace, charge_gate, route_gate)
 
 
 # -- driving one request through the service, and the leak check ------------------------
 def request(max_tokens: int = MAX_TOKENS) -> gateway_pb2.GenerateRequest:
-    return build_request(prompt=PROMPT, max_tokens=max_tokens, request_id="r")
+    return build_request(PROMPT, RequestOptions(max_tokens=max_tokens, request_id="r"))
 
 
 def prompt_tokens(gw: Gateway) -> int:
-    return len(gw.service.tokenizer.encode(PROMPT))
+    return len(gw.service.models.primary.tokenizer.encode(PROMPT))
 
 
 def only_record(gw: Gateway) -> RequestRecord:

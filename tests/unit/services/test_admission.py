@@ -16,10 +16,10 @@ from engine.priority import Priority
 from engine.stats import ClassCounts
 from services.common.role import Role
 from services.common.status import Overloaded, RefusalReason
-from services.gateway.admission import Admission
-from services.gateway.capacity import Cost
 from services.gateway.config import GatewayConfig
-from services.gateway.fair_share import FairView, TenantService
+from services.gateway.flow.admission import Admission
+from services.gateway.flow.capacity import Cost
+from services.gateway.flow.fair_share import FairView, TenantService
 from services.router.worker_signal import WorkerSignal
 
 # Run alone (`make test`'s serial phase): waits measured to tens of milliseconds.

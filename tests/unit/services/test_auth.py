@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine.priority import Priority
-from services.gateway.auth import ANONYMOUS, ApiKeys, AuthError, Principal, key_from_headers
+from services.gateway.access.auth import ANONYMOUS, ApiKeys, AuthError, Principal, key_from_headers
 
 KEYS = """
 # tenant   key                      options

@@ -8,8 +8,8 @@ import pytest
 from engine.priority import Priority
 from engine.stats import ClassCounts
 from services.common.role import Role
-from services.gateway.capacity import Capacity, Cost
-from services.gateway.prefill_site import SitePolicy
+from services.gateway.flow.capacity import Capacity, Cost
+from services.gateway.flow.prefill_site import SitePolicy
 from services.router.worker_signal import WorkerSignal
 
 NONE_WAITING = ClassCounts()

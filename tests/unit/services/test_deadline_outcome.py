@@ -12,7 +12,7 @@ from engine.request import FinishReason, RequestOutput
 from pdserve.v1 import common_pb2
 from services.common import sampling
 from services.common.status import status_for
-from services.gateway.openai_schema import http_for_status
+from services.gateway.openai.schema import http_for_status
 
 
 def test_every_finish_reason_has_a_proto_value() -> None:

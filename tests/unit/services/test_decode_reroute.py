@@ -15,8 +15,8 @@ import grpc
 import pytest
 import redis
 
-from services.gateway.request_record import RequestRecord, RequestState
-from services.gateway.request_stream import StreamError
+from services.gateway.stream.errors import StreamError
+from services.gateway.stream.request_record import RequestRecord, RequestState
 from tests.unit.services.gateway_fakes import (
     DECODE_TOKENS,
     Client,

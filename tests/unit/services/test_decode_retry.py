@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 
 from pdserve.v1 import common_pb2
-from services.gateway.decode_retry import (
+from services.gateway.stream.decode_retry import (
     BACKOFF_S,
     LEASE_MARGIN_S,
     REFUSALS,

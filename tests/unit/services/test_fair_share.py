@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from engine.priority import Priority
-from services.gateway.fair_share import FairShare, FairView, TenantService
+from services.gateway.flow.fair_share import FairShare, FairView, TenantService
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.redis_client import connect
 

@@ -21,9 +21,9 @@ import pytest
 import redis
 
 from pdserve.v1 import common_pb2, gateway_pb2_grpc
-from services.gateway.client import build_request
-from services.gateway.http_api import HttpApi
-from services.gateway.record_book import Resource
+from services.gateway.client import RequestOptions, build_request
+from services.gateway.openai.http_api import HttpApi
+from services.gateway.stream.record_book import Resource
 from services.gateway.wire import add_servicer
 from tests.unit.services.gateway_fakes import Gateway, build_gateway
 
@@ -39,7 +39,7 @@ class Front:
         self.http_base = http_base
 
     async def grpc_paths(self, max_tokens: int) -> dict[str, int]:
-        req = build_request(prompt="hi there", max_tokens=max_tokens)
+        req = build_request("hi there", RequestOptions(max_tokens=max_tokens))
         streamed = [msg async for msg in self.stub.Generate(req)]
         assert streamed[-1].finished and not any(m.finished for m in streamed[:-1])
         whole = await self.stub.Complete(req)

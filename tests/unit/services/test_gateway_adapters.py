@@ -17,10 +17,10 @@ from safetensors.torch import save_file
 
 from engine.lora import CONFIG_FILE, WEIGHTS_FILE, AdapterRef, adapter_digest
 from services.common.status import UnknownModelError
-from services.gateway.adapter_catalog import AdapterCatalog
-from services.gateway.client import build_request
-from services.gateway.model_catalog import ModelCard
-from services.gateway.record_book import Resource
+from services.gateway.client import RequestOptions, build_request
+from services.gateway.models.adapter_catalog import AdapterCatalog
+from services.gateway.models.catalog import ModelCard
+from services.gateway.stream.record_book import Resource
 from tests.unit.services.gateway_fakes import PROMPT, Gateway, build_gateway
 
 
@@ -45,7 +45,7 @@ def gw(client: redis.Redis, namespace: str, model_dir: Path, tmp_path: Path) -> 
 
 def _run(gw: Gateway, model: str) -> None:
     async def go() -> None:
-        request = build_request(prompt=PROMPT, max_tokens=4, request_id="r", model=model)
+        request = build_request(PROMPT, RequestOptions(max_tokens=4, request_id="r", model=model))
         async for _ in gw.service.stream(request):
             pass
 
@@ -82,11 +82,11 @@ def test_unknown_adapters_are_not_found_with_what_there_is(gw: Gateway) -> None:
 
 def test_adapters_are_listed_under_their_model(gw: Gateway, tmp_path: Path) -> None:
     assert gw.service.models.cards() == [
-        ModelCard("m", "", gw.service.max_model_len),
-        ModelCard("alpha", "m", gw.service.max_model_len),
-        ModelCard("beta", "m", gw.service.max_model_len),
+        ModelCard("m", "", gw.service.models.primary.max_model_len),
+        ModelCard("alpha", "m", gw.service.models.primary.max_model_len),
+        ModelCard("beta", "m", gw.service.models.primary.max_model_len),
     ]
-    models, limit = gw.service.models, gw.service.max_model_len
+    models, limit = gw.service.models, gw.service.models.primary.max_model_len
     assert models.card("m") == ModelCard("m", "", limit)  # /v1/models/{id}: as asked for
     assert models.card("m:beta") == ModelCard("m:beta", "m", limit)
     _adapter(tmp_path / "loras", "gamma")  # copied in later: listed (and served) at once

@@ -15,7 +15,7 @@ import redis
 from engine.model_identity import IdentityPart
 from engine.model_spec import ModelSpec
 from services.common.status import ModelMismatchError, code_for
-from services.gateway.record_book import Resource
+from services.gateway.stream.record_book import Resource
 from tests.unit.services.gateway_fakes import DECODE_TOKENS, FIRST_TOKEN, Client, build_gateway
 
 

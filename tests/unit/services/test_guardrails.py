@@ -20,11 +20,11 @@ from engine.errors import InvalidRequestError
 from engine.priority import Priority
 from pdserve.v1 import common_pb2
 from services.common.status import PermissionDeniedError, StatusError, code_for
-from services.gateway.auth import Principal
-from services.gateway.record_book import Resource
-from services.gateway.request_record import RequestRecord, RequestState
-from services.gateway.request_stream import StreamError
+from services.gateway.access.auth import Principal
 from services.gateway.service import GrpcDisconnect
+from services.gateway.stream.errors import StreamError
+from services.gateway.stream.record_book import Resource
+from services.gateway.stream.request_record import RequestRecord, RequestState
 from tests.unit.services.gateway_fakes import (
     MAX_TOKENS,
     Client,

@@ -18,10 +18,14 @@ import pytest
 
 from engine.model_spec import ModelSpec
 from engine.tokenizer import Tokenizer
-from services.gateway.access import Access
-from services.gateway.auth import ApiKeys
+from services.gateway.access.auth import ApiKeys
+from services.gateway.access.gate import Access
 from services.gateway.config import GatewayConfig
-from services.gateway.http_api import HttpApi
+from services.gateway.flow.admission import Admission
+from services.gateway.models.backend import SharedParts
+from services.gateway.models.catalog import build_catalog
+from services.gateway.models.served_model import ServedModelSpec
+from services.gateway.openai.http_api import HttpApi
 from services.gateway.service import GatewayService
 from services.router.placement import StaticPlacement
 
@@ -48,10 +52,12 @@ async def _serve(
     )  # fmt: skip
     spec = ModelSpec.from_dir(model_dir)
     placement = StaticPlacement.from_addresses(cfg.prefill_list, cfg.decode_list)
-    service = GatewayService(
-        cfg, placement, Tokenizer(model_dir), "m", spec.max_position_embeddings,
-        spec.vocab_size, access=access,
+    parts = SharedParts(access or Access.open())
+    model = ServedModelSpec(
+        "m", Tokenizer(model_dir), spec.max_position_embeddings, spec.vocab_size, placement,
+        Admission(cfg),
     )  # fmt: skip
+    service = GatewayService(cfg, build_catalog([model], parts), parts)
     api = HttpApi(service, drain_s=1.0)
     address = await api.start("127.0.0.1", 0)
     try:

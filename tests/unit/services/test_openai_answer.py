@@ -9,8 +9,8 @@ import pytest
 
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, gateway_pb2
-from services.gateway import openai_schema as oa
-from services.gateway.openai_answer import Answer, Choices, TokenText
+from services.gateway.openai import schema as oa
+from services.gateway.openai.answer import Answer, Choices, TokenText
 
 STOP = common_pb2.FINISH_REASON_STOP
 LENGTH = common_pb2.FINISH_REASON_LENGTH

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from pdserve.v1 import common_pb2
-from services.gateway import openai_schema as oa
+from services.gateway.openai import schema as oa
 
 
 def test_completion_defaults_follow_openai() -> None:

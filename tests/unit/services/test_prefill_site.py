@@ -13,8 +13,8 @@ import redis
 
 from engine.stats import ClassCounts
 from services.common.role import Role
-from services.gateway.capacity import Capacity
-from services.gateway.prefill_site import BUSY_FACTOR, PrefillSite, SitePolicy, SiteReason
+from services.gateway.flow.capacity import Capacity
+from services.gateway.flow.prefill_site import BUSY_FACTOR, PrefillSite, SitePolicy, SiteReason
 from tests.unit.services.gateway_fakes import (
     DECODE_TOKENS,
     FIRST_TOKEN,

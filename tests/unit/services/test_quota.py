@@ -8,7 +8,7 @@ import uuid
 import pytest
 import redis
 
-from services.gateway.quota import QuotaExceeded, TokenQuota
+from services.gateway.access.quota import QuotaExceeded, TokenQuota
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.redis_client import connect
 

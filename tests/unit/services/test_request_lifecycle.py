@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2
 from services.common.status import QuotaExceeded, StreamCapReached
-from services.gateway.record_book import GAUGE, HeldCollector, Resource
-from services.gateway.request_record import RequestRecord, RequestState
-from services.gateway.request_stream import StreamError
+from services.gateway.stream.errors import StreamError
+from services.gateway.stream.record_book import GAUGE, HeldCollector, Resource
+from services.gateway.stream.request_record import RequestRecord, RequestState
 from tests.unit.services.gateway_fakes import (
     DECODE_TOKENS,
     FIRST_TOKEN,

@@ -9,7 +9,7 @@ import math
 
 import redis
 
-from services.gateway.rollout_follower import RollbackPolicy, RolloutFollower
+from services.gateway.models.rollout_follower import RollbackPolicy, RolloutFollower
 from services.router.rollout_store import Outcome, RolloutPhase, RolloutStore, now_ms
 
 POLICY = RollbackPolicy(window_s=60.0, min_requests=20, error_margin=0.05, latency_margin=0.5)
@@ -37,7 +37,7 @@ def test_the_verdict() -> None:
 
 
 def _follower(store: RolloutStore, made: list[str] | None = None) -> RolloutFollower:
-    return RolloutFollower(store, "m", POLICY, 1.0, (made if made is not None else []).append)
+    return RolloutFollower(store, "m", POLICY, (made if made is not None else []).append)
 
 
 def test_the_split_holds_its_share_and_sticky_tenants_stay(

@@ -20,15 +20,15 @@ from hypothesis import strategies as st
 
 from pdserve.v1 import gateway_pb2
 from services.common.status import NoRolloutsError, RolloutConflict
-from services.gateway.access import Access
-from services.gateway.admission import Admission
-from services.gateway.auth import ApiKeys
-from services.gateway.client import build_request
-from services.gateway.model_backend import Backend
-from services.gateway.record_book import Resource
-from services.gateway.request_stream import StreamError
-from services.gateway.rollout_admin import RolloutAdmin
-from services.gateway.rollout_follower import RollbackPolicy, RolloutFollower
+from services.gateway.access.auth import ApiKeys
+from services.gateway.access.gate import Access
+from services.gateway.client import RequestOptions, build_request
+from services.gateway.flow.admission import Admission
+from services.gateway.models.backend import Backend
+from services.gateway.models.rollout_admin import RolloutAdmin
+from services.gateway.models.rollout_follower import RollbackPolicy, RolloutFollower
+from services.gateway.stream.errors import StreamError
+from services.gateway.stream.record_book import Resource
 from services.router.keyspace import Keyspace, pool_namespace
 from services.router.redis_placement import RedisPlacement
 from services.router.registry import Registry, WorkerInfo
@@ -55,7 +55,7 @@ class Rollouts:
         self.store = RolloutStore(client, base)
         model = self.gw.service.models.primary
         model.make_backend = self._backend
-        model.follower = RolloutFollower(self.store, MODEL, POLICY, 1.0, model.ensure_version)
+        model.follower = RolloutFollower(self.store, MODEL, POLICY, model.ensure_version)
         self.follower = model.follower
         self.gw.service.rollouts = RolloutAdmin(
             self.gw.service.models, self.store, base, drain_after_s=0.2
@@ -67,7 +67,7 @@ class Rollouts:
         )
         router.refresh()
         self.routers.append(router)
-        return self.gw.service.backend(
+        return self.gw.service.parts.backend(
             version, RedisPlacement(router), Admission(self.gw.service.config)
         )
 
@@ -91,7 +91,7 @@ class Rollouts:
         out = []
         for _ in range(n):
             before = len(self.gw.cluster.prefills)
-            request = build_request(prompt=PROMPT, max_tokens=4, model=MODEL)
+            request = build_request(PROMPT, RequestOptions(max_tokens=4, model=MODEL))
             try:
                 async for _msg in self.gw.service.stream(request):
                     pass

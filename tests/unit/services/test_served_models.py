@@ -21,11 +21,12 @@ from services.common.metrics import GatewayMetrics
 from services.common.model_config import extra_model_dirs
 from services.common.status import UnknownModelError
 from services.common.tracing import Tracing
-from services.gateway.admission import Admission
-from services.gateway.client import build_request
+from services.gateway.client import RequestOptions, build_request
 from services.gateway.config import GatewayConfig
-from services.gateway.record_book import Resource
-from services.gateway.stream_telemetry import GatewayTelemetry
+from services.gateway.flow.admission import Admission
+from services.gateway.models.served_model import ServedModelSpec
+from services.gateway.stream.record_book import Resource
+from services.gateway.stream.telemetry import GatewayTelemetry
 from services.router.keyspace import Keyspace, pool_namespace
 from services.router.redis_placement import RedisPlacement
 from services.router.registry import Registry, WorkerInfo
@@ -49,8 +50,10 @@ def _serve_tiny(gw: Gateway, namespace: str, tiny_dir: Path) -> Router:
     router.refresh()
     spec = ModelSpec.from_dir(tiny_dir)
     gw.service.add_model(
-        TINY, Tokenizer(tiny_dir), spec.max_position_embeddings, spec.vocab_size,
-        RedisPlacement(router), Admission(gw.service.config),
+        ServedModelSpec(
+            TINY, Tokenizer(tiny_dir), spec.max_position_embeddings, spec.vocab_size,
+            RedisPlacement(router), Admission(gw.service.config),
+        )
     )  # fmt: skip
     return router
 
@@ -62,7 +65,9 @@ def tiny_dir(tmp_path: Path) -> Path:
 
 
 async def _run(gw: Gateway, model: str, max_tokens: int = 4) -> list[gateway_pb2.GenerateResponse]:
-    request = build_request(prompt=PROMPT, max_tokens=max_tokens, request_id="r", model=model)
+    request = build_request(
+        PROMPT, RequestOptions(max_tokens=max_tokens, request_id="r", model=model)
+    )
     return [msg async for msg in gw.service.stream(request)]
 
 
@@ -82,7 +87,7 @@ def test_each_model_goes_to_its_own_workers_with_its_own_tokenizer(
         tiny = _serve_tiny(gw, namespace, tiny_dir)
         await _run(gw, TINY)
         await _run(gw, "")  # no name: the primary model
-        await _run(gw, gw.service.model_name)
+        await _run(gw, gw.service.models.primary.name)
         assert gw.cluster.prefills == ["tp0:1", "p0:1", "p0:1"]
         assert [d.address for d in gw.cluster.decodes] == ["td0:1", "d0:1", "d0:1"]
         prompts = [list(d.request.prompt_token_ids) for d in gw.cluster.decodes]
@@ -107,8 +112,8 @@ def test_each_model_has_its_own_limits_and_unknown_names_are_listed(
         with pytest.raises(UnknownModelError) as unknown:
             await _run(gw, "other")
         assert "'other' is not served here" in str(unknown.value)
-        assert f"{gw.service.model_name!r}, {TINY!r}" in str(unknown.value)
-        assert [m.name for m in gw.service.models] == [gw.service.model_name, TINY]
+        assert f"{gw.service.models.primary.name!r}, {TINY!r}" in str(unknown.value)
+        assert [m.name for m in gw.service.models] == [gw.service.models.primary.name, TINY]
         assert gw.cluster.prefills == []
         _nothing_held(gw, tiny)
 
@@ -134,7 +139,7 @@ def test_request_metrics_are_counted_by_model(
             (s.name, tuple(sorted(s.labels.items()))): s.value
             for family in metrics.registry.collect() for s in family.samples
         }  # fmt: skip
-        primary = gw.service.model_name
+        primary = gw.service.models.primary.name
 
         def count(name: str, **labels: str) -> float:
             return samples.get((name, tuple(sorted(labels.items()))), 0.0)

@@ -21,7 +21,7 @@ from services.common.status import (
     code_for,
     status_for,
 )
-from services.gateway.openai_schema import http_for_status
+from services.gateway.openai.schema import http_for_status
 from services.router.placement import NoWorkerError as PlacementNoWorkerError
 from services.router.registry import IncompatibleWorkerError as RegistryIncompatible
 

@@ -16,7 +16,7 @@ import grpc
 import pytest
 import redis
 
-from services.gateway.request_stream import StreamError
+from services.gateway.stream.errors import StreamError
 from services.router.keyspace import Keyspace
 from tests.unit.services.gateway_fakes import (
     DECODE_TOKENS,

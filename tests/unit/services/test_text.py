@@ -8,7 +8,7 @@ import pytest
 
 from engine.tokenizer import Tokenizer
 from services.common.detokenizer import IncrementalDetokenizer
-from services.gateway.stop_text import StopTrimmer
+from services.gateway.stream.stop_text import StopTrimmer
 
 TEXTS = [
     "Hello, wörld! 12345 🚀🚀 naïve café 日本語のテキスト",

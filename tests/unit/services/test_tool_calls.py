@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.tool_calls import (
+from services.gateway.openai.tools.calls import (
     ContentDelta,
     ParsedOutput,
     StreamEvent,
@@ -20,7 +20,7 @@ from services.gateway.tool_calls import (
     ToolCallStream,
     parse_tool_calls,
 )
-from services.gateway.tool_request import ToolSpec
+from services.gateway.openai.tools.request import ToolSpec
 
 NO_ARGS = '{"type":"object","properties":{}}'
 TOOLS = (ToolSpec("get_weather", "", NO_ARGS), ToolSpec("get_time", "", NO_ARGS))

@@ -15,16 +15,21 @@ import pytest
 from engine.grammar import GrammarCompiler
 from engine.sampling_params import GuidedKind, GuidedSpec
 from engine.tokenizer import ChatMessage, Tokenizer
-from services.gateway.openai_sampling import SchemaError
-from services.gateway.tool_calls import parse_tool_calls
-from services.gateway.tool_prompt import (
+from services.gateway.openai.sampling import SchemaError
+from services.gateway.openai.tools.calls import parse_tool_calls
+from services.gateway.openai.tools.prompt import (
     add_tool_prompt,
     forced_json_schema,
     render_message,
     system_prompt,
     template_tools,
 )
-from services.gateway.tool_request import ToolChoice, ToolChoiceMode, ToolRequest, parse_tools
+from services.gateway.openai.tools.request import (
+    ToolChoice,
+    ToolChoiceMode,
+    ToolRequest,
+    parse_tools,
+)
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {

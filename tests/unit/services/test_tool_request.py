@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from services.gateway.openai_sampling import SchemaError
-from services.gateway.tool_request import (
+from services.gateway.openai.sampling import SchemaError
+from services.gateway.openai.tools.request import (
     MAX_TOOLS,
     NO_PARAMETERS,
     ToolChoice,

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from engine.priority import Priority
-from services.gateway.waiting_room import Ticket, WaitingRoom
+from services.gateway.flow.waiting_room import Ticket, WaitingRoom
 
 CRIT, STD, SHED = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
 
