@@ -1,7 +1,7 @@
 """Work that must run to its end even when whoever started it is cancelled.
 
 The gateway gives back what a request held (load leases, the prefill worker's KV lease,
-unused quota: see `services.gateway.request_record`) when the request's task ends, and
+unused quota: see `services.gateway.stream.request_record`) when the request's task ends, and
 that task can be cancelled again while it cleans up (the client's RPC torn down,
 sometimes twice in one loop turn). Anything cut short there stays held until its TTL.
 Two tools keep a cancel from cutting it short:

@@ -5,7 +5,7 @@ live with them; the ones the services raise are defined here, so that this modul
 name them without importing the layers above). A server that answers a call with it
 looks its status up here: `status_for(exc)` gives the code and a message a user can act
 on, `abort_with(context, exc)` ends the call with them. The gateway's HTTP API maps the
-same code onto an HTTP status (`services.gateway.openai_schema.http_for_status`), so one
+same code onto an HTTP status (`services.gateway.openai.schema.http_for_status`), so one
 error gets one answer on both front doors.
 
 `STATUS` is the table: an error class maps to its code, and a subclass without its own

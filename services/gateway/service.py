@@ -30,9 +30,9 @@ import grpc
 import redis
 
 from engine.errors import InvalidRequestError
-from engine.tokenizer import ChatMessage
+from engine.request_check import RequestLimits, check_request
+from engine.request_spec import RequestSpec
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2
-from services.common import priority_proto, sampling
 from services.common.detokenizer import IncrementalDetokenizer
 from services.common.status import (
     NoRolloutsError,
@@ -45,6 +45,7 @@ from services.common.status import (
     status_for,
 )
 from services.gateway.access.auth import ANONYMOUS, AuthError, Principal
+from services.gateway.client_request import ClientRequest, InputKind, PromptInput, from_generate
 from services.gateway.config import GatewayConfig
 from services.gateway.flow.admission import Usage
 from services.gateway.models.backend import Backend, SharedParts
@@ -54,7 +55,7 @@ from services.gateway.models.rollout_follower import OutcomeClock
 from services.gateway.models.served_model import ServedModel, ServedModelSpec
 from services.gateway.stream.buffer import Disconnect, StreamBuffer
 from services.gateway.stream.errors import StreamError
-from services.gateway.stream.prepared import Prepared
+from services.gateway.stream.prepared import Prepared, worker_request_id
 from services.gateway.stream.record_book import Resource
 from services.gateway.stream.request_record import RequestRecord
 from services.gateway.stream.request_stream import RequestStream
@@ -119,73 +120,53 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         await self.stubs.close()
 
     # -- validation --------------------------------------------------------------
-    def prepare(self, request: gateway_pb2.GenerateRequest) -> Prepared:
-        served, adapter = self.models.resolve(request.model)
-        params = sampling.from_proto(request.sampling)
-        if params.max_tokens > self.config.max_tokens_limit:
-            raise InvalidRequestError(
-                "sampling.max_tokens",
-                f"must be <= {self.config.max_tokens_limit} (this gateway's max_tokens_limit)",
-                params.max_tokens,
-            )
-        prompt = self._tokens(request, served)
-        if not prompt:
-            raise InvalidRequestError("prompt", "must not be empty")
-        if len(prompt) >= served.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"has {len(prompt)} tokens; must be < {served.max_model_len}"
-            )
-        if len(prompt) + params.max_tokens > served.max_model_len:
-            raise InvalidRequestError(
-                "sampling.max_tokens",
-                f"prompt ({len(prompt)}) + max_tokens must be <= {served.max_model_len}",
-                params.max_tokens,
-            )
-        if any(t >= served.vocab_size for t in params.stop_token_ids):
-            raise InvalidRequestError(
-                "sampling.stop_token_ids", f"each id must be < {served.vocab_size}"
-            )
-        if any(t >= served.vocab_size for t, _ in params.logit_bias):
-            raise InvalidRequestError(
-                "sampling.logit_bias", f"each token id must be < {served.vocab_size}"
-            )
-        if params.guided is not None:
-            # Compile here too: a bad schema is a 400 before any worker is involved.
+    def prepare(self, client: ClientRequest, principal: Principal = ANONYMOUS) -> Prepared:
+        """Tokenize `client`'s prompt with its model's tokenizer, check the request
+        against the model and this gateway's limits (`engine.request_check`, the same
+        check every engine runs), compile its grammar (a bad schema is a 400 before any
+        worker is involved), resolve its class against the caller's key and start the
+        clock on its total deadline."""
+        served, adapter = client.model
+        rid = client.request_id or uuid.uuid4().hex
+        spec = RequestSpec(
+            prompt_token_ids=self._tokens(client.prompt, served),
+            sampling=client.sampling,
+            request_id=worker_request_id(rid),
+            cache_salt=principal.tenant,
+            adapter=adapter,
+        )
+        limits = RequestLimits(
+            served.max_model_len, served.vocab_size,
+            max_tokens_limit=self.config.max_tokens_limit,
+        )  # fmt: skip
+        check_request(spec, limits)
+        if spec.sampling.guided is not None:
             try:
-                served.grammars().matcher(params.guided)
+                served.grammars().matcher(spec.sampling.guided)
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"sampling.{exc.field}", exc.limit) from exc
+        spec = replace(spec, priority=principal.priority_for(client.priority))
         deadline = time.monotonic() + self.config.request_deadline_s
-        rid = request.request_id or uuid.uuid4().hex
-        return Prepared(rid, prompt, params, "", deadline, model=served.name, adapter=adapter)
+        return Prepared(spec, rid, deadline, principal.weight, served.name)
 
     @staticmethod
-    def _tokens(request: gateway_pb2.GenerateRequest, served: ServedModel) -> list[int]:
-        which = request.WhichOneof("input")
-        if which == "prompt":
-            if len(request.prompt) > MAX_PROMPT_CHARS:
+    def _tokens(prompt: PromptInput, served: ServedModel) -> list[int]:
+        if prompt.kind is InputKind.TEXT:
+            if len(prompt.text) > MAX_PROMPT_CHARS:
                 raise InvalidRequestError("prompt", f"at most {MAX_PROMPT_CHARS} characters")
-            return served.tokenizer.encode(request.prompt)
-        if which == "messages":
-            msgs = [ChatMessage(m.role, m.content) for m in request.messages.messages]
-            if sum(len(m.content) for m in msgs) > MAX_PROMPT_CHARS:
+            return served.tokenizer.encode(prompt.text)
+        if prompt.kind is InputKind.CHAT:
+            if sum(len(m.content) for m in prompt.messages) > MAX_PROMPT_CHARS:
                 raise InvalidRequestError(
                     "messages", f"at most {MAX_PROMPT_CHARS} characters in all"
                 )
-            return served.tokenizer.encode_chat(msgs)
-        if which == "prompt_token_ids":
-            ids = list(request.prompt_token_ids.ids)
-            if any(t >= served.vocab_size for t in ids):
-                raise InvalidRequestError(
-                    "prompt_token_ids", f"each id must be < the vocabulary size {served.vocab_size}"
-                )
-            return ids
-        raise InvalidRequestError("input", "set prompt, messages or prompt_token_ids")
+            return served.tokenizer.encode_chat(list(prompt.messages))
+        return list(prompt.token_ids)
 
     # -- the one path of both front doors (gRPC Generate, OpenAI HTTP) -------------
     async def stream(
         self,
-        request: gateway_pb2.GenerateRequest,
+        client: ClientRequest,
         principal: Principal = ANONYMOUS,
         disconnect: Disconnect | None = None,
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
@@ -205,16 +186,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         meanwhile: then the cleanup finishes on its own.
         """
         try:
-            prepared = self.prepare(request)
-            asked = priority_proto.from_proto(request.priority)
-            prepared = replace(
-                prepared, tenant=principal.tenant, priority=principal.priority_for(asked),
-                weight=principal.weight,
-            )  # fmt: skip
+            prepared = self.prepare(client, principal)
         except Exception as exc:
             self.telemetry.count_refusal(exc)
             raise
-        served = self.models.get(prepared.model)
+        served = client.model.served
         backend = served.pick(prepared.tenant)
         record = RequestRecord(prepared, backend.keepers)
         buffer = StreamBuffer(record, self.config, prepared.deadline, disconnect)
@@ -262,7 +238,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         disconnect = GrpcDisconnect(context)
         try:
             principal = self.access.authenticate(context.invocation_metadata() or ())
-            stream = self.stream(request, principal, disconnect)
+            stream = self.stream(self.decode(request), principal, disconnect)
             async with contextlib.aclosing(stream) as messages:
                 async for msg in messages:
                     yield msg
@@ -273,6 +249,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         except (ServiceError, InvalidRequestError, StatusError) as exc:
             if not disconnect.done:  # the call has its status already
                 await abort_with(context, exc)
+
+    def decode(self, request: gateway_pb2.GenerateRequest) -> ClientRequest:
+        """The gRPC front door's request, decoded once; a refusal is counted."""
+        try:
+            return from_generate(request, self.models)
+        except Exception as exc:
+            self.telemetry.count_refusal(exc)
+            raise
 
     async def Complete(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.lora import AdapterRef
 from services.common.status import UnknownModelError
@@ -29,6 +30,14 @@ class ModelCard:
     id: str
     parent: str
     max_model_len: int
+
+
+class Resolved(NamedTuple):
+    """What a request's `model` names: a served model, and one of its LoRA adapters
+    (None: the model itself)."""
+
+    served: ServedModel
+    adapter: AdapterRef | None
 
 
 class ModelCatalog:
@@ -49,12 +58,12 @@ class ModelCatalog:
         adapter's name: the model it adapts)."""
         return self._find(name)[0]
 
-    def resolve(self, name: str) -> tuple[ServedModel, AdapterRef | None]:
+    def resolve(self, name: str) -> Resolved:
         """The model and the LoRA adapter (None: the model itself) `name` names."""
         model, adapter = self._find(name)
         if adapter is None or model.adapters is None:
-            return model, None
-        return model, model.adapters.ref(adapter)
+            return Resolved(model, None)
+        return Resolved(model, model.adapters.ref(adapter))
 
     def card(self, name: str) -> ModelCard:
         """The model list's entry of what `name` names (under the name asked for)."""

@@ -33,12 +33,12 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 
+import grpc
 from aiohttp import web
 
 from engine.errors import InvalidRequestError
 from engine.priority import Priority
 from pdserve.v1 import gateway_pb2
-from services.common import priority_proto
 from services.common.status import (
     AuthError,
     NoWorkerError,
@@ -278,21 +278,21 @@ class HttpApi:
             req = parse(read_json(await request.read()))
             asked = asked_priority(request.headers)
         except oa.SchemaError as exc:
+            if exc.limit:  # refused as the gRPC door refuses the same value
+                self.service.telemetry.count_error(grpc.StatusCode.INVALID_ARGUMENT)
             return _json(400, oa.error_body(str(exc), "invalid_request_error", exc.param))
         request_id = uuid.uuid4().hex
         try:
-            served = self.service.models.get(req.model)
+            model = self.service.models.resolve(req.model)
         except UnknownModelError as exc:
             return _json(*_failure(exc, req))
-        answer = self._answer(req, request_id, served)
-        generate = oa.to_generate_request(req, request_id)
-        if asked is not None:
-            generate.priority = priority_proto.to_proto(asked)
+        answer = self._answer(req, request_id, model.served)
+        client = oa.to_client_request(req, model, request_id, asked)
         disconnect = SseDisconnect(request)
         # Closing the generator (on return, error or cancellation) cancels the request on
         # both workers and gives back the stream slot.
         async with contextlib.aclosing(
-            self.service.stream(generate, request[PRINCIPAL], disconnect)
+            self.service.stream(client, request[PRINCIPAL], disconnect)
         ) as messages:
             try:
                 first = await anext(messages)

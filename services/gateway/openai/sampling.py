@@ -1,12 +1,14 @@
 """The sampling half of an OpenAI body: every parameter that shapes token choice, into
-the gateway's protobuf `SamplingParams`.
+the engine's `SamplingParams`.
 
-Lifecycle: `schema` calls `parse_sampling` once per body, after the body's shape
-is checked. This module checks each parameter's JSON type and OpenAI's own range and
-copies it onto the proto; limits that pdserve's engine sets (min_tokens <= max_tokens,
-token ids below the vocabulary, the size of a guided-decoding spec) are checked by the
-gateway's validation of that proto, the same for gRPC and HTTP, and come back as 400s
-naming the OpenAI parameter (`schema.param_for`).
+Lifecycle: `schema` calls `parse_sampling` once per body, after the body's shape is
+checked. This module checks each parameter's JSON type and OpenAI's own range, then
+builds the `SamplingParams` the gateway runs the request with (JSON -> SamplingParams,
+no protobuf in between); the limits `SamplingParams` itself sets (min_tokens <=
+max_tokens, top_p > 0, the size of a guided-decoding spec) refuse a value there, as a
+`SchemaError` naming the OpenAI parameter (`ParamNames`) and marked `limit`, which the
+gateway counts as a refused request, as it does the same refusal on gRPC. Limits that
+depend on the model (context length, vocabulary) are the gateway's request check's.
 
 Accepted: OpenAI's temperature, top_p, seed, stop, presence_penalty, frequency_penalty,
 logit_bias, n, logprobs (completions: an int; chat: a bool plus top_logprobs), echo and
@@ -24,28 +26,66 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from engine.errors import InvalidRequestError
 from engine.logprobs import MAX_LOGPROBS
-from engine.sampling_params import MAX_FORKS
-from pdserve.v1 import common_pb2
+from engine.sampling_params import MAX_FORKS, GuidedKind, GuidedSpec, SamplingParams
 
 SEED_CAP = 2**63
 MAX_TOKEN_ID = 2**31 - 1
 
 
 class SchemaError(ValueError):
-    """A request body OpenAI's schema or pdserve refuses: HTTP 400 naming `param`."""
+    """A request body OpenAI's schema or pdserve refuses: HTTP 400 naming `param`.
+    `limit`: a value `SamplingParams` refused (a refused request, in the gateway's
+    metrics, as on gRPC), not one of the JSON's shape."""
 
-    def __init__(self, param: str | None, message: str) -> None:
+    def __init__(self, param: str | None, message: str, *, limit: bool = False) -> None:
         super().__init__(f"{param}: {message}" if param else message)
         self.param = param
+        self.limit = limit
+
+
+@dataclass(frozen=True)
+class ParamNames:
+    """Which OpenAI parameter stands behind a field of the gateway's request: the one
+    the client used for max_tokens, the one that asked for structured output, whether
+    `best_of` asked for the forks."""
+
+    chat: bool
+    max_tokens: str = "max_tokens"
+    guided: str = ""
+    best_of: bool = False
+
+    def param_for(self, field: str) -> str:
+        """The OpenAI parameter behind a field name of the gateway's validation."""
+        name = field.removeprefix("sampling.")
+        if name == "max_tokens":
+            return self.max_tokens
+        if (self.chat and name in ("prompt", "input")) or name.startswith("messages"):
+            return "messages"
+        if name == "prompt_token_ids":
+            return "prompt"
+        if name.startswith("guided") and self.guided:
+            return self.guided
+        if name == "n" and self.best_of:
+            return "best_of"
+        if name == "logprobs" and self.chat:
+            return "top_logprobs"
+        return name
+
+    def refusal(self, exc: InvalidRequestError) -> SchemaError:
+        """`exc` (from building `SamplingParams`) as the 400 naming the parameter."""
+        rest = str(exc)[len(exc.field) + 2 :]  # past "<field>: "
+        return SchemaError(self.param_for(exc.field), rest, limit=True)
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """The parsed sampling parameters: the proto for the gateway, plus what the HTTP
-    answer needs to know (how many choices to return, log-probability output)."""
+    """The parsed sampling parameters: the engine's `SamplingParams` the gateway runs
+    the request with, plus what the HTTP answer needs to know (how many choices to
+    return, log-probability output)."""
 
-    params: common_pb2.SamplingParams
+    params: SamplingParams
     n: int = 1  # choices returned (best_of >= n forks run)
     best_of: int = 1
     logprobs: int | None = None  # top N per output token; None: no logprobs in the answer
@@ -109,30 +149,55 @@ def _token_ids(obj: Mapping[str, object], key: str) -> list[int]:
 
 
 # -- the parameters ---------------------------------------------------------------------
+#: What the parsers collect: `SamplingParams`'s keyword arguments, built once at the end.
+Draft = dict[str, object]
+
+
 def parse_sampling(obj: Mapping[str, object], *, chat: bool, max_tokens: int) -> Sampling:
     """`obj`'s sampling parameters; SchemaError naming the first bad one."""
-    p = common_pb2.SamplingParams(max_tokens=max_tokens)
+    p: Draft = {"max_tokens": max_tokens}
     _basic(obj, p)
     _penalties(obj, p)
     _extensions(obj, p)
     n, best_of = _forks(obj, chat)
-    p.n = best_of
+    p["n"] = best_of
     logprobs, echo = _logprobs(obj, p, chat)
     if best_of > n and logprobs is None:
-        p.logprobs = 0  # best_of ranks the forks by their cumulative log-probability
-    guided_param = _guided(obj, p.guided)
-    return Sampling(p, n, best_of, logprobs, echo, guided_param)
+        p["logprobs"] = 0  # best_of ranks the forks by their cumulative log-probability
+    guided_param = _guided(obj, p)
+    names = ParamNames(chat, max_tokens_param(obj, chat=chat), guided_param, best_of > n)
+    return Sampling(build(p, names), n, best_of, logprobs, echo, guided_param)
 
 
-def _basic(obj: Mapping[str, object], p: common_pb2.SamplingParams) -> None:
+def build(p: Draft, names: ParamNames) -> SamplingParams:
+    """The `SamplingParams` of `p`; its refusal as the 400 naming the parameter."""
+    try:
+        guided = p.get("guided")
+        if isinstance(guided, tuple):  # (kind, spec, choices), checked by GuidedSpec
+            p = {**p, "guided": GuidedSpec(*guided)}
+        return SamplingParams(**p)  # type: ignore[arg-type]
+    except InvalidRequestError as exc:
+        raise names.refusal(exc) from None
+
+
+def max_tokens_param(obj: Mapping[str, object], *, chat: bool) -> str:
+    """The name the client gave max_tokens (chat: max_completion_tokens if sent)."""
+    return (
+        "max_completion_tokens"
+        if chat and obj.get("max_completion_tokens") is not None
+        else "max_tokens"
+    )
+
+
+def _basic(obj: Mapping[str, object], p: Draft) -> None:
     temperature = get_number(obj, "temperature", 0.0, 2.0)
-    p.temperature = 1.0 if temperature is None else temperature
+    p["temperature"] = 1.0 if temperature is None else temperature
     top_p = get_number(obj, "top_p", 0.0, 1.0)
-    p.top_p = 1.0 if top_p is None else top_p
+    p["top_p"] = 1.0 if top_p is None else top_p
     seed = get_int(obj, "seed", -(2**63), SEED_CAP - 1)
     if seed is not None:
-        p.seed = seed % SEED_CAP  # OpenAI takes any int64; the engine's generators want >= 0
-    p.stop.extend(_stop(obj))
+        p["seed"] = seed % SEED_CAP  # OpenAI takes any int64; the engine's generators want >= 0
+    p["stop"] = tuple(_stop(obj))
 
 
 def _stop(obj: Mapping[str, object]) -> list[str]:
@@ -145,26 +210,28 @@ def _stop(obj: Mapping[str, object]) -> list[str]:
     return stops
 
 
-def _penalties(obj: Mapping[str, object], p: common_pb2.SamplingParams) -> None:
+def _penalties(obj: Mapping[str, object], p: Draft) -> None:
     for key in ("presence_penalty", "frequency_penalty"):
         value = get_number(obj, key, -2.0, 2.0)
         if value is not None:
-            setattr(p, key, value)
+            p[key] = value
     repetition = get_number(obj, "repetition_penalty", 0.0, math.inf)
     if repetition is not None:
-        p.repetition_penalty = repetition
+        p["repetition_penalty"] = repetition
     bias = obj.get("logit_bias")
     if bias is None:
         return
     if not isinstance(bias, dict):
         raise SchemaError("logit_bias", "must be an object mapping token ids to biases")
+    biases: dict[int, float] = {}
     for key, value in bias.items():
         token = _token_key(key)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise SchemaError("logit_bias", f"the bias of {key!r} must be a number")
         if not (math.isfinite(value) and -100.0 <= value <= 100.0):
             raise SchemaError("logit_bias", f"the bias of {key!r} must be in [-100, 100]")
-        p.logit_bias[token] = float(value)
+        biases[token] = float(value)
+    p["logit_bias"] = tuple(sorted(biases.items()))
 
 
 def _token_key(key: str) -> int:
@@ -173,24 +240,24 @@ def _token_key(key: str) -> int:
     return int(key)
 
 
-def _extensions(obj: Mapping[str, object], p: common_pb2.SamplingParams) -> None:
+def _extensions(obj: Mapping[str, object], p: Draft) -> None:
     top_k = get_int(obj, "top_k", -1, MAX_TOKEN_ID)
     if top_k is not None and top_k > 0:  # vLLM: -1 or 0 turn it off
-        p.top_k = top_k
+        p["top_k"] = top_k
     min_p = get_number(obj, "min_p", 0.0, 1.0)
     if min_p is not None:
-        p.min_p = min_p
+        p["min_p"] = min_p
     min_tokens = get_int(obj, "min_tokens", 0, MAX_TOKEN_ID)
     if min_tokens is not None:
-        p.min_tokens = min_tokens
-    p.ignore_eos = get_bool(obj, "ignore_eos")
-    p.stop_token_ids.extend(_token_ids(obj, "stop_token_ids"))
-    p.include_stop_str_in_output = get_bool(obj, "include_stop_str_in_output")
+        p["min_tokens"] = min_tokens
+    p["ignore_eos"] = get_bool(obj, "ignore_eos")
+    p["stop_token_ids"] = tuple(_token_ids(obj, "stop_token_ids"))
+    p["include_stop_str_in_output"] = get_bool(obj, "include_stop_str_in_output")
     if obj.get("skip_special_tokens") is not None:
-        p.skip_special_tokens = get_bool(obj, "skip_special_tokens")
+        p["skip_special_tokens"] = get_bool(obj, "skip_special_tokens")
     prompt_logprobs = get_int(obj, "prompt_logprobs", 0, MAX_LOGPROBS)
     if prompt_logprobs is not None:
-        p.prompt_logprobs = prompt_logprobs
+        p["prompt_logprobs"] = prompt_logprobs
 
 
 def _forks(obj: Mapping[str, object], chat: bool) -> tuple[int, int]:
@@ -205,9 +272,7 @@ def _forks(obj: Mapping[str, object], chat: bool) -> tuple[int, int]:
     return n, best_of
 
 
-def _logprobs(
-    obj: Mapping[str, object], p: common_pb2.SamplingParams, chat: bool
-) -> tuple[int | None, bool]:
+def _logprobs(obj: Mapping[str, object], p: Draft, chat: bool) -> tuple[int | None, bool]:
     """(top N per output token or None, echo). Completions: `logprobs` is N (0-20) and
     `echo` returns the prompt too, with its log-probabilities when `logprobs` is set.
     Chat: `logprobs` is a bool and `top_logprobs` the N."""
@@ -217,31 +282,35 @@ def _logprobs(
             if top:
                 raise SchemaError("top_logprobs", "needs logprobs: true")
             return None, False
-        p.logprobs = top or 0
-        return p.logprobs, False
+        p["logprobs"] = top or 0
+        return top or 0, False
     n = get_int(obj, "logprobs", 0, MAX_LOGPROBS)
     echo = get_bool(obj, "echo")
     if n is not None:
-        p.logprobs = n
+        p["logprobs"] = n
         if echo:
-            p.prompt_logprobs = max(n, p.prompt_logprobs)
+            asked = p.get("prompt_logprobs")
+            p["prompt_logprobs"] = max(n, asked if isinstance(asked, int) else 0)
     return n, echo
 
 
 # -- structured output ------------------------------------------------------------------
 GUIDED_FIELDS = {
-    "guided_json": common_pb2.GUIDED_KIND_JSON_SCHEMA,
-    "guided_regex": common_pb2.GUIDED_KIND_REGEX,
-    "guided_choice": common_pb2.GUIDED_KIND_CHOICE,
-    "guided_grammar": common_pb2.GUIDED_KIND_GRAMMAR,
+    "guided_json": GuidedKind.JSON_SCHEMA,
+    "guided_regex": GuidedKind.REGEX,
+    "guided_choice": GuidedKind.CHOICE,
+    "guided_grammar": GuidedKind.GRAMMAR,
 }
 STRUCTURED_KEYS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
                    "grammar": "guided_grammar"}  # fmt: skip
 
+#: A constraint as parsed: (kind, spec, choices); `GuidedSpec` checks it in `build`.
+Guided = tuple[GuidedKind, str, tuple[str, ...]]
 
-def _guided(obj: Mapping[str, object], g: common_pb2.GuidedDecoding) -> str:
-    """Fill `g` from whichever parameter asks for structured output; returns its name
-    ("" when none does). At most one may."""
+
+def _guided(obj: Mapping[str, object], p: Draft) -> str:
+    """Put the constraint of whichever parameter asks for structured output in `p`;
+    returns its name ("" when none does). At most one may."""
     asked = _guided_asks(obj)
     if len(asked) > 1:
         names = ", ".join(name for name, _ in asked)
@@ -250,9 +319,9 @@ def _guided(obj: Mapping[str, object], g: common_pb2.GuidedDecoding) -> str:
         return ""
     name, value = asked[0]
     if name == "response_format":
-        _response_format(value, g)
+        p["guided"] = _response_format(value)
     else:
-        _guided_field(name, STRUCTURED_KEYS.get(name.rsplit(".", 1)[-1], name), value, g)
+        p["guided"] = _guided_field(name, STRUCTURED_KEYS.get(name.rsplit(".", 1)[-1], name), value)
     return name.split(".", 1)[0]
 
 
@@ -273,27 +342,25 @@ def _guided_asks(obj: Mapping[str, object]) -> list[tuple[str, object]]:
     return asked
 
 
-def _guided_field(param: str, kind_name: str, value: object, g: common_pb2.GuidedDecoding) -> None:
-    g.kind = GUIDED_FIELDS[kind_name]
+def _guided_field(param: str, kind_name: str, value: object) -> Guided:
+    kind = GUIDED_FIELDS[kind_name]
     if kind_name == "guided_choice":
         if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
             raise SchemaError(param, "must be a list of strings")
-        g.choices.extend(value)
-    elif kind_name == "guided_json":
-        g.spec = _schema_text(param, value)
-    elif isinstance(value, str):
-        g.spec = value
-    else:
-        raise SchemaError(param, "must be a string")
+        return kind, "", tuple(value)
+    if kind_name == "guided_json":
+        return kind, _schema_text(param, value), ()
+    if isinstance(value, str):
+        return kind, value, ()
+    raise SchemaError(param, "must be a string")
 
 
-def _response_format(value: object, g: common_pb2.GuidedDecoding) -> None:
+def _response_format(value: object) -> Guided:
     if not isinstance(value, dict):
         raise SchemaError("response_format", "must be an object with a type")
     kind = value.get("type")
     if kind == "json_object":
-        g.kind = common_pb2.GUIDED_KIND_JSON_OBJECT
-        return
+        return GuidedKind.JSON_OBJECT, "", ()
     if kind != "json_schema":
         raise SchemaError("response_format", "type must be text, json_object or json_schema")
     spec = value.get("json_schema")
@@ -305,8 +372,7 @@ def _response_format(value: object, g: common_pb2.GuidedDecoding) -> None:
     schema = spec.get("schema")
     if schema is None:
         raise SchemaError("response_format.json_schema.schema", "is required")
-    g.kind = common_pb2.GUIDED_KIND_JSON_SCHEMA
-    g.spec = _schema_text("response_format.json_schema.schema", schema)
+    return GuidedKind.JSON_SCHEMA, _schema_text("response_format.json_schema.schema", schema), ()
 
 
 def _schema_text(param: str, schema: object) -> str:

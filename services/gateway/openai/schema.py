@@ -2,13 +2,14 @@
 
 Lifecycle: the HTTP layer hands a decoded JSON body to `parse_completion` or
 `parse_chat`. They check the type of every OpenAI field pdserve honours (the sampling
-ones in `sampling`), refuse the ones it cannot honour (`UNSUPPORTED`) with a
-`SchemaError` naming the parameter, and return an `OpenAIRequest`;
-`to_generate_request` turns that into the gateway's protobuf request. Limits that depend
-on the model (context length, vocabulary, chat roles) are checked afterwards by the
-gateway's own validation, the same as for gRPC; `param_for` renames its field names to
-the OpenAI parameter. While the request runs, `answer.Answer` turns gateway
-messages into completion bodies or SSE chunk bodies.
+ones in `sampling`, which builds the engine's `SamplingParams`), refuse the ones it
+cannot honour (`UNSUPPORTED`) with a `SchemaError` naming the parameter, and return an
+`OpenAIRequest`; `to_client_request` turns that into the gateway's own request (no
+protobuf message in between). Limits that depend on the model (context length,
+vocabulary, chat roles) are checked afterwards by the gateway's own validation, the
+same as for gRPC; `param_for` renames its field names to the OpenAI parameter. While
+the request runs, `answer.Answer` turns gateway messages into completion bodies or SSE
+chunk bodies.
 """
 
 from __future__ import annotations
@@ -19,13 +20,19 @@ from typing import Any
 
 import grpc
 
+from engine.errors import InvalidRequestError
+from engine.priority import Priority
+from engine.sampling_params import GuidedKind, GuidedSpec
 from engine.tokenizer import ChatMessage
-from pdserve.v1 import common_pb2, gateway_pb2
+from services.gateway.client_request import ClientRequest, InputKind, PromptInput
+from services.gateway.models.catalog import Resolved
 from services.gateway.openai.sampling import (
+    ParamNames,
     Sampling,
     SchemaError,
     get_bool,
     get_int,
+    max_tokens_param,
     parse_sampling,
 )
 from services.gateway.openai.tools.prompt import add_tool_prompt, forced_json_schema, render_message
@@ -85,6 +92,12 @@ class OpenAIRequest:
     def max_tokens(self) -> int:
         return self.sampling.params.max_tokens
 
+    @property
+    def names(self) -> ParamNames:
+        """The OpenAI parameters behind the gateway's field names, for error messages."""
+        s = self.sampling
+        return ParamNames(self.chat, self.max_tokens_param, s.guided_param, s.best_of > s.n)
+
 
 # -- parsing -------------------------------------------------------------------------
 def parse_completion(body: object) -> OpenAIRequest:
@@ -101,8 +114,8 @@ def parse_completion(body: object) -> OpenAIRequest:
 
 def parse_chat(body: object) -> OpenAIRequest:
     obj = _object(body)
-    param = "max_completion_tokens" if obj.get("max_completion_tokens") is not None else ""
-    max_tokens = get_int(obj, param or "max_tokens", 1, MAX_TOKENS_CAP)
+    param = max_tokens_param(obj, chat=True)
+    max_tokens = get_int(obj, param, 1, MAX_TOKENS_CAP)
     for name in ("echo", "best_of"):
         if obj.get(name) is not None:
             raise SchemaError(name, "is a /v1/completions parameter, not one of chat")
@@ -117,7 +130,7 @@ def parse_chat(body: object) -> OpenAIRequest:
         sampling=sampling,
         messages=_with_tools(_messages(obj), tools),
         tools=tools,
-        max_tokens_param=param or "max_tokens",
+        max_tokens_param=param,
         **_common(obj),
     )
 
@@ -128,10 +141,12 @@ def _force_call(sampling: Sampling, tools: ToolRequest) -> Sampling:
         raise SchemaError(
             "tool_choice", f"cannot force a call together with {sampling.guided_param}"
         )
-    params = common_pb2.SamplingParams()
-    params.CopyFrom(sampling.params)
-    params.guided.kind = common_pb2.GUIDED_KIND_JSON_SCHEMA
-    params.guided.spec = forced_json_schema(tools.tools, tools.choice)
+    schema = forced_json_schema(tools.tools, tools.choice)
+    try:
+        guided = GuidedSpec(GuidedKind.JSON_SCHEMA, schema)
+    except InvalidRequestError as exc:
+        raise ParamNames(True, guided="tools").refusal(exc) from None
+    params = replace(sampling.params, guided=guided)
     return replace(sampling, params=params, guided_param="tools")
 
 
@@ -225,37 +240,24 @@ def _content(msg: Mapping[str, object], i: int) -> str:
 
 
 # -- into the gateway, and errors out of it -------------------------------------------
-def to_generate_request(req: OpenAIRequest, request_id: str) -> gateway_pb2.GenerateRequest:
-    msg = gateway_pb2.GenerateRequest(
-        model=req.model, request_id=request_id, sampling=req.sampling.params
-    )
+def to_client_request(
+    req: OpenAIRequest, model: Resolved, request_id: str, priority: Priority | None
+) -> ClientRequest:
+    """The gateway's request for `req`, whose model the front door resolved (`model`),
+    asking for class `priority` (None: the key's default)."""
     if req.chat:
-        msg.messages.messages.extend(
-            gateway_pb2.ChatMessage(role=r, content=c) for r, c in req.messages
-        )
+        messages = tuple(ChatMessage(r, c) for r, c in req.messages)
+        prompt = PromptInput(InputKind.CHAT, messages=messages)
     elif req.prompt_token_ids:
-        msg.prompt_token_ids.ids.extend(req.prompt_token_ids)
+        prompt = PromptInput(InputKind.TOKENS, token_ids=req.prompt_token_ids)
     else:
-        msg.prompt = req.prompt
-    return msg
+        prompt = PromptInput(InputKind.TEXT, text=req.prompt)
+    return ClientRequest(model, prompt, req.sampling.params, request_id, priority)
 
 
 def param_for(req: OpenAIRequest, gateway_field: str) -> str:
     """The OpenAI parameter behind a field name of the gateway's validation."""
-    name = gateway_field.removeprefix("sampling.")
-    if name == "max_tokens":
-        return req.max_tokens_param
-    if (req.chat and name in ("prompt", "input")) or name.startswith("messages"):
-        return "messages"
-    if name == "prompt_token_ids":
-        return "prompt"
-    if name.startswith("guided") and req.sampling.guided_param:
-        return req.sampling.guided_param
-    if name == "n" and req.sampling.best_of > req.sampling.n:
-        return "best_of"
-    if name == "logprobs" and req.chat:
-        return "top_logprobs"
-    return name
+    return req.names.param_for(gateway_field)
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> Json:

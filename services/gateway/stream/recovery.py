@@ -20,7 +20,7 @@ and gets the next attempt back, or the error that ends the stream:
   prompt and every token streamed so far (`resume_token_ids`), with a handle on the
   prompt's KV when a prefill worker exports it again: it computes the rest of their KV
   and goes on after them, so the client sees neither an error nor a repeated or missing
-  token (greedy and seeded streams continue exactly; see `engine.LLMEngine._resume`).
+  token (greedy and seeded streams continue exactly; see `engine.intake._resume`).
   At most `max_migrations` moves per request, for n = 1; then, or with no decode worker
   left, the stream ends with the lost worker's status (migration).
 Each move, re-prefill, or refusal of either is a `migration` phase and span, counted by
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from engine.sampling_params import SamplingParams
+from engine.request_spec import RequestSpec
 from pdserve.v1 import common_pb2, worker_pb2
 from services.common.status import NoWorkerError
 from services.gateway.config import GatewayConfig
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 
 #: One Prefill call to a decision's prefill worker, with these sampling parameters (the
 #: stream's own: the record learns of the lease it may leave there).
-PrefillCall = Callable[[RouteDecision, SamplingParams], Awaitable[worker_pb2.PrefillResponse]]
+PrefillCall = Callable[[RouteDecision, RequestSpec], Awaitable[worker_pb2.PrefillResponse]]
 
 
 @dataclass
@@ -232,9 +232,8 @@ class StreamRecovery:
         )  # fmt: skip
         if choice.site is PrefillSite.LOCAL:
             return None
-        params = replace(self.req.params, prompt_logprobs=None)  # they went out already
         try:
-            response = await self.prefill(decision, params)
+            response = await self.prefill(decision, self.req.later_spec())
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.record.report_down(decision.prefill.worker_id)

@@ -49,7 +49,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from pdserve.v1 import worker_pb2
@@ -208,12 +208,8 @@ class RequestRecord:
         NoWorkerError. The placement is the record's from its start."""
         self._enter(RequestState.ROUTING)
         self._served = True
-        req = self.req
-        placing = asyncio.ensure_future(
-            self.keepers.placement.route(
-                req.request_id, req.prompt, req.tenant, list(exclude), adapter=req.adapter
-            )
-        )
+        query = self.req.route_query().excluding(exclude)
+        placing = asyncio.ensure_future(self.keepers.placement.route(query))
         self._placements.append(placing)
         placing.add_done_callback(self._placed)
         self._changed()
@@ -250,17 +246,8 @@ class RequestRecord:
         prefill worker keeps the KV and its load lease. Once placed, the refused worker's
         load lease is given back; NoWorkerError keeps it (the request may come back)."""
         self._enter(RequestState.ROUTING)
-        req = self.req
-        placing = asyncio.ensure_future(
-            self.keepers.placement.route_decode(
-                req.request_id,
-                req.prompt,
-                req.tenant,
-                list(exclude),
-                prefill=failed.prefill,
-                adapter=req.adapter,
-            )
-        )
+        query = replace(self.req.route_query(), exclude=tuple(exclude), prefill=failed.prefill)
+        placing = asyncio.ensure_future(self.keepers.placement.route_decode(query))
         self._placements.append(placing)
         placing.add_done_callback(self._placed)
         self._changed()

@@ -35,16 +35,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import grpc
 
-from engine.sampling_params import SamplingParams
+from engine.request_spec import RequestSpec
 from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2
-from services.common import adapter_proto, priority_proto, sampling
+from services.common import request_codec
 from services.common.detokenizer import IncrementalDetokenizer
 from services.common.log_format import log_context
-from services.common.metrics import NO_MODEL
 from services.common.status import NoWorkerError
 from services.gateway.config import GatewayConfig
 from services.gateway.flow.prefill_site import PrefillSite, SitePolicy
@@ -56,6 +55,7 @@ from services.gateway.stream.errors import (
     StreamError,
     WorkerLost,
 )
+from services.gateway.stream.metrics import NO_MODEL
 from services.gateway.stream.recovery import DecodeAttempt, StreamRecovery
 from services.gateway.stream.request_record import RequestRecord
 from services.gateway.stream.stop_text import StopTrimmer
@@ -107,7 +107,6 @@ class RequestStream:
             self.req.model or NO_MODEL,
         )  # fmt: skip
         self.tel = (telemetry or GatewayTelemetry.disabled()).stream(labels)
-        self.priority = priority_proto.to_proto(self.req.priority)
         self.deadline = Deadline(self.req.deadline, config.request_deadline_s)
         self.recovery = StreamRecovery(record, config, self.tel, self.sites, self._prefill_call)
 
@@ -179,27 +178,18 @@ class RequestStream:
         return choice.site is PrefillSite.LOCAL
 
     async def _prefill(self, decision: RouteDecision) -> worker_pb2.PrefillResponse:
-        response = await self._prefill_call(decision, self.req.params)
+        response = await self._prefill_call(decision, self.req.spec)
         self.cached_tokens = response.cached_tokens
         self.tel.add_phases(response.phases)
         return response
 
-    def _adapter(self) -> common_pb2.Adapter | None:
-        """The request's LoRA adapter, as each worker call names it (None: the model)."""
-        adapter = self.req.adapter
-        return None if adapter is None else adapter_proto.to_proto(adapter)
-
     async def _prefill_call(
-        self, decision: RouteDecision, params: SamplingParams
+        self, decision: RouteDecision, spec: RequestSpec
     ) -> worker_pb2.PrefillResponse:
-        """One Prefill call to `decision`'s prefill worker; the record knows that worker
-        may hold the request's KV under a lease from now on."""
+        """One Prefill call for `spec` to `decision`'s prefill worker; the record knows
+        that worker may hold the request's KV under a lease from now on."""
         assert decision.prefill is not None
-        request = worker_pb2.PrefillRequest(
-            request_id=self.req.worker_request_id, prompt_token_ids=self.req.prompt,
-            sampling=sampling.to_proto(params), cache_salt=self.req.tenant,
-            priority=self.priority, adapter=self._adapter(),
-        )  # fmt: skip
+        request = request_codec.prefill_request(spec)
         address = decision.prefill.address
         timeout = min(self.config.prefill_timeout_s, self.deadline.left())
         self.record.prefill_sent(address)
@@ -234,14 +224,8 @@ class RequestStream:
         stream already sent (the prompt's log-probabilities went out with them)."""
         decision, handle, resume = attempt.decision, attempt.handle, attempt.resume
         first_by = attempt.retry.first_token_deadline
-        params = replace(self.req.params, prompt_logprobs=None) if resume else self.req.params
-        request = worker_pb2.DecodeRequest(
-            request_id=self.req.worker_request_id, prompt_token_ids=self.req.prompt,
-            sampling=sampling.to_proto(params), cache_salt=self.req.tenant,
-            priority=self.priority, resume_token_ids=resume, adapter=self._adapter(),
-        )  # fmt: skip
-        if handle is not None:
-            request.kv_handle.CopyFrom(handle)
+        spec = self.req.later_spec(resume) if resume else self.req.spec
+        request = request_codec.decode_request(spec, handle)
         call = self.stubs[decision.decode.address].Decode(
             request, timeout=self.deadline.left(), metadata=self.tel.metadata()
         )

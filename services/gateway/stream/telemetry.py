@@ -23,11 +23,11 @@ from opentelemetry.trace import Span, SpanKind
 
 from engine.priority import Priority
 from pdserve.v1 import common_pb2, gateway_pb2
-from services.common.metrics import NO_MODEL, GatewayMetrics
 from services.common.status import code_for
 from services.common.telemetry import Telemetry
 from services.common.tracing import Metadata, Phase, Tracing, trace_id_hex
 from services.gateway.flow.prefill_site import SiteChoice
+from services.gateway.stream.metrics import NO_MODEL, Finished, GatewayMetrics
 from services.router.metrics import RouterCollector
 from services.router.placement import Placement, RouteDecision
 from services.router.redis_placement import RedisPlacement
@@ -264,7 +264,8 @@ class StreamTelemetry:
         if m is not None:
             ttft = (self._first_at or now) - self.start
             model = self._model
-            m.record_finished(reason, ttft, now - self.start, self._tokens, self._priority, model)
+            e2e = now - self.start
+            m.record_finished(Finished(reason, ttft, e2e, self._tokens, self._priority, model))
             m.prompt_tokens.labels(model).inc(msg.usage.prompt_tokens)
             m.cached_tokens.labels(model).inc(msg.usage.cached_tokens)
             m.output_tokens.labels(model).inc(self._tokens)

@@ -380,7 +380,9 @@ class Client:
     async def run(self) -> None:
         req = request(self.max_tokens)
         req.priority = self.priority
-        stream = self.gw.service.stream(req, self.principal, self.disconnect)
+        stream = self.gw.service.stream(
+            self.gw.service.decode(req), self.principal, self.disconnect
+        )
         async with contextlib.aclosing(stream) as messages:
             async for msg in messages:
                 self.received.append(msg)

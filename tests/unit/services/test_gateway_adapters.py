@@ -46,7 +46,7 @@ def gw(client: redis.Redis, namespace: str, model_dir: Path, tmp_path: Path) -> 
 def _run(gw: Gateway, model: str) -> None:
     async def go() -> None:
         request = build_request(PROMPT, RequestOptions(max_tokens=4, request_id="r", model=model))
-        async for _ in gw.service.stream(request):
+        async for _ in gw.service.stream(gw.service.decode(request)):
             pass
 
     asyncio.run(go())

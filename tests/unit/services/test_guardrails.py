@@ -289,7 +289,7 @@ def test_a_slow_client_that_keeps_reading_is_served(
         disconnects = Disconnects()
         received = []
         start = time.monotonic()
-        async for msg in gw.service.stream(request(), disconnect=disconnects):
+        async for msg in gw.service.stream(gw.service.decode(request()), disconnect=disconnects):
             received.append(msg)
             await asyncio.sleep(STALL_S * 0.6)
         assert time.monotonic() - start > STALL_S * 2

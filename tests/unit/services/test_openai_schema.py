@@ -1,5 +1,5 @@
-"""OpenAI bodies -> typed requests -> GenerateRequest, refusals naming the parameter, and
-the response/chunk bodies built back from gateway messages."""
+"""OpenAI bodies -> typed requests -> the gateway's ClientRequest, refusals naming the
+parameter, and the response/chunk bodies built back from gateway messages."""
 
 from __future__ import annotations
 
@@ -8,8 +8,14 @@ import json
 import grpc
 import pytest
 
-from pdserve.v1 import common_pb2
+from engine.sampling_params import GuidedKind
+from services.gateway.client_request import InputKind
+from services.gateway.models.catalog import Resolved
 from services.gateway.openai import schema as oa
+
+#: The front door resolves the model before it builds the request; these tests only read
+#: what the body became.
+MODEL = Resolved(None, None)  # type: ignore[arg-type]
 
 
 def test_completion_defaults_follow_openai() -> None:
@@ -17,12 +23,12 @@ def test_completion_defaults_follow_openai() -> None:
     assert (req.chat, req.prompt, req.model) == (False, "Hello", "m")
     assert req.max_tokens == oa.COMPLETION_MAX_TOKENS
     s = req.sampling.params
-    assert (s.temperature, s.top_p, s.HasField("seed"), list(s.stop)) == (1.0, 1.0, False, [])
+    assert (s.temperature, s.top_p, s.seed is not None, list(s.stop)) == (1.0, 1.0, False, [])
     assert (req.sampling.n, req.sampling.logprobs, req.sampling.echo) == (1, None, False)
     assert not req.stream and not req.include_usage
 
 
-def test_completion_fields_reach_the_generate_request() -> None:
+def test_completion_fields_reach_the_client_request() -> None:
     body = {
         "prompt": ["Hi"],
         "max_tokens": 7,
@@ -38,10 +44,10 @@ def test_completion_fields_reach_the_generate_request() -> None:
     }
     req = oa.parse_completion(body)
     assert req.stream and req.include_usage
-    msg = oa.to_generate_request(req, "rid-1")
-    assert msg.WhichOneof("input") == "prompt" and msg.prompt == "Hi"
-    assert msg.request_id == "rid-1" and msg.model == ""
-    s = msg.sampling
+    client = oa.to_client_request(req, MODEL, "rid-1", None)
+    assert client.prompt.kind is InputKind.TEXT and client.prompt.text == "Hi"
+    assert client.request_id == "rid-1" and client.model is MODEL and client.priority is None
+    s = client.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.seed) == (7, 0.0, 0.5, 3)
     assert list(s.stop) == ["\n"]
 
@@ -68,8 +74,9 @@ def test_chat_messages_parts_roles_and_max_completion_tokens() -> None:
         "max_completion_tokens",
         ["x", "y"],
     )
-    msg = oa.to_generate_request(req, "r")
-    assert [(m.role, m.content) for m in msg.messages.messages] == list(req.messages)
+    client = oa.to_client_request(req, MODEL, "r", None)
+    assert client.prompt.kind is InputKind.CHAT
+    assert [(m.role, m.content) for m in client.prompt.messages] == list(req.messages)
     assert oa.parse_chat({"messages": [{"role": "user", "content": "q"}]}).max_tokens == (
         oa.CHAT_MAX_TOKENS
     )
@@ -198,7 +205,7 @@ def test_status_table_matches_openai_http_codes() -> None:
     }
 
 
-def test_new_sampling_parameters_reach_the_proto() -> None:
+def test_new_sampling_parameters_reach_the_sampling_params() -> None:
     body = {
         "prompt": [1, 2, 3],
         "presence_penalty": 0.5,
@@ -228,12 +235,12 @@ def test_new_sampling_parameters_reach_the_proto() -> None:
         [4, 5],
         True,
     )
-    assert not s.skip_special_tokens and not s.HasField("top_k")
+    assert not s.skip_special_tokens and s.top_k == 0  # -1: off
     assert (req.sampling.n, req.sampling.best_of, s.n) == (2, 3, 3)
     assert (s.logprobs, s.prompt_logprobs, req.sampling.echo) == (2, 2, True)
     assert s.seed == 2**63 - 1
-    msg = oa.to_generate_request(req, "r")
-    assert list(msg.prompt_token_ids.ids) == [1, 2, 3]
+    client = oa.to_client_request(req, MODEL, "r", None)
+    assert client.prompt.kind is InputKind.TOKENS and client.prompt.token_ids == (1, 2, 3)
 
 
 def test_best_of_without_logprobs_asks_for_them_quietly() -> None:
@@ -255,19 +262,19 @@ def test_chat_logprobs_and_structured_output() -> None:
         }
     )
     g = req.sampling.params.guided
-    assert g.kind == common_pb2.GUIDED_KIND_JSON_SCHEMA and json.loads(g.spec) == schema
+    assert g is not None and g.kind is GuidedKind.JSON_SCHEMA and json.loads(g.spec) == schema
     assert req.sampling.logprobs == 3 and req.sampling.guided_param == "response_format"
     assert oa.param_for(req, "sampling.guided.spec") == "response_format"
     assert oa.param_for(req, "sampling.logprobs") == "top_logprobs"
     obj = oa.parse_chat(
         {"messages": [{"role": "user", "content": "q"}], "response_format": {"type": "json_object"}}
     )
-    assert obj.sampling.params.guided.kind == common_pb2.GUIDED_KIND_JSON_OBJECT
+    assert obj.sampling.params.guided.kind is GuidedKind.JSON_OBJECT
     choice = oa.parse_completion({"prompt": "p", "structured_outputs": {"choice": ["yes", "no"]}})
     assert list(choice.sampling.params.guided.choices) == ["yes", "no"]
     assert choice.sampling.guided_param == "structured_outputs"
     text = oa.parse_completion({"prompt": "p", "response_format": {"type": "text"}})
-    assert text.sampling.params.guided.kind == common_pb2.GUIDED_KIND_UNSPECIFIED
+    assert text.sampling.params.guided is None
 
 
 def test_chat_request_renders_tools_and_turns() -> None:
@@ -290,7 +297,7 @@ def test_chat_request_renders_tools_and_turns() -> None:
     assert "<tools>" in req.messages[0][1] and "get_weather" in req.messages[0][1]
     assert "<tool_call>" in req.messages[2][1] and "Oslo" in req.messages[2][1]
     assert "<tool_response>" in req.messages[3][1] and "sunny" in req.messages[3][1]
-    assert req.sampling.params.guided.kind == common_pb2.GUIDED_KIND_JSON_SCHEMA
+    assert req.sampling.params.guided.kind is GuidedKind.JSON_SCHEMA
     assert req.sampling.guided_param == "tools"
     with pytest.raises(oa.SchemaError) as info:
         oa.parse_chat({"messages": [{"role": "user", "content": None}]})

@@ -93,7 +93,7 @@ class Rollouts:
             before = len(self.gw.cluster.prefills)
             request = build_request(PROMPT, RequestOptions(max_tokens=4, model=MODEL))
             try:
-                async for _msg in self.gw.service.stream(request):
+                async for _msg in self.gw.service.stream(self.gw.service.decode(request)):
                     pass
                 out.append(self.gw.cluster.prefills[before])
             except StreamError as exc:

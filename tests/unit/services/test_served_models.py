@@ -17,7 +17,6 @@ from engine.errors import InvalidRequestError
 from engine.model_spec import ModelSpec
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import gateway_pb2
-from services.common.metrics import GatewayMetrics
 from services.common.model_config import extra_model_dirs
 from services.common.status import UnknownModelError
 from services.common.tracing import Tracing
@@ -25,6 +24,7 @@ from services.gateway.client import RequestOptions, build_request
 from services.gateway.config import GatewayConfig
 from services.gateway.flow.admission import Admission
 from services.gateway.models.served_model import ServedModelSpec
+from services.gateway.stream.metrics import GatewayMetrics
 from services.gateway.stream.record_book import Resource
 from services.gateway.stream.telemetry import GatewayTelemetry
 from services.router.keyspace import Keyspace, pool_namespace
@@ -68,7 +68,7 @@ async def _run(gw: Gateway, model: str, max_tokens: int = 4) -> list[gateway_pb2
     request = build_request(
         PROMPT, RequestOptions(max_tokens=max_tokens, request_id="r", model=model)
     )
-    return [msg async for msg in gw.service.stream(request)]
+    return [msg async for msg in gw.service.stream(gw.service.decode(request))]
 
 
 def _nothing_held(gw: Gateway, tiny: Router) -> None:
