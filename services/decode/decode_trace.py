@@ -26,7 +26,7 @@ from kvtransfer.importer import ImportResult
 from pdserve.v1 import common_pb2, worker_pb2
 from services.common.status import status_for
 from services.common.tracing import Attributes, Metadata, Phase, Tracing, epoch_ns
-from services.common.worker_telemetry import WorkerTelemetry
+from services.engine_host.telemetry import WorkerTelemetry
 
 
 class TransferSpan:

@@ -8,9 +8,9 @@ add the whole request to the engine (mixed role, or a decode worker prefilling l
 a migrated stream, with or without a handle, resumes after `resume_token_ids` (with one,
 the prompt's KV is imported and only the tokens so far are computed); yield one chunk per
 engine step's tokens; when the client closes the stream the handler is cancelled and
-`EngineLoop.close` aborts the request, which frees its blocks at the next step. `DecodeTrace` records the
-request's phases (kv.transfer, decode.queue, decode.first_token, decode.stream) as spans
-and as timings on the first and last chunks.
+`EngineLoop.close` aborts the request, which frees its blocks at the next step.
+`DecodeTrace` records the request's phases (kv.transfer, decode.queue,
+decode.first_token, decode.stream) as spans and as timings on the first and last chunks.
 
 An import that finds the KV pool full waits for room (`ImportRoom`: woken when a stream
 here finishes, bounded by the request's deadline and the KV lease), trying again each
@@ -38,11 +38,11 @@ from kvtransfer.errors import LeaseExpiredError, NoBlocksError, PeerUnavailableE
 from kvtransfer.importer import ImportResult, KvImporter
 from pdserve.v1 import common_pb2, worker_pb2
 from services.common import request_codec, sampling
-from services.common.engine_loop import EngineLoop
 from services.common.status import DecodeFullError
-from services.common.worker_telemetry import WorkerTelemetry
 from services.decode.decode_trace import DecodeTrace, TransferSpan
 from services.decode.import_room import ImportRoom
+from services.engine_host.loop import EngineLoop
+from services.engine_host.telemetry import WorkerTelemetry
 
 
 @dataclass(frozen=True)

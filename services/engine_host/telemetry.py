@@ -20,9 +20,9 @@ from opentelemetry.context import Context
 from engine.engine import LLMEngine
 from engine.request import RequestOutput
 from pdserve.v1 import common_pb2
-from services.common.metrics import EngineCollector, WorkerMetrics
 from services.common.telemetry import Telemetry
 from services.common.tracing import Attributes, Phase, Tracing
+from services.engine_host.metrics import EngineCollector, WorkerMetrics
 
 #: Second phase name per role: prefill computes the prompt; decode waits for its token.
 FIRST_TOKEN_PHASE = {"prefill": "prefill.compute", "decode": "decode.first_token"}

@@ -24,8 +24,8 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.exporter import KvExporter
 from pdserve.v1 import common_pb2, worker_pb2
 from services.common import request_codec, sampling
-from services.common.engine_loop import EngineLoop
-from services.common.worker_telemetry import WorkerTelemetry
+from services.engine_host.loop import EngineLoop
+from services.engine_host.telemetry import WorkerTelemetry
 
 
 class PrefillHandler:

@@ -24,6 +24,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import grpc
 
@@ -33,7 +34,6 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.exporter import KvExporter
 from kvtransfer.importer import KvImporter
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.common.engine_loop import EngineLoop
 from services.common.grpc_server import announce_ready, build_server, wait_for_shutdown_signal
 from services.common.log_format import log_context
 from services.common.status import abort_with, status_for
@@ -41,8 +41,9 @@ from services.common.telemetry import Telemetry
 from services.common.telemetry_config import TelemetryConfig
 from services.common.tls import TlsConfig, channel_security
 from services.common.tracing import trace_id_from_metadata
-from services.common.worker_telemetry import WorkerTelemetry
 from services.decode.handler import DecodeHandler
+from services.engine_host.loop import EngineLoop
+from services.engine_host.telemetry import WorkerTelemetry
 from services.prefill.handler import PrefillHandler
 from services.router.keyspace import Keyspace
 from services.router.registry import WorkerInfo
@@ -54,6 +55,16 @@ from services.worker.signal_publisher import SignalPublisher, signal_ttl_s
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class RoleParts:
+    """What the worker's role serves: a Prefill handler and its KV exporter (prefill
+    role), a Decode handler (decode and mixed roles)."""
+
+    prefill: PrefillHandler | None
+    decode: DecodeHandler | None
+    exporter: KvExporter | None
+
+
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     """Routes RPCs to the role's handlers; every error becomes a typed status."""
 
@@ -61,18 +72,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self,
         config: WorkerConfig,
         loop: EngineLoop,
-        prefill: PrefillHandler | None,
-        decode: DecodeHandler | None,
-        exporter: KvExporter | None,
+        role: RoleParts,
         address: str,
         telemetry: WorkerTelemetry | None = None,
     ) -> None:
         self.telemetry = telemetry or WorkerTelemetry.disabled(config.worker_id)
         self.config = config
         self.loop = loop
-        self.prefill_handler = prefill
-        self.decode_handler = decode
-        self.exporter = exporter
+        self.prefill_handler = role.prefill
+        self.decode_handler = role.decode
+        self.exporter = role.exporter
         self.address = address
         self.worker_id = config.worker_id
 
@@ -185,7 +194,8 @@ async def serve_worker(
     address = f"{config.host}:{built.port}"
     prefill = PrefillHandler(loop, exporter, config.worker_id, observe) if exporter else None
     decode = DecodeHandler(loop, importer, observe) if config.role != "prefill" else None
-    service = WorkerService(config, loop, prefill, decode, exporter, address, observe)
+    role = RoleParts(prefill, decode, exporter)
+    service = WorkerService(config, loop, role, address, observe)
     worker_pb2_grpc.add_WorkerServicer_to_server(service, built.server)
     await built.server.start()
     registration = await _register(config, engine, address)

@@ -93,10 +93,11 @@ def _families(registry: CollectorRegistry) -> dict[str, str]:
 def exported_families() -> dict[str, dict[str, str]]:
     """{role: {family name: type}} for each role's `/metrics`: gateway, worker, router
     (registered as the services do: services/gateway/stream/telemetry.py and server.py,
-    services/common/worker_telemetry.py, the router service)."""
+    services/engine_host/telemetry.py, the router service)."""
     from engine.stats import EngineStats
-    from services.common.metrics import EngineCollector, GatewayMetrics, WorkerMetrics
+    from services.engine_host.metrics import EngineCollector, WorkerMetrics
     from services.gateway.flow.admission_metrics import AdmissionMetrics
+    from services.gateway.stream.metrics import GatewayMetrics
     from services.gateway.stream.record_book import HeldCollector, RecordBook
     from services.router.metrics import RouterCollector
     from services.router.router import RouterStats

@@ -19,8 +19,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from services.common.metrics import GatewayMetrics
 from services.common.telemetry_config import TelemetryConfig
+from services.gateway.stream.metrics import GatewayMetrics
 from tests.unit.helm import promtool
 from tests.unit.helm.chart import CHART, Manifest, by_kind, load_values, notes, render
 from tests.unit.helm.promql import (

@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.engine import LLMEngine
 from engine.request import RequestOutput
-from services.common.engine_loop import EngineLoop
+from services.engine_host.loop import EngineLoop
 
 WAIT_S = 30.0  # a step the test never allows goes ahead after this: no test hangs
 

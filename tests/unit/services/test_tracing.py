@@ -21,9 +21,10 @@ from prometheus_client import CollectorRegistry
 from pdserve.v1 import common_pb2, gateway_pb2
 from services.cli.timeline import format_timeline
 from services.common.log_format import configure_logging, log_context
-from services.common.metrics import GatewayMetrics, MetricsServer
+from services.common.metrics import MetricsServer
 from services.common.telemetry_config import TelemetryConfig, telemetry_args
 from services.common.tracing import Phase, Tracing, trace_id_from_metadata, trace_id_hex
+from services.gateway.stream.metrics import Finished, GatewayMetrics
 
 
 def _traced() -> tuple[Tracing, InMemorySpanExporter]:
@@ -110,11 +111,11 @@ def test_gateway_metrics_served_and_goodput_judged() -> None:
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry, slo_ttft_s=0.5, slo_itl_s=0.05)
     metrics.record_finished(
-        "FINISH_REASON_STOP", ttft_s=0.1, e2e_s=0.5, output_tokens=11, model="small"
+        Finished("FINISH_REASON_STOP", ttft_s=0.1, e2e_s=0.5, output_tokens=11, model="small")
     )
     metrics.record_finished(
-        "FINISH_REASON_LENGTH", ttft_s=0.9, e2e_s=2.0, output_tokens=11, priority="critical",
-        model="large",
+        Finished("FINISH_REASON_LENGTH", ttft_s=0.9, e2e_s=2.0, output_tokens=11,
+                 priority="critical", model="large")
     )  # fmt: skip
     server = MetricsServer(registry, "127.0.0.1", 0)
     try:
