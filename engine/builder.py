@@ -22,7 +22,8 @@ from engine.block_pool import BlockPool
 from engine.config import DecodeKernel, EngineConfig, SpecMode
 from engine.draft_model import DraftModel
 from engine.fused_decode import fused_decode_wanted
-from engine.kv_cache import KvCache, KvLayout, blocks_for_budget
+from engine.kv_cache import KvCache
+from engine.kv_layout import KvLayout, blocks_for_budget
 from engine.kv_offload import OffloadTier
 from engine.linear_kernel import pick_linear_kernel
 from engine.llama import LlamaModel

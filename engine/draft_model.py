@@ -32,7 +32,8 @@ import torch
 from engine.attention import select_backend
 from engine.block_pool import BlockPool
 from engine.config import AttentionBackendName, LinearKernelName
-from engine.kv_cache import KvCache, KvLayout, blocks_for_budget
+from engine.kv_cache import KvCache
+from engine.kv_layout import KvLayout, blocks_for_budget
 from engine.linear_kernel import pick_linear_kernel
 from engine.llama import LlamaModel
 from engine.model_runner import ModelRunner

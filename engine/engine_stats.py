@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
-from engine.kv_cache import KvLayout
+from engine.kv_layout import KvLayout
 from engine.kv_offload import OffloadTier
 from engine.lora_set import LoraSet
 from engine.scheduler import Scheduler

@@ -39,29 +39,19 @@ never stores them (the write clamps finite values to +-448).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import xxhash
 
-from engine.model_spec import ModelSpec
+from engine.kv_layout import QMAX, SCALE_BYTES, KvLayout, allocate_blocks
 
 if TYPE_CHECKING:
     from engine.kv_quant_kernel import QuantWriter
 
-#: Bumped when the pool's tensor layout changes; part of the layout fingerprint.
-#: 1: layer-major [layers, K/V, blocks, ...]; 2: block-major with in-block scales.
-KV_LAYOUT_VERSION = 2
 _log = logging.getLogger(__name__)
-_MADV_HUGEPAGE = 14
-_SCALE_BYTES = 4  # float32
-
-#: Largest magnitude each 8-bit format stores (int8 symmetric; e4m3fn's finite max).
-_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 #: The integer type 8-bit data is copied and read through (torch's CPU index_copy_ has
 #: no float8 kernel; copying bits is exact; signed, so widening keeps fp8's sign bit).
 _BITS = {torch.int8: torch.int8, torch.float8_e4m3fn: torch.int8}
@@ -82,93 +72,6 @@ _FP8_FLUSH = _FP8_MIN_NORMAL * (1 - 2.0**-10)
 _HEADROOM = {torch.int8: 1.0, torch.float8_e4m3fn: 8.0}
 #: The smallest scale; keeps an all-zero head's division finite.
 _MIN_SCALE = 1e-12
-
-
-@dataclass(frozen=True)
-class KvLayout:
-    """Everything that must match for two engines to share KV blocks byte for byte."""
-
-    model_fingerprint: str
-    dtype: str  # the stored dtype: the compute dtype, int8 or float8_e4m3fn
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    memory_kind: str  # "cpu" or "cuda"
-
-    @classmethod
-    def from_spec(
-        cls, spec: ModelSpec, dtype: torch.dtype, block_size: int, device: torch.device
-    ) -> KvLayout:
-        return cls(
-            model_fingerprint=spec.fingerprint,
-            dtype=str(dtype).removeprefix("torch."),
-            block_size=block_size,
-            num_layers=spec.num_layers,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            memory_kind=device.type,
-        )
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        dtype: torch.dtype = getattr(torch, self.dtype)
-        return dtype
-
-    @property
-    def quantized(self) -> bool:
-        return self.torch_dtype in _QMAX
-
-    @property
-    def element_size(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
-
-    @property
-    def row_bytes(self) -> int:
-        """One token's K (or V) in one layer: the unit the pool is addressed in."""
-        return self.num_kv_heads * self.head_dim * self.element_size
-
-    @property
-    def data_rows(self) -> int:
-        """Rows of K/V data in a block: every layer, K then V, `block_size` tokens each."""
-        return self.num_layers * 2 * self.block_size
-
-    @property
-    def scale_bytes(self) -> int:
-        """The block's scales (8-bit caches only): one per layer, K/V and KV head."""
-        return self.num_layers * 2 * self.num_kv_heads * _SCALE_BYTES if self.quantized else 0
-
-    @property
-    def rows_per_block(self) -> int:
-        """Data rows plus the rows the scales occupy, rounded up to whole rows."""
-        return self.data_rows + -(-self.scale_bytes // self.row_bytes)
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.rows_per_block * self.row_bytes
-
-    @property
-    def bytes_per_token(self) -> int:
-        """K and V of one token across all layers, scales included (rounded down)."""
-        return self.bytes_per_block // self.block_size
-
-    def fingerprint(self) -> str:
-        """Stable id of this layout: peers compare it at handshake and refuse a mismatch."""
-        text = (
-            f"v{KV_LAYOUT_VERSION}|{self.model_fingerprint}|{self.dtype}|{self.block_size}|"
-            f"{self.num_layers}|{self.num_kv_heads}|{self.head_dim}|{self.memory_kind}"
-        )
-        return xxhash.xxh3_64_hexdigest(text.encode())
-
-
-def blocks_for_budget(layout: KvLayout, budget_bytes: int) -> int:
-    """How many blocks fit in the budget; at least one, or a clear error."""
-    n = budget_bytes // layout.bytes_per_block
-    if n < 1:
-        raise ValueError(
-            f"kv_cache_bytes={budget_bytes} is below one block ({layout.bytes_per_block} bytes)"
-        )
-    return n
 
 
 @dataclass(frozen=True)
@@ -302,9 +205,9 @@ class KvCache:
                 pool=self.blocks.view(torch.int8).numpy(),
                 scales=self.blocks.view(torch.float32).numpy(),
                 block_size=lay.block_size,
-                scale_base=lay.data_rows * lay.row_bytes // _SCALE_BYTES,
+                scale_base=lay.data_rows * lay.row_bytes // SCALE_BYTES,
                 kind=INT8 if lay.torch_dtype == torch.int8 else FP8,
-                qmax=_QMAX[lay.torch_dtype],
+                qmax=QMAX[lay.torch_dtype],
                 headroom=_HEADROOM[lay.torch_dtype],
                 min_scale=_MIN_SCALE,
                 flush=_FP8_FLUSH,
@@ -387,7 +290,7 @@ class KvCache:
             index = plan.inverse[:, None, None].expand_as(needed)
             per_block = torch.zeros(len(plan.blocks), *needed.shape[1:], device=x.device)
             needed = per_block.scatter_reduce_(0, index, needed, "amax")
-        needed.div_(_QMAX[stored])
+        needed.div_(QMAX[stored])
         old = scale.index_select(0, plan.blocks)  # 0 in a fresh block (plan_write)
         over = needed > old
         grown = needed if plan.room is None else needed.mul_(plan.room[:, None, None])
@@ -511,7 +414,7 @@ def _contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _quantize(x: torch.Tensor, stored: torch.dtype) -> torch.Tensor:
     """Scaled float values (|x| <= qmax) to the 8-bit dtype, rounding to nearest; fp8
     values under its smallest normal number become zero (see the module's notes)."""
-    qmax = _QMAX[stored]
+    qmax = QMAX[stored]
     if stored == torch.int8:
         return x.round_().clamp_(-qmax, qmax).to(torch.int8)
     # hardshrink: zero where |x| <= lambd, in one op (the flush runs every layer, every step)
@@ -533,32 +436,3 @@ def _scale(values: torch.Tensor, scale: torch.Tensor, exponent: int) -> torch.Te
     lift = lift_for(exponent)
     values.mul_((scale * lift).to(values.dtype)[:, None, :, None])
     return values if lift == 1.0 else values.mul_(lift)
-
-
-def allocate_blocks(layout: KvLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
-    """A zeroed [num_blocks, bytes_per_block] byte pool (huge pages asked for on CPU)."""
-    if layout.row_bytes % _SCALE_BYTES:
-        raise ValueError(f"KV rows of {layout.row_bytes} bytes cannot hold aligned scales")
-    pool = torch.empty(num_blocks, layout.bytes_per_block, dtype=torch.uint8, device=device)
-    if device.type == "cpu":
-        _advise_huge_pages(pool)
-    # Zeroed, not left empty: padding slots read by batched attention must hold finite
-    # values, and touching every page now keeps page faults out of the first transfers.
-    return pool.zero_()
-
-
-def _advise_huge_pages(pool: torch.Tensor) -> None:
-    """Ask Linux for transparent huge pages before first touch (best effort).
-
-    Bulk KV copies between processes (NIXL over CMA) run faster from huge-page-backed
-    pools: fewer TLB misses and page walks (docs/engine.md "Kernels").
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return
-    page = 4096
-    start = -(-pool.data_ptr() // page) * page
-    end = (pool.data_ptr() + pool.numel()) // page * page
-    if end > start:
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)

@@ -30,7 +30,8 @@ import torch
 
 from engine.errors import InvalidRequestError, UnknownRequestError
 from engine.intake import Intake
-from engine.kv_cache import KvCache, KvLayout
+from engine.kv_cache import KvCache
+from engine.kv_layout import KvLayout
 from engine.request import FinishReason, Request
 from engine.request_spec import RequestSpec
 from engine.scheduler import Scheduler

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import KvCache, allocate_blocks
+from engine.kv_cache import KvCache
+from engine.kv_layout import allocate_blocks
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Protocol
 
 import torch
 
-from engine.kv_cache import KvLayout
 from engine.kv_handoff import HeldKv, ImportSlot
+from engine.kv_layout import KvLayout
 from engine.request import FinishReason
 from engine.request_spec import RequestSpec
 

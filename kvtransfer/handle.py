@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 
 from engine.errors import AdapterMismatchError
-from engine.kv_cache import KvLayout
+from engine.kv_layout import KvLayout
 from engine.lora import AdapterRef
 from kvtransfer.errors import InvalidHandleError, LayoutMismatchError, LeaseExpiredError
 from pdserve.v1 import common_pb2

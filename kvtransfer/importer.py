@@ -29,7 +29,7 @@ import grpc
 import torch
 
 from engine.errors import OutOfBlocksError
-from engine.kv_cache import KvLayout
+from engine.kv_layout import KvLayout
 from engine.request import FinishReason
 from engine.request_spec import RequestSpec
 from kvtransfer.backend import ImportBackend

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.kv_cache import KvLayout
+from engine.kv_layout import KvLayout
 from kvtransfer.errors import LayoutMismatchError
 from pdserve.v1 import common_pb2
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from engine.kv_cache import KvLayout
+from engine.kv_layout import KvLayout
 from kvtransfer.backend import ExportBackend
 from kvtransfer.handle import PROTOCOL_VERSION
 from kvtransfer.layout import layout_to_proto

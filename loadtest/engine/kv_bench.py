@@ -40,10 +40,11 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.kv_cache import KvLayout, blocks_for_budget
+from engine.kv_layout import KvLayout, blocks_for_budget
 from engine.model_spec import ModelSpec
 from engine.model_store import resolve_model_dir
 from engine.precision import KvCacheDType, kv_storage_dtype
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from loadtest.engine.sides import drive_engine
 from loadtest.engine.workload import FIRST_REGULAR_ID, PhasePlan, make_workload, warmup_workload
@@ -217,7 +218,7 @@ def offload_pool_blocks(tokens: int) -> int:
 def _ttft(engine: LLMEngine, prompt: list[int]) -> float:
     """Seconds until the prompt's first token: with max_tokens 1, until it is done."""
     start = time.perf_counter()
-    engine.add_request(prompt, SamplingParams(max_tokens=1))
+    engine.add_request(RequestSpec(prompt, SamplingParams(max_tokens=1)))
     while engine.has_unfinished():
         engine.step()
     return time.perf_counter() - start

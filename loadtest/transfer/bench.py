@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_cache import KvLayout
+from engine.kv_layout import KvLayout
 from engine.model_store import prepare_default_model
 from loadtest.harness.bench_main import BenchSpec, run_main
 from loadtest.harness.bench_main import parse_args as parse_bench_args

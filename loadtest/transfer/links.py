@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import KvLayout, allocate_blocks
+from engine.kv_layout import KvLayout, allocate_blocks
 from kvtransfer.backend import ImportBackend, ReadResult
 from kvtransfer.errors import LeaseExpiredError
-from kvtransfer.importer import handshake
+from kvtransfer.importer import handshake, handshake_offer
 from kvtransfer.layout import check_layout
 from kvtransfer.lease_release import LeaseReleaser
 from kvtransfer.tcp_backend import TcpImportBackend
@@ -52,7 +52,7 @@ def connect(
         backend = NixlImportBackend(pool, agent_name)
     else:
         backend = TcpImportBackend(pool)
-    response = handshake(address, layout, agent_name, time.monotonic() + timeout_s)
+    response = handshake(address, handshake_offer(layout, agent_name), time.monotonic() + timeout_s)
     check_layout(layout, response.layout)
     peer_key = f"{address}|{response.incarnation}"
     backend.connect(peer_key, response)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.kv_cache import KvLayout, allocate_blocks
+from engine.kv_layout import KvLayout, allocate_blocks
 from kvtransfer.backend import ReadResult
 from loadtest.harness.bench_main import Progress
 from loadtest.transfer.config import HEADROOM_BLOCKS, TransferBenchConfig

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_cache import KV_LAYOUT_VERSION, KvLayout
+from engine.kv_layout import KV_LAYOUT_VERSION, KvLayout
 from loadtest.harness.settings import TRANSPORT_ENV_PREFIXES, RunSettings, recorded_env
 from loadtest.harness.target import TargetResult, target_rows
 from loadtest.transfer.config import TransferBenchConfig

@@ -26,7 +26,7 @@ import grpc
 import pytest
 
 from engine.config import EngineConfig
-from engine.kv_cache import KvLayout
+from engine.kv_layout import KvLayout
 from engine.model_spec import ModelSpec
 from engine.model_store import prepare_default_model
 from engine.tokenizer import Tokenizer

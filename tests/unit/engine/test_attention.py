@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from engine import attention
 from engine.attention import TorchAttention
-from engine.kv_cache import KvCache, KvLayout, LayerKv
+from engine.kv_cache import KvCache, LayerKv
+from engine.kv_layout import KvLayout
 from tests.unit.engine.attention_meta import decode_meta, prefill_meta
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4

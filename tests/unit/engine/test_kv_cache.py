@@ -14,7 +14,8 @@ import torch
 
 from engine.attention import select_backend
 from engine.config import EngineConfig
-from engine.kv_cache import KV_LAYOUT_VERSION, KvCache, KvLayout, _as_dtype, blocks_for_budget
+from engine.kv_cache import KvCache, _as_dtype
+from engine.kv_layout import KV_LAYOUT_VERSION, KvLayout, blocks_for_budget
 from engine.precision import KvCacheDType
 
 CPU = torch.device("cpu")

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine.engine import LLMEngine
-from engine.kv_cache import KvCache, KvLayout
+from engine.kv_cache import KvCache
+from engine.kv_layout import KvLayout
 from engine.kv_offload import OffloadTier
 from engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory, assert_no_leaks

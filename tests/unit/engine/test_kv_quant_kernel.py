@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kv_cache import _FP8_FLUSH, KvCache, KvLayout, _as_dtype
+from engine.kv_cache import _FP8_FLUSH, KvCache, _as_dtype
+from engine.kv_layout import KvLayout
 from engine.kv_quant_kernel import FP8, INT8, decode_table, encode_into
 
 CPU = torch.device("cpu")

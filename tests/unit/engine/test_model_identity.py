@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from engine import model_identity
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.kv_cache import KvLayout
+from engine.kv_layout import KvLayout
 from engine.model_identity import CACHE_NAME, IdentityPart, ModelIdentity
 from engine.model_spec import ModelSpec
 from engine.prefix_hash import hash_seed

@@ -10,7 +10,7 @@ import torch
 
 from engine import precision
 from engine.config import EngineConfig
-from engine.kv_cache import KvLayout
+from engine.kv_layout import KvLayout
 from engine.model_spec import ModelSpec
 from engine.precision import DType, WeightQuant, resolve_dtype
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_cache import KvLayout
+from engine.kv_layout import KvLayout
 from kvtransfer.errors import LayoutMismatchError
 from kvtransfer.layout import check_layout, layout_to_proto
 from kvtransfer.leases import LeaseTable
