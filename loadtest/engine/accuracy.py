@@ -42,6 +42,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.precision import DType, KvCacheDType, WeightQuant
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatMessage, Tokenizer
 from loadtest.engine import accuracy_reference
@@ -133,7 +134,9 @@ def parity_prompts(tok: Tokenizer) -> list[list[int]]:
 
 def perplexity(engine: LLMEngine, tokens: Sequence[int]) -> float:
     """exp of the mean negative log-likelihood of tokens[1:] given what precedes them."""
-    rid = engine.add_request(list(tokens), SamplingParams(max_tokens=1, prompt_logprobs=0))
+    rid = engine.add_request(
+        RequestSpec(list(tokens), SamplingParams(max_tokens=1, prompt_logprobs=0))
+    )
     scored: list[float] = []
     while engine.has_unfinished():
         for out in engine.step():
@@ -147,7 +150,7 @@ def perplexity(engine: LLMEngine, tokens: Sequence[int]) -> float:
 def continuations(engine: LLMEngine, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     """Greedy continuations of every prompt, submitted together, EOS ignored."""
     params = SamplingParams(max_tokens=CONTINUATION_TOKENS, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(list(p), params) for p in prompts]
+    ids = [engine.add_request(RequestSpec(list(p), params)) for p in prompts]
     produced: dict[str, list[int]] = {rid: [] for rid in ids}
     while engine.has_unfinished():
         for out in engine.step():
@@ -163,7 +166,10 @@ def forced_agreement(
     (its rank is 1). Unlike free-running agreement, one flipped near-tie costs one
     position, not the rest of the continuation."""
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    ids = [engine.add_request([*p, *c[:-1]], params) for p, c in zip(prompts, ref, strict=True)]
+    ids = [
+        engine.add_request(RequestSpec([*p, *c[:-1]], params))
+        for p, c in zip(prompts, ref, strict=True)
+    ]
     ranks: dict[str, list[int]] = {rid: [] for rid in ids}
     while engine.has_unfinished():
         for out in engine.step():

@@ -35,6 +35,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.lora import AdapterRef, module_shapes
 from engine.model_spec import ModelSpec
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatMessage
 from loadtest.harness.target import TargetResult, target_rows
@@ -124,7 +125,7 @@ def _round(
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     ids = [
-        engine.add_request(p, params, adapter=None if a is None else AdapterRef(a))
+        engine.add_request(RequestSpec(p, params, adapter=None if a is None else AdapterRef(a)))
         for p, a in zip(prompts, adapters, strict=True)
     ]
     steps: list[float] = []

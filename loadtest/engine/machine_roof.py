@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.fused_decode import DecodeKernel, fused_decode_wanted, max_rows
+from engine.config import DecodeKernel
+from engine.fused_decode import fused_decode_wanted, max_rows
 from engine.model_spec import ModelSpec
 from engine.precision import WeightQuant
 

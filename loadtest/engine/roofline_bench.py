@@ -38,6 +38,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.model_spec import ModelSpec
 from engine.precision import DType, WeightQuant, resolve_dtype
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from loadtest.engine.machine_roof import bandwidth, gemm_roof, linear_flops, linear_weight_bytes
 from loadtest.reports.provenance import collect_provenance
@@ -135,7 +136,7 @@ def measure_prefill(engine: LLMEngine, tokens: int, seed: int) -> tuple[float, f
     spec = engine.spec
     prompt = _random_prompt(tokens, seed, spec.vocab_size)
     start = time.perf_counter()
-    engine.add_request(prompt, SamplingParams(max_tokens=1))
+    engine.add_request(RequestSpec(prompt, SamplingParams(max_tokens=1)))
     while engine.has_unfinished():
         engine.step()
     wall = time.perf_counter() - start
@@ -149,7 +150,9 @@ def measure_decode(engine: LLMEngine, batch: int, seed: int) -> tuple[float, flo
     spec = engine.spec
     params = SamplingParams(max_tokens=TIMED_STEPS + 4, temperature=0.0, ignore_eos=True)
     ids = [
-        engine.add_request(_random_prompt(DECODE_PROMPT, seed + i, spec.vocab_size), params)
+        engine.add_request(
+            RequestSpec(_random_prompt(DECODE_PROMPT, seed + i, spec.vocab_size), params)
+        )
         for i in range(batch)
     ]
     steps: list[tuple[float, float]] = []  # (seconds, flops)

@@ -36,6 +36,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.precision import DType
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from loadtest.engine.bench_config import EngineBenchConfig
@@ -111,8 +112,10 @@ def drive_engine(eng: LLMEngine, requests: Sequence[EngineRequest]) -> tuple[lis
     """Submit every request at once and step until all finish; returns outputs and steps."""
     ids = [
         eng.add_request(
-            list(r.prompt),
-            SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True),
+            RequestSpec(
+                list(r.prompt),
+                SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True),
+            )
         )
         for r in requests
     ]

@@ -28,12 +28,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpecMode
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.model_store import resolve_model_dir
+from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
-from engine.speculation import SpecMode
 from engine.tokenizer import ChatMessage
 from loadtest.harness.target import TargetResult, target_rows
 from loadtest.reports.provenance import collect_provenance
@@ -95,7 +95,7 @@ def decode_rate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) ->
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     tokens, seconds = 0, 0.0
     for prompt in prompts:
-        engine.add_request(prompt, params)
+        engine.add_request(RequestSpec(prompt, params))
         first: float | None = None
         count = 0
         while engine.has_unfinished():

@@ -24,6 +24,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.grammar import MaskJob
+from engine.request_spec import RequestSpec
 from engine.sampling_params import GuidedKind, GuidedSpec, SamplingParams
 from loadtest.reports.provenance import collect_provenance
 from loadtest.reports.result_file import write_result
@@ -76,7 +77,7 @@ def _params(kind: str, i: int) -> SamplingParams:
 def _round(engine: LLMEngine, kind: str) -> list[float]:
     """Step times (ms) while all BATCH requests decode."""
     prompt = engine.tokenizer.encode(PROMPT)
-    ids = [engine.add_request(prompt, _params(kind, i)) for i in range(BATCH)]
+    ids = [engine.add_request(RequestSpec(prompt, _params(kind, i))) for i in range(BATCH)]
     times: list[float] = []
     while engine.has_unfinished() and len(times) < STEPS:
         decoding = sum(

@@ -27,7 +27,7 @@ from loadtest.harness.settings import RunSettings
 from loadtest.reliability.leak_probe import LeakProbe, Leaks, ProbeTarget
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 
 #: Tokens per KV block on the workers (they run the engine's default).
 BLOCK_SIZE = EngineConfig().block_size
@@ -41,7 +41,7 @@ class Tenant:
     weight: float = 1.0
 
     def line(self, key: str) -> str:
-        """Its line of the gateway's keys file (`services/gateway/auth.py`)."""
+        """Its line of the gateway's keys file (`services/gateway/access/auth.py`)."""
         return (f"{self.name} {key} class={self.default_class.label} "
                 f"max_class={self.max_class.label} weight={self.weight:g}")  # fmt: skip
 
@@ -123,9 +123,9 @@ async def warm_up(fc: FlowCluster, requests: int, max_tokens: int) -> None:
         async with GatewayClient(address, api_key=key) as client:
             for i in range(requests):
                 request = build_request(
-                    prompt=f"Warm up {i}: say something about tides.", max_tokens=max_tokens,
-                    ignore_eos=True,
-                )  # fmt: skip
+                    f"Warm up {i}: say something about tides.",
+                    RequestOptions(max_tokens=max_tokens, ignore_eos=True),
+                )
                 async for _ in client.generate(request, timeout=120.0):
                     pass
 

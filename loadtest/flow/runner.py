@@ -25,7 +25,7 @@ import grpc
 from loadtest.flow.record import FlowRecord
 from loadtest.flow.refusal import metadata_dict, refusal_of
 from loadtest.flow.traffic import FlowRequest
-from services.common import priority_proto
+from services.common.request_codec import priority_to_proto
 from services.gateway.client import GatewayClient
 
 
@@ -57,7 +57,7 @@ class _Phase:
         rec = FlowRecord(req.spec.request_id, req.tenant, req.priority, req.gateway, self.now())
         self.records.append(rec)
         proto = req.spec.to_proto(ignore_eos=self.pace.ignore_eos, run_tag=self.tag)
-        proto.priority = priority_proto.to_proto(req.priority)
+        proto.priority = priority_to_proto(req.priority)
         call = self.clients[(req.gateway, req.tenant)].generate(
             proto, timeout=self.pace.request_timeout_s
         )

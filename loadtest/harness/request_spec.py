@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.v1 import gateway_pb2
-from services.gateway.client import build_request
+from services.gateway.client import RequestOptions, build_request
 
 
 @dataclass(frozen=True)
@@ -35,10 +35,12 @@ class BenchRequest:
         """Greedy (temperature 0) so the same request generates the same tokens on any
         deployment; with `ignore_eos` every request generates exactly `max_tokens`."""
         return build_request(
-            prompt=self.prompt,
+            self.prompt,
+            RequestOptions(
+                max_tokens=self.max_tokens,
+                temperature=0.0,
+                ignore_eos=ignore_eos,
+                request_id=f"{run_tag}-{self.request_id}",
+            ),
             messages=self.messages,
-            max_tokens=self.max_tokens,
-            temperature=0.0,
-            ignore_eos=ignore_eos,
-            request_id=f"{run_tag}-{self.request_id}",
         )

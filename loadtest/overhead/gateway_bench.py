@@ -37,7 +37,7 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
 from services.common import sampling
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 
 SCHEMA = "pdserve.gateway_bench/1"
 PLACEMENTS = ("redis", "static")
@@ -75,7 +75,7 @@ class GatewayReport:
 
 async def _gateway_ttft(client: GatewayClient) -> float:
     start = time.perf_counter()
-    call = client.generate(build_request(prompt=PROMPT, max_tokens=8))
+    call = client.generate(build_request(PROMPT, RequestOptions(max_tokens=8)))
     async for _ in call:
         break
     elapsed = time.perf_counter() - start
@@ -87,7 +87,7 @@ async def _direct_prefill(stub: worker_pb2_grpc.WorkerStub, prompt: list[int]) -
     rid = uuid.uuid4().hex
     request = worker_pb2.PrefillRequest(
         request_id=rid, prompt_token_ids=prompt,
-        sampling=sampling.to_proto(sampling.from_proto(build_request(max_tokens=8).sampling)),
+        sampling=sampling.to_proto(sampling.from_proto(build_request(options=RequestOptions(max_tokens=8)).sampling)),
     )  # fmt: skip
     start = time.perf_counter()
     await stub.Prefill(request)

@@ -33,7 +33,7 @@ from loadtest.harness.settings import RunSettings
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
 from services.common.telemetry_config import TelemetryConfig
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 
 SCHEMA = "pdserve.tracing_bench/1"
 TARGET_COST = 0.05
@@ -94,7 +94,8 @@ async def _client_loop(
             prompt = f"Request {i}: explain in a few sentences how {topic} form."
             i += 1
             request = build_request(
-                messages=[("user", prompt)], max_tokens=max_tokens, ignore_eos=True
+                options=RequestOptions(max_tokens=max_tokens, ignore_eos=True),
+                messages=[("user", prompt)],
             )
             start = time.monotonic()
             first = None
@@ -124,7 +125,9 @@ async def _round(address: str, cfg: TracingBenchConfig, seed: int) -> RoundResul
 async def _warm(address: str, n: int) -> None:
     async with GatewayClient(address) as client:
         for i in range(n):
-            async for _ in client.generate(build_request(prompt=f"Warm up {i}.", max_tokens=8)):
+            async for _ in client.generate(
+                build_request(f"Warm up {i}.", RequestOptions(max_tokens=8))
+            ):
                 pass
 
 

@@ -41,7 +41,7 @@ from services.cluster.local_cluster import LocalCluster
 from services.common.metrics import family_samples, scrape
 from services.common.role import Role
 from services.common.tls import TlsConfig, open_aio_channel
-from services.gateway.record_book import GAUGE, Resource
+from services.gateway.stream.record_book import GAUGE, Resource
 from services.router.keyspace import Keyspace
 from services.router.load import LoadLedger
 from services.router.redis_client import connect

@@ -39,7 +39,7 @@ from loadtest.reliability.leak_probe import LeakProbe, Leaks, ProbeTarget
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
 from services.common.metrics import scrape
-from services.gateway.client import GatewayClient, build_request
+from services.gateway.client import GatewayClient, RequestOptions, build_request
 
 # Shared openings (about two KV blocks each) so that the prefix cache and the router's
 # affinity are exercised, each followed by a short unique tail.
@@ -138,7 +138,8 @@ def _plan(rng: random.Random, cfg: SoakConfig) -> _Plan:
 async def _one(client: GatewayClient, plan: _Plan) -> tuple[str, str]:
     """("ok" | "cancelled" | status name, detail) of one request."""
     request = build_request(
-        prompt=plan.prompt, max_tokens=plan.max_tokens, ignore_eos=plan.cancel_after is not None
+        plan.prompt,
+        RequestOptions(max_tokens=plan.max_tokens, ignore_eos=plan.cancel_after is not None),
     )
     call = client.generate(request, timeout=120.0)
     if plan.cancel_after == 0:

@@ -27,6 +27,7 @@ from loadtest.workloads.prefix import (
     run_policy,
     summarize,
 )
+from services.router.placement import RouteQuery
 from services.router.router import Router
 
 #: The offload tier per worker, as a multiple of its cache (issue 21: "a tier 4x the pool").
@@ -43,7 +44,9 @@ class RouterPlacer:
         self.ranks: list[int] = []  # per decision: index of the pick in the policy's order
 
     def place(self, request: ChatRequest, sim: ClusterSim) -> tuple[int, tuple[str, ...]]:
-        routed = self.router.route_detailed(request.request_id, request.tokens, request.tenant)
+        routed = self.router.route_detailed(
+            RouteQuery(request.request_id, request.tokens, request.tenant)
+        )
         self.ranks.append(max(p.rank for p in routed.placements))
         return self.index[routed.decision.decode.worker_id], routed.decision.load_lease_ids
 

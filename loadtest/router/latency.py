@@ -23,6 +23,7 @@ import redis
 
 from loadtest.router.pool import POOL_SHAPES, make_router, register_workers
 from loadtest.workloads.prefix import ChatRequest, Workload
+from services.router.placement import RouteQuery
 from services.router.router import Router
 
 
@@ -123,7 +124,7 @@ def _cycles(
                     s.release.append(t1 - t0)
                     s.release_trips.append(c1 - c0)
             c0, t0 = counter.count, clock()
-            decision = router.route(req.request_id, req.tokens, req.tenant)
+            decision = router.route(RouteQuery(req.request_id, req.tokens, req.tenant))
             t1, c1 = clock(), counter.count
             inflight.append(decision.load_lease_ids)
             router.client.ping()

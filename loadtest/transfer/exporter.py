@@ -30,8 +30,8 @@ from typing import IO, Any
 
 import torch
 
-from engine.kv_cache import KvLayout, allocate_blocks
 from engine.kv_handoff import HeldKv
+from engine.kv_layout import KvLayout, allocate_blocks
 from engine.model_spec import ModelSpec
 from kvtransfer.config import TransferConfig
 from kvtransfer.exporter import KvExporter
@@ -42,13 +42,15 @@ CPU = torch.device("cpu")
 
 
 class PinnedRanges:
-    """A `HeldKvSource` over a bare pool: it stands in for an engine's pinned blocks.
+    """An `ExportPort` over a bare pool: it stands in for an engine's hand-off.
 
     `pin` records block ids under a request id; `held_kv` describes them to the exporter;
     `release_held` (called exactly once per lease by the exporter) forgets them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, layout: KvLayout, kv_blocks: torch.Tensor) -> None:
+        self.layout = layout
+        self.kv_blocks = kv_blocks
         self._lock = threading.Lock()
         self._held: dict[str, HeldKv] = {}
 
@@ -116,12 +118,12 @@ def serve_exporter(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     layout = layout_for(args.model_dir)
     pool = patterned_pool(layout, args.num_blocks)
-    pinned = PinnedRanges()
+    pinned = PinnedRanges(layout, pool)
     exporters: dict[str, KvExporter] = {}
     try:
         for name in BACKENDS:
-            exp = KvExporter(layout, pool, pinned, TransferConfig(kv_backend=name),
-                             engine_id=f"bench-exporter-{name}")  # fmt: skip
+            config = TransferConfig(kv_backend=name)
+            exp = KvExporter(pinned, config, engine_id=f"bench-exporter-{name}")
             exporters[name] = exp.start()
         ready = {name: [exp.address, exp.incarnation] for name, exp in exporters.items()}
         proto.write(json.dumps({"ready": ready, "pid": os.getpid()}) + "\n")

@@ -24,7 +24,7 @@ from loadtest.reliability.leak_probe import Leaks
 from loadtest.reports.provenance import Host, Provenance
 from loadtest.reports.result_file import read_result, write_result
 from loadtest.reports.sections import section
-from services.gateway.auth import ApiKeys
+from services.gateway.access.auth import ApiKeys
 
 STD = Priority.STANDARD
 PROVENANCE = Provenance("ab" * 20, False, "2026-01-02T03:04:05+00:00", "python -m x",

@@ -27,7 +27,7 @@ from loadtest.reliability.leak_probe import (
 )
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.metrics import MetricsServer
-from services.gateway.quota import TokenQuota
+from services.gateway.access.quota import TokenQuota
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.keyspace import Keyspace
 from services.router.load import LoadLedger, PlaceRequest

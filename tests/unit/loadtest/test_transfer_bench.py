@@ -24,7 +24,7 @@ from kvtransfer.service import CHUNK_BYTES
 from loadtest.transfer import report as transfer_report
 from loadtest.transfer.bench import main, parse_args
 from loadtest.transfer.config import HEADROOM_BLOCKS, TransferBenchConfig
-from loadtest.transfer.exporter import BLOCK_SIZE, PinnedRanges
+from loadtest.transfer.exporter import BLOCK_SIZE, PinnedRanges, layout_for, patterned_pool
 from loadtest.transfer.measure import block_ids, merged_descriptors
 from loadtest.transfer.peer import ExporterPeer
 
@@ -163,8 +163,9 @@ def test_merged_descriptors_and_block_ids() -> None:
     assert (src, dst) == block_ids("scatter", 6, 20, seed=0)
 
 
-def test_pinned_ranges_release_once() -> None:
-    pinned = PinnedRanges()
+def test_pinned_ranges_release_once(model_dir: Path) -> None:
+    layout = layout_for(model_dir)
+    pinned = PinnedRanges(layout, patterned_pool(layout, 8))
     pinned.pin("r", [3, 4])
     held = pinned.held_kv("r")
     assert held.block_ids == [3, 4] and held.num_tokens == 2 * BLOCK_SIZE
