@@ -77,7 +77,7 @@ class LLMEngine:
         )  # fmt: skip
         held = HeldKvIndex()
         forker = Forker(
-            self.scheduler, self.pool, self.kv_cache, config.block_size,
+            self.scheduler, self.pool, self.kv_cache,
             lambda guided: self.grammars().matcher(guided), self.loras.retain,
         )  # fmt: skip
         self.outputs = OutputStage(

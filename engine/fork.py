@@ -40,14 +40,13 @@ class Forker:
         scheduler: Scheduler,
         pool: BlockPool,
         kv_cache: KvCache,
-        block_size: int,
         grammar: Callable[[GuidedSpec], Grammar],
         retain: Callable[[LoraAdapter], None],
     ) -> None:
         self.scheduler = scheduler
         self.pool = pool
         self.kv_cache = kv_cache
-        self.block_size = block_size
+        self.block_size = kv_cache.layout.block_size
         self.grammar = grammar
         self.retain = retain  # a spawned fork holds its parent's adapter too
 

@@ -64,7 +64,7 @@ def _check_prompt(prompt: Sequence[int], limits: RequestLimits) -> None:
     check_ids("prompt_token_ids", prompt, limits.vocab_size)
     if n >= limits.max_model_len:
         raise InvalidRequestError(
-            "prompt", f"has {n} tokens; must be < the context length {limits.max_model_len}"
+            "prompt", f"has {n} tokens; must be < {limits.max_model_len} (the context length)"
         )
 
 
@@ -88,7 +88,7 @@ def _check_length(spec: RequestSpec, limits: RequestLimits) -> None:
     if n + max_tokens > limits.max_model_len:
         raise InvalidRequestError(
             "sampling.max_tokens",
-            f"prompt ({n}) + max_tokens must be <= the context length {limits.max_model_len}",
+            f"prompt ({n}) + max_tokens must be <= {limits.max_model_len} (the context length)",
             max_tokens,
         )
     capacity = limits.kv_capacity_tokens

@@ -1,7 +1,7 @@
 """The prefill side of KV transfer: export held blocks under leases and serve importers.
 
-Lifecycle: `KvExporter.for_engine(engine, config)` (any `ExportPort`: the exporter never
-sees the engine beyond it) registers the engine's KV pool with the backend
+Lifecycle: `KvExporter(port, config)` (any `ExportPort`, an engine's `handoff`: the
+exporter never sees the engine beyond it) registers the engine's KV pool with the backend
 (NIXL registers it once, for the process's life) and `start()` binds the KvTransfer gRPC
 service on loopback and starts a housekeeping thread. After the engine finishes a
 request added with `hold_kv=True`, `export(request_id)` grants a lease and returns the

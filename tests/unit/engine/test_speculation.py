@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from engine import engine as engine_module
+from engine import output_stage
 from engine.config import SpecConfig, SpecMode
 from engine.engine import LLMEngine
 from engine.request import Request
@@ -173,7 +173,7 @@ def test_seeded_next_token_distribution_is_unchanged_by_speculation(
     with_spec = second_tokens(on)
     assert on.speculator.verifications_total - before > len(seeds) // 2  # drafts were verified
     assert _homogeneity_p(without, with_spec) > ALPHA
-    monkeypatch.setattr(engine_module, "accepted", _always_keep)
+    monkeypatch.setattr(output_stage, "accepted", _always_keep)
     wrong = second_tokens(on)
     assert _homogeneity_p(without, wrong) < ALPHA, (without, wrong)
     assert_no_leaks(on)
