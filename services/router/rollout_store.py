@@ -103,11 +103,15 @@ def now_ms() -> int:
 
 def check_start(current: Rollout, canary: str, weight: float) -> None:
     """Whether a rollout of `canary` at `weight` may start over `current`: RolloutConflict
-    while one runs, ValueError for a weight outside (0, 1), a bad version name, or a
-    canary that is the stable version."""
+    while one runs, ValueError for a weight outside (0, 1), a bad or empty version name,
+    or a canary that is the stable version."""
     if not 0 < weight < 1:
         raise ValueError(f"weight must be in (0, 1), got {weight}")
     check_model_name(canary, "version")
+    if not canary:
+        # "" is the unversioned pool: once a promote made the stable version a named
+        # one, a start of "" would run a split with no canary at all.
+        raise ValueError("version must name the canary (it is empty)")
     if current.running:
         raise RolloutConflict(
             f"model {current.model!r} has a rollout of {current.canary!r} running: promote "

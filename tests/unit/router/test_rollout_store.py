@@ -54,6 +54,17 @@ def test_bad_starts_are_refused(client: redis.Redis, namespace: str) -> None:
     assert store.read("m").phase is RolloutPhase.NONE
 
 
+def test_an_empty_canary_is_refused_after_a_promote(client: redis.Redis, namespace: str) -> None:
+    """Found by the Rollout RPC fuzz: with a named stable version, a start of version ""
+    ran a split with no canary."""
+    store = RolloutStore(client, namespace)
+    store.start("m", "v3", 0.5)
+    store.promote("m")
+    with pytest.raises(ValueError, match="version must name the canary"):
+        store.start("m", "", 0.5)
+    assert store.read("m").stable == "v3" and not store.read("m").running
+
+
 def test_outcome_windows(client: redis.Redis, namespace: str) -> None:
     store = RolloutStore(client, namespace)
     t = now_ms()
