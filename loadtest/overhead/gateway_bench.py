@@ -30,13 +30,15 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.model_store import resolve_model_dir
+from engine.request_spec import RequestSpec
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from loadtest.harness.bench_main import BenchSpec, run_main
 from loadtest.harness.settings import RunSettings
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
-from services.common import sampling
+from services.common import request_codec
 from services.gateway.client import GatewayClient, RequestOptions, build_request
 
 SCHEMA = "pdserve.gateway_bench/1"
@@ -85,10 +87,8 @@ async def _gateway_ttft(client: GatewayClient) -> float:
 
 async def _direct_prefill(stub: worker_pb2_grpc.WorkerStub, prompt: list[int]) -> float:
     rid = uuid.uuid4().hex
-    request = worker_pb2.PrefillRequest(
-        request_id=rid, prompt_token_ids=prompt,
-        sampling=sampling.to_proto(sampling.from_proto(build_request(options=RequestOptions(max_tokens=8)).sampling)),
-    )  # fmt: skip
+    spec = RequestSpec(prompt, SamplingParams(max_tokens=8), request_id=rid)
+    request = request_codec.prefill_request(spec)
     start = time.perf_counter()
     await stub.Prefill(request)
     elapsed = time.perf_counter() - start
