@@ -189,8 +189,8 @@ class Admission:
         budget. Without that floor a prompt whose prefill alone outlasts the budget
         was refused even by an idle cluster; with a larger one (the whole budget was
         tried) such a prompt waits at the head of its class for seconds, and the room
-        admits nobody of the class behind it (the sustained headline's chat TTFT p90
-        went from 0.18 s to 3.1 s)."""
+        admits nobody of the class behind it (measured: docs/history.md, the
+        wait-budget run)."""
         budget = self.config.budget_s(priority)
         return max(budget * HEADROOM - idle_s, budget * MIN_WAIT_SHARE)
 
