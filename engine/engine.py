@@ -37,8 +37,8 @@ from engine.builder import build_parts
 from engine.config import EngineConfig
 from engine.engine_stats import StatsSources, collect_stats
 from engine.fork import Forker, fork_id
-from engine.grammar import GrammarCompiler
-from engine.intake import GrammarHolder, Intake, IntakeParts
+from engine.grammar import LazyGrammarCompiler
+from engine.intake import Intake, IntakeParts
 from engine.kv_handoff import HandoffParts, HeldKvIndex, KvHandoff
 from engine.lora import AdapterRef, LoraAdapter
 from engine.output_stage import OutputParts, OutputStage, output_of
@@ -68,9 +68,7 @@ class LLMEngine:
         self.gate = StepGate()
         self.lock = self.gate.lock  # held for a whole step
         self._meter = StepMeter()
-        self.grammars = GrammarHolder(
-            lambda: GrammarCompiler.of(self.tokenizer, self.spec.vocab_size)
-        )
+        self.grammars = LazyGrammarCompiler(self.tokenizer, self.spec.vocab_size)
         self.intake = Intake(
             IntakeParts(self._limits(), self.spec.fingerprint, self.loras, self.grammars,
                         self.scheduler.requests)

@@ -71,6 +71,23 @@ class Grammar:
         return self._matcher
 
 
+class LazyGrammarCompiler:
+    """A tokenizer's `GrammarCompiler`, built on first call (it indexes the vocabulary,
+    which a deployment without structured output never needs); thread-safe."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._lock = threading.Lock()
+        self._compiler: GrammarCompiler | None = None
+
+    def __call__(self) -> GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler.of(self._tokenizer, self._vocab_size)
+            return self._compiler
+
+
 class GrammarCompiler:
     """Specs -> grammars for one tokenizer, with a bounded cache of compiled texts."""
 

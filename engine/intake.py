@@ -144,19 +144,3 @@ def _resume(req: Request, output: Sequence[int]) -> None:
     req.output_token_ids = list(output)
     if req.grammar is not None:
         req.grammar.advance(output)
-
-
-class GrammarHolder:
-    """The structured-output compiler, built on first use (it indexes the vocabulary);
-    thread-safe."""
-
-    def __init__(self, build: Callable[[], GrammarCompiler]) -> None:
-        self._build = build
-        self._lock = threading.Lock()
-        self._compiler: GrammarCompiler | None = None
-
-    def __call__(self) -> GrammarCompiler:
-        with self._lock:
-            if self._compiler is None:
-                self._compiler = self._build()
-            return self._compiler

@@ -42,7 +42,7 @@ def check_request(spec: RequestSpec, limits: RequestLimits) -> None:
         _check_resume(spec, limits.vocab_size)
 
 
-def check_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
+def _check_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
     """InvalidRequestError naming `field` unless every id is in [0, vocab_size)."""
     if any(not 0 <= t < vocab_size for t in ids):
         raise InvalidRequestError(field, f"each id must be in [0, {vocab_size})")
@@ -61,7 +61,7 @@ def _check_prompt(prompt: Sequence[int], limits: RequestLimits) -> None:
     n = len(prompt)
     if n == 0:
         raise InvalidRequestError("prompt", "must not be empty")
-    check_ids("prompt_token_ids", prompt, limits.vocab_size)
+    _check_ids("prompt_token_ids", prompt, limits.vocab_size)
     if n >= limits.max_model_len:
         raise InvalidRequestError(
             "prompt", f"has {n} tokens; must be < {limits.max_model_len} (the context length)"
@@ -103,7 +103,7 @@ def _check_resume(spec: RequestSpec, vocab_size: int) -> None:
     """A migrated stream's tokens so far must be tokens, fewer than it may make, of a
     request that can resume (one fork, its prompt's log-probabilities already sent)."""
     params = spec.sampling
-    check_ids("resume_token_ids", spec.resume_token_ids, vocab_size)
+    _check_ids("resume_token_ids", spec.resume_token_ids, vocab_size)
     if len(spec.resume_token_ids) >= params.max_tokens:
         raise InvalidRequestError(
             "resume_token_ids", f"must hold fewer than max_tokens ({params.max_tokens}) ids"

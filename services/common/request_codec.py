@@ -20,7 +20,6 @@ What travels where:
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import TypeAlias
 
 from engine.errors import InvalidRequestError
@@ -69,18 +68,17 @@ def spec_of(msg: WorkerRequest, time_remaining_s: float | None = None) -> Reques
     """The request a worker call carries; its deadline `time_remaining_s` from now (the
     call's, None: none). Raises InvalidRequestError naming a bad sampling field."""
     resume = tuple(msg.resume_token_ids) if isinstance(msg, worker_pb2.DecodeRequest) else ()
-    spec = RequestSpec(
+    deadline = None if time_remaining_s is None else time.monotonic() + time_remaining_s
+    return RequestSpec(
         prompt_token_ids=tuple(msg.prompt_token_ids),
         sampling=sampling.from_proto(msg.sampling),
         request_id=msg.request_id,
         cache_salt=msg.cache_salt,
         priority=_worker_priority(msg.priority),
+        deadline=deadline,
         adapter=adapter_of(msg.adapter),
         resume_token_ids=resume,
     )
-    if time_remaining_s is None:
-        return spec
-    return replace(spec, deadline=time.monotonic() + time_remaining_s)
 
 
 # -- priority classes ----------------------------------------------------------------

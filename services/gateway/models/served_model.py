@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.grammar import GrammarCompiler
+from engine.grammar import GrammarCompiler, LazyGrammarCompiler
 from engine.tokenizer import Tokenizer
 from services.gateway.flow.admission import Admission
 from services.gateway.flow.prefill_site import SitePolicy
@@ -58,10 +58,11 @@ class ServedModel:
     versions: dict[str, Backend] = field(default_factory=dict)
     adapters: AdapterCatalog | None = None  # its LoRA adapters (--lora-dir); None: none
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _grammars: GrammarCompiler | None = field(default=None, repr=False)
+    _grammars: LazyGrammarCompiler = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.versions.setdefault(self.base.version, self.base)
+        self._grammars = LazyGrammarCompiler(self.tokenizer, self.vocab_size)
 
     # The base version's parts, as the gateway's single-model callers knew them.
     @property
@@ -82,9 +83,7 @@ class ServedModel:
 
     def grammars(self) -> GrammarCompiler:
         """The structured-output compiler, built on first use (it indexes the vocabulary)."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler.of(self.tokenizer, self.vocab_size)
-        return self._grammars
+        return self._grammars()
 
     def ensure_version(self, version: str) -> Backend:
         """The backend of `version`, made on first call (Redis I/O: off the event loop)."""
