@@ -120,8 +120,10 @@ def test_fused_steps_are_nearer_the_float32_model(make_engine: EngineFactory) ->
             agree[name] += sum(a == b for a, b in zip(want, got, strict=True))
             same = next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b),
                         len(want))  # fmt: skip
-            # Steps whose context is still float32's (step i computes token i + 1).
-            pairs = zip(ref_steps[: same - 1], steps[: same - 1], strict=True)
+            # Steps whose context is still float32's (step i computes token i + 1); none
+            # where the prefill's token already differs (same == 0).
+            kept = max(same - 1, 0)
+            pairs = zip(ref_steps[:kept], steps[:kept], strict=True)
             errors[name] += [float((s - r).norm() / r.norm()) for r, s in pairs]
     assert len(errors["fused"]) >= 20
     assert statistics.fmean(errors["fused"]) < 0.75 * statistics.fmean(errors["torch"])
@@ -165,6 +167,9 @@ def test_a_fused_row_is_the_same_alone_or_in_a_batch(
 
     monkeypatch.setattr(fused_decode.FusedDecoder, "decode", counted)
     engine = make_engine(dtype="bfloat16", kv_cache_bytes=128 << 20)
+    # Without AVX-512 BF16 the engine fuses at most FALLBACK_MAX_ROWS rows; the float32
+    # fallback's products take the same passes, so the bound is lifted to test them too.
+    monkeypatch.setattr(engine.model.fused, "max_rows", MAX_ROWS)
     prompts = [engine.tokenizer.encode(p) for p in (SHORT + CHAT)[: PASS_ROWS + 2]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     together = engine.generate(prompts, params)
@@ -253,32 +258,38 @@ def test_without_numba_the_torch_path_serves(
 def test_larger_decode_steps_attend_through_the_compiled_kernel(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Past `MAX_ROWS` the torch forward runs, with the kernel's decode attention (the
-    pool read in place): float32 inside, so its greedy tokens agree with float32's at
-    least as often as the gathered bf16 matmuls' (measured: 0.75 against 0.65)."""
+    """Past the fused step's bound the torch forward runs, with the kernel's decode
+    attention (the pool read in place): float32 inside, so on the same queries and cache
+    its output is nearer float32 attention than the gathered bf16 matmuls' (measured:
+    0.0017 against 0.0043 relative error on a CPU without AVX-512 BF16). Greedy-token
+    agreement on six prompts is too chaotic to show it: on that CPU it went either way."""
     prompts = SHORT[:6]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    calls: list[int] = []
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    errors: dict[str, list[float]] = {"compiled": [], "torch": []}
+    rows: list[int] = []
     compiled = TorchAttention._compiled_decode
 
-    def counted(self: TorchAttention, q: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append(q.shape[0])
-        return compiled(self, q, *args)
+    def measured(self: TorchAttention, q: torch.Tensor, cache: Any, meta: Any, plan: Any) -> Any:
+        got = compiled(self, q, cache, meta, plan)
+        rows.append(q.shape[0])
+        exact, plain = torch.empty_like(q, dtype=torch.float32), torch.empty_like(q)
+        for group in plan.decode_groups:
+            exact[group.rows] = TorchAttention._decode(q.float()[group.rows], cache, group)
+            plain[group.rows] = TorchAttention._decode(q[group.rows], cache, group)
+        for name, out in (("compiled", got), ("torch", plain)):
+            errors[name].append(float((out.float() - exact).norm() / exact.norm()))
+        return got
 
-    monkeypatch.setattr(TorchAttention, "_compiled_decode", counted)
+    monkeypatch.setattr(TorchAttention, "_compiled_decode", measured)
     monkeypatch.setattr(fused_decode, "MAX_ROWS", len(prompts) - 1)
-    outs, agree = {}, {}
-    for name, kw in (("fp32", {}), ("torch", {"dtype": "bfloat16", "decode_kernel": "torch"}),
-                     ("compiled", {"dtype": "bfloat16"})):  # fmt: skip
-        engine = make_engine(kv_cache_bytes=128 << 20, **kw)
-        outs[name] = engine.generate([engine.tokenizer.encode(p) for p in prompts], params)
-        assert engine.runner.fused_steps == 0
-        assert_no_leaks(engine)
-    assert calls and max(calls) == len(prompts)  # only the compiled engine's steps
-    for name in ("torch", "compiled"):
-        pairs = zip(outs["fp32"], outs[name], strict=True)
-        agree[name] = sum(a == b for x, y in pairs for a, b in zip(x, y, strict=True))
-    assert agree["compiled"] >= agree["torch"], agree
+    engine = make_engine(kv_cache_bytes=128 << 20, dtype="bfloat16")
+    engine.generate([engine.tokenizer.encode(p) for p in prompts], params)
+    assert engine.runner.fused_steps == 0
+    assert_no_leaks(engine)
+    assert max(rows) == len(prompts)  # the six-row steps attended through the kernel
+    assert statistics.fmean(errors["compiled"]) < 0.6 * statistics.fmean(errors["torch"]), {
+        k: statistics.fmean(v) for k, v in errors.items()
+    }
 
 
 @pytest.mark.parametrize("build", [decode_kernel.decode_step, decode_kernel.decode_attention])
