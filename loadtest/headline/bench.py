@@ -72,6 +72,7 @@ def cluster_config(name: str, cfg: HeadlineConfig, model: RunSettings) -> Cluste
         dtype=cfg.dtype,
         # A flag: it also overrides a PDSERVE_LOCAL_PREFILL_MAX_TOKENS in the env.
         local_prefill_max_tokens=cfg.local_prefill_max_tokens if prefill else None,
+        gateway_args="" if cfg.elastic_roles or not prefill else "--elastic-roles false",
     )
 
 

@@ -48,6 +48,13 @@ class HeadlineConfig:
             "(0 = every request takes the prefill hop)"
         },
     )
+    elastic_roles: bool = field(
+        default=True,
+        metadata={
+            "help": "the disaggregated gateway's elastic roles (its prefill worker also "
+            "serves short requests whole when it has room); false: the static 1P+1D split"
+        },
+    )
     num_requests: int = field(default=40, metadata={"help": "most requests per rate"})
     duration_s: float = field(default=150.0, metadata={"help": "stop issuing a rate after"})
     request_timeout_s: float = field(

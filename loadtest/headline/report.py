@@ -217,6 +217,7 @@ def markdown(results: HeadlineResults) -> str:
         f"{results.created}; {results.host_cpus} CPU cores; one core and one torch thread per "
         f"worker (pinned: {cfg.pin_workers}); compute dtype "
         f"{cfg.dtype.value if cfg.dtype else DEFAULT_DTYPE_TEXT}; "
+        f"elastic roles {'on' if cfg.elastic_roles else 'off (static split)'}; "
         "router placement on embedded Redis; KV over "
         f"{cfg.kv_backend}. Workload: chat ({t.tenants} tenants x {t.prompts_per_tenant} "
         f"system prompts of {t.system_tokens} tokens, Zipf {t.zipf_s}; user {t.user_tokens}, "

@@ -123,7 +123,7 @@ class DecodeHandler:
         ended the request, (bytes, why)."""
         if handle is not None:
             if self.importer is None:
-                raise ValueError("this worker has no KV importer (role prefill)")
+                raise ValueError("this worker imports no KV (its role is not decode)")
             with trace.transfer(handle) as span:
                 result = await self._import_waiting(Import(spec, handle, span))
                 span.done(result)

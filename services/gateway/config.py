@@ -118,6 +118,14 @@ class GatewayConfig:
             "tokens are prefilled locally too (0 = off)"
         },
     )
+    elastic_roles: bool = field(
+        default=True,
+        metadata={
+            "help": "a prefill worker with an empty queue also serves short requests whole "
+            "(prefill and decode, no hop) while it carries fewer streams than the decode "
+            "worker: on chat traffic both workers decode (false: prefill workers only prefill)"
+        },
+    )
     max_migrations: int = field(
         default=1,
         metadata={

@@ -61,6 +61,12 @@ class RouteDecision:
         """The same placement, holding only the decode worker's load lease."""
         return replace(self, prefill_lease_ids=())
 
+    def on_prefill_worker(self) -> RouteDecision:
+        """The prefill worker alone, running the request whole (elastic roles): its load
+        lease is now the decision's decode lease, and the decode worker is out."""
+        assert self.prefill is not None
+        return RouteDecision(None, self.prefill, decode_lease_ids=self.prefill_lease_ids)
+
     def without_prefill(self) -> RouteDecision:
         """The decode worker alone, prefilling the request itself (no prefill hop)."""
         return replace(self, prefill=None, prefill_lease_ids=())

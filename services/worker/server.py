@@ -2,12 +2,12 @@
 
 Lifecycle: `serve_worker(worker, engine, transfer)` loads the engine (converting the
 default model on first use), starts the engine loop, the KV exporter (prefill role) or
-importer (decode role; a mixed worker needs neither), and the gRPC server with health
-and reflection; registers with the router's Redis when `--redis-url` is set (refused if
-its model or KV layout differs from the cluster's) and then publishes its load signal
-there every `signal_interval_s` (`signal_publisher.py`); prints one JSON line
-`{"ready": address, ...}` on stdout for whoever launched it; serves until SIGTERM or
-SIGINT. Then it drains: marks itself draining in the registry (no new requests) and
+importer (decode role; a mixed worker needs neither; every role decodes), and the gRPC
+server with health and reflection; registers with the router's Redis when
+`--redis-url` is set (refused if its model or KV layout differs from the cluster's) and
+then publishes its load signal there every `signal_interval_s` (`signal_publisher.py`);
+prints one JSON line `{"ready": address, ...}` on stdout for whoever launched it; serves
+until SIGTERM or SIGINT. Then it drains: marks itself draining in the registry (no new requests) and
 withdraws its load signal, reports NOT_SERVING, lets running streams finish and exported
 KV be pulled for up to `drain_timeout_s`, deregisters, and stops everything (remaining
 leases released).
@@ -58,7 +58,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RoleParts:
     """What the worker's role serves: a Prefill handler and its KV exporter (prefill
-    role), a Decode handler (decode and mixed roles)."""
+    role), a Decode handler (every role: a prefill worker's serves whole requests only,
+    with no KV to import)."""
 
     prefill: PrefillHandler | None
     decode: DecodeHandler | None
@@ -193,7 +194,9 @@ async def serve_worker(
     )
     address = f"{config.host}:{built.port}"
     prefill = PrefillHandler(loop, exporter, config.worker_id, observe) if exporter else None
-    decode = DecodeHandler(loop, importer, observe) if config.role != "prefill" else None
+    # Every role decodes: a prefill worker with room serves short requests whole when the
+    # gateway's elastic roles send them (no KV import there, so no importer).
+    decode = DecodeHandler(loop, importer, observe)
     role = RoleParts(prefill, decode, exporter)
     service = WorkerService(config, loop, role, address, observe)
     worker_pb2_grpc.add_WorkerServicer_to_server(service, built.server)

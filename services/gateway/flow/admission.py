@@ -81,7 +81,10 @@ class Admission:
         self.board = board
         self.fair = fair
         self.metrics = metrics or AdmissionMetrics.disabled()
-        sites = SitePolicy(config.local_prefill_max_tokens, config.local_prefill_busy_s)
+        sites = SitePolicy(
+            config.local_prefill_max_tokens, config.local_prefill_busy_s,
+            elastic=config.elastic_roles,
+        )  # fmt: skip
         self.capacity = Capacity(sites)
         self.room = WaitingRoom(config.waiting_room_size)
         self.view = FairView()

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 from engine.priority import Priority
 from services.common.role import Role
 from services.gateway.flow.prefill_site import SitePolicy
+from services.gateway.flow.worker_loads import WorkerLoads
 
 if TYPE_CHECKING:  # only its fields are read here
     from services.router.worker_signal import WorkerSignal
@@ -172,15 +173,15 @@ class Capacity:
     limit of 0: every prompt takes the prefill hop). Above 0, decode workers prefill the
     prompts the gateway keeps local, so a prompt it may keep local is also estimated on
     the decode pool (`local`), and gets the sooner of the two estimates. `self.sites` is
-    that policy reading its queue lengths from here (`queue_s`): the one the gateway
+    that policy reading live loads from here (`loads`): the one the gateway
     routes by too, so admission and routing judge a prompt by the same rule."""
 
     def __init__(self, sites: SitePolicy | None = None) -> None:
-        self.sites = replace(sites or SitePolicy(0, 0.0), queue_s=self.queue_s)
+        self.loads = WorkerLoads()
+        self.sites = replace(sites or SitePolicy(0, 0.0), loads=self.loads)
         self.prefill = PoolView()
         self.local = PoolView()  # the decode pool as a prefill site; empty when none
         self.decode = PoolView()
-        self.by_worker: dict[str, WorkerSignal] = {}
         self._passes: list[Pass] = []
         self._arrivals = Arrivals()
         self.calibration = Calibration()
@@ -196,7 +197,7 @@ class Capacity:
         self.prefill = _view(prefill or mixed, now)
         self.local = _view(decode if prefill and self.sites.local_limit() > 0 else [], now)
         self.decode = _view(decode or mixed, now)
-        self.by_worker = {s.worker_id: s for s in signals}
+        self.loads.update(signals, now)
         for p in self._passes:
             if p.first_token is not None and p.estimate_s > 0:
                 self.calibration.observe(p)
@@ -206,10 +207,7 @@ class Capacity:
     def queue_s(self, worker_id: str) -> float:
         """Seconds of prefill waiting on one worker at its last signal (its queued prompt
         tokens over its measured speed); 0 without a signal or a measured speed."""
-        signal = self.by_worker.get(worker_id)
-        if signal is None or signal.prefill_tokens_per_s <= 0:
-            return 0.0
-        return signal.queued_tokens / signal.prefill_tokens_per_s
+        return self.loads.queue_s(worker_id)
 
     def estimate(self, cost: Cost, priority: Priority) -> Estimate | None:
         """The request's estimate on the soonest pool that may prefill it, calibrated;

@@ -24,25 +24,47 @@ routing (which placed both sides and knows the decode worker's cache model):
 - `DISAGGREGATED / ALWAYS`: `local_prefill_max_tokens` is 0 (the decision is off).
 
 A queue's length in seconds is the worker's last signal: its prompt tokens waiting
-divided by its measured prefill speed (0 while it has not measured one). The choice is a
-span attribute and a metric (`StreamTelemetry.disaggregation`). Mixed pools have no
-choice to make and are not counted.
+divided by its measured prefill speed (0 while it has not measured one).
+
+Elastic roles (`elastic`, the gateway's `--elastic-roles`): a prefill worker with room
+also decodes. Before any of the above the policy asks whether the chosen prefill worker
+should run the request whole, prefill and decode in one engine, with no hop and no
+transfer (`PREFILL_WORKER / DECODE_LOADED`). It does when the prompt is one a decode
+worker could prefill too (at most `local_limit` uncached tokens: a long prompt keeps the
+split, so its decode leaves the prefill worker free for the next long prompt), the
+prefill worker's queue is short now and has been lately (`IDLE_QUEUE_S`, smoothed over
+`worker_loads.RECENT_WINDOW_S`: a worker busy with long prompts would stall the streams
+it decodes), and it carries fewer streams than the decode worker, which carries at
+least `MIN_DECODE_STREAMS`. So on chat traffic both workers decode, about evenly, and on
+a long-prompt mix the prefill worker keeps to prefill. Every stream placed is counted
+(`LoadView.placed`), so a burst inside one signal interval still splits.
+
+The choice is a span attribute and a metric (`StreamTelemetry.disaggregation`). Mixed
+pools have no choice to make and are not counted.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from services.gateway.flow.worker_loads import LoadView, NoLoads
 
 #: A prompt up to this many times the local limit still goes local when the prefill
 #: pool is busy: the decode batch absorbs a few hundred tokens more at a small ITL cost.
 BUSY_FACTOR = 4
+#: A prefill worker whose queue is under this many seconds, now and lately, has room to
+#: decode: a chat prompt's prefill on the development host takes about 0.1-0.5 s.
+IDLE_QUEUE_S = 0.5
+#: The decode worker keeps a request while it carries fewer streams than this: below it
+#: a decode step costs about the same at any batch size, and a split gains nothing.
+MIN_DECODE_STREAMS = 2
 
 
 class PrefillSite(enum.Enum):
     DISAGGREGATED = "disaggregated"  # a prefill worker computes it, the decode one pulls
     LOCAL = "local"  # the decode worker computes it in its own batch
+    PREFILL_WORKER = "prefill_worker"  # the prefill worker runs it whole (elastic roles)
 
 
 class SiteReason(enum.Enum):
@@ -51,6 +73,7 @@ class SiteReason(enum.Enum):
     CACHED_PREFIX = "cached_prefix"
     PREFILL_BUSY = "prefill_busy"
     DECODE_BUSY = "decode_busy"
+    DECODE_LOADED = "decode_loaded"
     ALWAYS = "always"
 
 
@@ -63,17 +86,34 @@ class SiteChoice:
 
 @dataclass(frozen=True)
 class SitePolicy:
-    """The thresholds (the gateway's `--local-prefill-max-tokens` and
-    `--local-prefill-busy-s`) and where live queue lengths come from: `queue_s(worker_id)`
-    is a worker's waiting prefill in seconds (0 when unknown)."""
+    """The thresholds (the gateway's `--local-prefill-max-tokens`,
+    `--local-prefill-busy-s` and `--elastic-roles`) and where live loads come from
+    (`loads`: none, every worker idle)."""
 
     local_max_tokens: int
     busy_s: float
-    queue_s: Callable[[str], float] = lambda _: 0.0
+    loads: LoadView = field(default_factory=NoLoads)
+    elastic: bool = False
 
     def choose(
         self, prompt_tokens: int, cached_tokens: int, prefill_worker: str, decode_worker: str
     ) -> SiteChoice:
+        """Where the request's prompt is prefilled (and, elastic, which worker decodes);
+        counts the stream as placed on the worker that will decode it."""
+        choice = self.prefill_site(prompt_tokens, cached_tokens, prefill_worker, decode_worker)
+        if self._prefill_worker_has_room(choice, prefill_worker, decode_worker):
+            choice = SiteChoice(
+                PrefillSite.PREFILL_WORKER, SiteReason.DECODE_LOADED, choice.uncached_tokens
+            )
+        whole = choice.site is PrefillSite.PREFILL_WORKER
+        self.loads.placed(prefill_worker if whole else decode_worker)
+        return choice
+
+    def prefill_site(
+        self, prompt_tokens: int, cached_tokens: int, prefill_worker: str, decode_worker: str
+    ) -> SiteChoice:
+        """Conditional disaggregation alone (LOCAL or DISAGGREGATED), counting nothing:
+        for a stream that moves, whose decode worker is already chosen."""
         uncached = max(1, prompt_tokens - cached_tokens)
         if self.local_max_tokens <= 0:
             return SiteChoice(PrefillSite.DISAGGREGATED, SiteReason.ALWAYS, uncached)
@@ -88,6 +128,18 @@ class SitePolicy:
             return SiteChoice(PrefillSite.LOCAL, SiteReason.PREFILL_BUSY, uncached)
         return SiteChoice(PrefillSite.DISAGGREGATED, SiteReason.LONG_PROMPT, uncached)
 
+    def _prefill_worker_has_room(self, choice: SiteChoice, prefill: str, decode: str) -> bool:
+        """Elastic roles: whether the prefill worker should run the request whole."""
+        if not self.elastic or choice.reason is SiteReason.ALWAYS:
+            return False
+        if choice.uncached_tokens > self.local_limit():
+            return False  # a long prompt: its decode leaves the prefill worker free
+        loads = self.loads
+        if max(loads.queue_s(prefill), loads.recent_queue_s(prefill)) >= IDLE_QUEUE_S:
+            return False
+        on_decode = loads.streams(decode)
+        return on_decode >= MIN_DECODE_STREAMS and loads.streams(prefill) < on_decode
+
     def local_limit(self) -> int:
         """The most prompt tokens a decode worker may ever prefill: `BUSY_FACTOR` times
         the local limit under the busy rule, the limit itself without it (0: none)."""
@@ -98,5 +150,5 @@ class SitePolicy:
         """Whether `worker`'s prefill queue is past `busy_s` and longer than `than`'s."""
         if self.busy_s <= 0:
             return False
-        waiting = self.queue_s(worker)
-        return waiting > self.busy_s and self.queue_s(than) < waiting
+        waiting = self.loads.queue_s(worker)
+        return waiting > self.busy_s and self.loads.queue_s(than) < waiting

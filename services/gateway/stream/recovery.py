@@ -226,7 +226,7 @@ class StreamRecovery:
         conditional disaggregation prefills locally, or that Prefill fails."""
         if decision.prefill is None:
             return None
-        choice = self.sites.choose(
+        choice = self.sites.prefill_site(
             len(self.req.prompt), decision.decode_cached_tokens,
             decision.prefill.worker_id, decision.decode.worker_id,
         )  # fmt: skip

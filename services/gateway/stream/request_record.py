@@ -8,7 +8,9 @@ Lifecycle (`RequestState`), driven by `GatewayService.stream` and `RequestStream
     ROUTING     `route`: the placement picks workers and leases their load; a prefill
                 that failed on an unreachable worker routes again, excluding it;
                 `skip_prefill` drops the prefill side when the decode worker is to
-                prefill the prompt itself (its load lease goes back at once);
+                prefill the prompt itself (its load lease goes back at once), and
+                `serve_on_prefill` the decode side when the prefill worker is to run
+                the request whole (elastic roles);
                 `reroute_decode` (from DECODING) places the decode side again when a
                 decode worker refused the request before its first chunk, or died or
                 stalled after it (`decode_lost` first: the stream migrates)
@@ -262,6 +264,13 @@ class RequestRecord:
         local = decision.without_prefill()
         self._split(decision, keep=local, give_back=decision.prefill_load())
         return local
+
+    def serve_on_prefill(self, decision: RouteDecision) -> RouteDecision:
+        """The prefill worker runs the request whole (elastic roles): the decode worker's
+        load lease goes back now; returns the decision naming the prefill worker alone."""
+        whole = decision.on_prefill_worker()
+        self._split(decision, keep=whole, give_back=decision.decode_load())
+        return whole
 
     def _split(self, held: RouteDecision, *, keep: RouteDecision, give_back: RouteDecision) -> None:
         """Replace the placement `held` by `keep`'s leases and release `give_back`'s."""

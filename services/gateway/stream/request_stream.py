@@ -5,7 +5,8 @@ for a request already admitted (its `RequestRecord` holds a stream slot and its 
 charge). It moves the record through its states:
 1. route: placement picks a prefill and a decode worker (or one mixed worker); with
    both, conditional disaggregation (`prefill_site`) may drop the prefill side, and the
-   decode worker then prefills the prompt itself (as a mixed worker does, no handle);
+   decode worker then prefills the prompt itself (as a mixed worker does, no handle),
+   or, with elastic roles, drop the decode side: the prefill worker runs it whole;
 2. prefill: the prefill worker returns token 1 and a KvHandle, under its own deadline;
    if the worker is unreachable or misses the deadline, the request is routed again
    excluding it and retried once; token 1 is streamed (TTFT ends here);
@@ -150,8 +151,11 @@ class RequestStream:
             decision = await self.tel.route(self.record.route(failed), attempt)
             if decision.prefill is None:
                 return decision, None
-            if self._prefill_locally(decision):
+            site = self._prefill_site(decision)
+            if site is PrefillSite.LOCAL:
                 return self.record.skip_prefill(decision), None
+            if site is PrefillSite.PREFILL_WORKER:
+                return self.record.serve_on_prefill(decision), None
             try:
                 return decision, await self._prefill(decision)
             except grpc.aio.AioRpcError as exc:
@@ -166,16 +170,17 @@ class RequestStream:
                 failed.append(decision.prefill.worker_id)
         raise AssertionError("unreachable")
 
-    def _prefill_locally(self, decision: RouteDecision) -> bool:
-        """Conditional disaggregation (`prefill_site`): whether the decode worker should
-        prefill this prompt itself; the choice is traced and counted."""
+    def _prefill_site(self, decision: RouteDecision) -> PrefillSite:
+        """Conditional disaggregation and elastic roles (`prefill_site`): whether the
+        prompt takes the hop, is prefilled by the decode worker, or the prefill worker
+        runs the request whole; the choice is traced and counted."""
         assert decision.prefill is not None
         choice = self.sites.choose(
             len(self.req.prompt), decision.decode_cached_tokens,
             decision.prefill.worker_id, decision.decode.worker_id,
         )  # fmt: skip
         self.tel.disaggregation(choice)
-        return choice.site is PrefillSite.LOCAL
+        return choice.site
 
     async def _prefill(self, decision: RouteDecision) -> worker_pb2.PrefillResponse:
         response = await self._prefill_call(decision, self.req.spec)

@@ -15,6 +15,7 @@ from engine.stats import ClassCounts
 from services.common.role import Role
 from services.gateway.flow.capacity import Capacity
 from services.gateway.flow.prefill_site import BUSY_FACTOR, PrefillSite, SitePolicy, SiteReason
+from services.gateway.flow.worker_loads import NoLoads
 from tests.unit.services.gateway_fakes import (
     DECODE_TOKENS,
     FIRST_TOKEN,
@@ -31,8 +32,24 @@ from tests.unit.services.test_capacity import signal
 LOCAL, HOP = PrefillSite.LOCAL, PrefillSite.DISAGGREGATED
 
 
+class _Loads(NoLoads):
+    """Recorded loads: queue seconds (now and lately alike) and streams, by worker."""
+
+    def __init__(self, queues: dict[str, float], streams: dict[str, int] | None = None) -> None:
+        self.queues, self.counts = queues, streams or {}
+
+    def queue_s(self, worker_id: str) -> float:
+        return self.queues.get(worker_id, 0.0)
+
+    def recent_queue_s(self, worker_id: str) -> float:
+        return self.queues.get(worker_id, 0.0)
+
+    def streams(self, worker_id: str) -> int:
+        return self.counts.get(worker_id, 0)
+
+
 def _policy(queues: dict[str, float] | None = None, busy_s: float = 1.0) -> SitePolicy:
-    return SitePolicy(512, busy_s, lambda worker: (queues or {}).get(worker, 0.0))
+    return SitePolicy(512, busy_s, _Loads(queues or {}))
 
 
 @pytest.mark.parametrize(
