@@ -29,14 +29,17 @@ divided by its measured prefill speed (0 while it has not measured one).
 Elastic roles (`elastic`, the gateway's `--elastic-roles`): a prefill worker with room
 also decodes. Before any of the above the policy asks whether the chosen prefill worker
 should run the request whole, prefill and decode in one engine, with no hop and no
-transfer (`PREFILL_WORKER / DECODE_LOADED`). It does when the prompt is one a decode
-worker could prefill too (at most `local_limit` uncached tokens: a long prompt keeps the
-split, so its decode leaves the prefill worker free for the next long prompt), the
-prefill worker's queue is short now and has been lately (`IDLE_QUEUE_S`, smoothed over
-`worker_loads.RECENT_WINDOW_S`: a worker busy with long prompts would stall the streams
-it decodes), and it carries fewer streams than the decode worker, which carries at
-least `MIN_DECODE_STREAMS`. So on chat traffic both workers decode, about evenly, and on
-a long-prompt mix the prefill worker keeps to prefill. Every stream placed is counted
+transfer (`PREFILL_WORKER / DECODE_LOADED`). It does when
+- the prompt is one a decode worker could prefill too (at most `local_limit` uncached
+  tokens): a long prompt keeps the split, so its decode leaves the prefill worker free;
+- the gateway sent the prefill worker no long prompt (`LONG_PROMPT`) in the last
+  `worker_loads.RECENT_WINDOW_S`: a worker serving long prompts will likely get the
+  next one, and every stream it decodes would wait through that prefill's chunks;
+- its prefill queue is no longer than the decode worker's (or under `IDLE_QUEUE_S`);
+- it carries fewer streams than the decode worker, which carries at least
+  `MIN_DECODE_STREAMS`.
+So on chat traffic the two workers act as two mixed ones, about evenly loaded, and on a
+long-prompt mix the prefill worker keeps to prefill. Every stream placed is counted
 (`LoadView.placed`), so a burst inside one signal interval still splits.
 
 The choice is a span attribute and a metric (`StreamTelemetry.disaggregation`). Mixed
@@ -53,8 +56,9 @@ from services.gateway.flow.worker_loads import LoadView, NoLoads
 #: A prompt up to this many times the local limit still goes local when the prefill
 #: pool is busy: the decode batch absorbs a few hundred tokens more at a small ITL cost.
 BUSY_FACTOR = 4
-#: A prefill worker whose queue is under this many seconds, now and lately, has room to
-#: decode: a chat prompt's prefill on the development host takes about 0.1-0.5 s.
+#: A prefill worker whose queue is under this many seconds has room to decode, whatever
+#: the decode worker's queue: a chat prompt's prefill on the development host takes
+#: about 0.1-0.6 s.
 IDLE_QUEUE_S = 0.5
 #: The decode worker keeps a request while it carries fewer streams than this: below it
 #: a decode step costs about the same at any batch size, and a split gains nothing.
@@ -107,6 +111,8 @@ class SitePolicy:
             )
         whole = choice.site is PrefillSite.PREFILL_WORKER
         self.loads.placed(prefill_worker if whole else decode_worker)
+        if choice.reason is SiteReason.LONG_PROMPT:
+            self.loads.long_prompt_sent(prefill_worker)
         return choice
 
     def prefill_site(
@@ -135,7 +141,9 @@ class SitePolicy:
         if choice.uncached_tokens > self.local_limit():
             return False  # a long prompt: its decode leaves the prefill worker free
         loads = self.loads
-        if max(loads.queue_s(prefill), loads.recent_queue_s(prefill)) >= IDLE_QUEUE_S:
+        if loads.long_prompt_lately(prefill):
+            return False
+        if loads.queue_s(prefill) > max(loads.queue_s(decode), IDLE_QUEUE_S):
             return False
         on_decode = loads.streams(decode)
         return on_decode >= MIN_DECODE_STREAMS and loads.streams(prefill) < on_decode

@@ -22,7 +22,7 @@ from services.gateway.flow.prefill_site import (
     SitePolicy,
     SiteReason,
 )
-from services.gateway.flow.worker_loads import WorkerLoads
+from services.gateway.flow.worker_loads import RECENT_WINDOW_S, WorkerLoads
 from services.router.worker_signal import WorkerSignal
 from tests.unit.services.gateway_fakes import (
     DECODE_TOKENS,
@@ -98,21 +98,27 @@ def test_a_missing_decode_signal_falls_back() -> None:
     assert _choose(loads)[0] is PrefillSite.LOCAL
 
 
-def test_a_prefill_worker_busy_lately_keeps_to_prefill_though_its_queue_is_empty_now() -> None:
-    """Between two long prompts its queue is empty for a moment; a stream placed there
-    would stall through the next one's prefill."""
-    loads = WorkerLoads(window_s=5.0)
-    for t in range(10):  # ten seconds of a 4 s queue
-        busy = _signal(Role.PREFILL, "p", queued=4000)
-        loads.update([busy, _signal(Role.DECODE, "d", running=6)], now=float(t))
-    loads.update([_signal(Role.PREFILL, "p"), _signal(Role.DECODE, "d", running=6)], now=10.5)
-    assert loads.queue_s("p") == 0.0 and loads.recent_queue_s("p") > IDLE_QUEUE_S
+def test_a_prefill_worker_sent_a_long_prompt_lately_keeps_to_prefill() -> None:
+    """Its queue may be empty now, between two long prompts; a stream placed there would
+    wait through the next one's prefill chunks."""
+    loads = _loads()
+    policy = SitePolicy(512, 1.0, loads, elastic=True)
+    long = policy.choose(4 * 512 + 1, 0, "p", "d")
+    assert (long.site, long.reason) == (PrefillSite.DISAGGREGATED, SiteReason.LONG_PROMPT)
+    assert loads.long_prompt_lately("p") and not loads.long_prompt_lately("d")
     assert _choose(loads)[0] is PrefillSite.LOCAL
-    for t in range(11, 40):  # idle long enough
-        loads.update(
-            [_signal(Role.PREFILL, "p"), _signal(Role.DECODE, "d", running=6)], now=float(t)
-        )
-    assert loads.recent_queue_s("p") < IDLE_QUEUE_S
+    later = time.monotonic() + RECENT_WINDOW_S
+    assert not loads.long_prompt_lately("p", now=later)
+    loads.update([_signal(Role.PREFILL, "p"), _signal(Role.DECODE, "d", running=4)], now=later)
+    assert _choose(loads)[0] is WHOLE
+
+
+def test_a_prefill_queue_no_longer_than_the_decode_workers_does_not_stop_it() -> None:
+    """Under chat load both workers prefill their own requests: the two queues are alike."""
+    queued = int(3 * IDLE_QUEUE_S * RATE)
+    loads = WorkerLoads()
+    loads.update([_signal(Role.PREFILL, "p", running=2, queued=queued),
+                  _signal(Role.DECODE, "d", running=5, queued=queued)], now=100.0)  # fmt: skip
     assert _choose(loads)[0] is WHOLE
 
 

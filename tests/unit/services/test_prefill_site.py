@@ -33,15 +33,12 @@ LOCAL, HOP = PrefillSite.LOCAL, PrefillSite.DISAGGREGATED
 
 
 class _Loads(NoLoads):
-    """Recorded loads: queue seconds (now and lately alike) and streams, by worker."""
+    """Recorded loads: queue seconds and streams, by worker."""
 
     def __init__(self, queues: dict[str, float], streams: dict[str, int] | None = None) -> None:
         self.queues, self.counts = queues, streams or {}
 
     def queue_s(self, worker_id: str) -> float:
-        return self.queues.get(worker_id, 0.0)
-
-    def recent_queue_s(self, worker_id: str) -> float:
         return self.queues.get(worker_id, 0.0)
 
     def streams(self, worker_id: str) -> int:
