@@ -71,6 +71,7 @@ def cluster(setup: dict[str, Any]) -> Iterator[LocalCluster]:
 
 
 async def _generate(address: str, prompt: list[int], model: str) -> tuple[list[int], str]:
+    """The stream's tokens and 'prefill worker>decode worker'."""
     request = build_request(
         options=RequestOptions(max_tokens=MAX_TOKENS, temperature=0.0, model=model)
     )
@@ -78,7 +79,8 @@ async def _generate(address: str, prompt: list[int], model: str) -> tuple[list[i
     async with GatewayClient(address) as client:
         msgs = [m async for m in client.generate(request)]
     prefill = next((m.prefill_worker for m in msgs if m.prefill_worker), "")
-    return [t for m in msgs for t in m.token_ids], prefill
+    decode = next((m.decode_worker for m in msgs if m.decode_worker), "")
+    return [t for m in msgs for t in m.token_ids], f"{prefill}>{decode}"
 
 
 def test_base_and_adapters_together_match_peft(
@@ -100,10 +102,13 @@ def test_base_and_adapters_together_match_peft(
     for (p, name), (tokens, _) in zip(jobs, results, strict=True):
         adapter = name.rpartition(":")[2]
         assert tokens == setup["refs"][adapter][p], f"prompt {p}, model {name!r}"
-    # Who prefilled: the decode worker itself for the short prompts, the prefill worker
-    # for the long one; so both paths ran the base model and both adapters.
-    sites = {(p, prefill) for (p, _), (_, prefill) in zip(jobs, results, strict=True)}
-    assert sites == {(0, "decode-0"), (1, "decode-0"), (2, "prefill-0")}
+    # Who prefilled>decoded: one worker for a short prompt (the decode worker itself, or
+    # with elastic roles the prefill worker, whole, beside a loaded decode worker), the
+    # hop for the long one; so every path ran the base model and both adapters.
+    sites = {(p, hops) for (p, _), (_, hops) in zip(jobs, results, strict=True)}
+    whole = {"decode-0>decode-0", "prefill-0>prefill-0"}
+    assert {h for p, h in sites if p < 2} <= whole and (2, "prefill-0>decode-0") in sites
+    assert {h for p, h in sites} - whole == {"prefill-0>decode-0"}, sites
     assert_cluster_clean(probe)
 
 
