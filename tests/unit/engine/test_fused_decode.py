@@ -103,9 +103,11 @@ def test_the_kernels_exp_is_within_libms_error() -> None:
 
 def test_fused_steps_are_nearer_the_float32_model(make_engine: EngineFactory) -> None:
     """Its float32 insides (torch rounds to bf16 after every op): on the parity prompts'
-    decode steps, its logits' distance to float32's is well under the torch bf16
-    path's (measured: about half), and its greedy tokens agree with float32's at least
-    as often."""
+    decode steps, while the context is still float32's, its logits' distance to float32's
+    is well under the torch bf16 path's (measured: about half, 0.6 on a CPU without
+    AVX-512 BF16). Greedy-token agreement over whole runs is not asserted: on six prompts
+    it went either way from run to run (54 against 60 of 72 tokens in one, under the
+    suite's parallel phase), since one early flip changes the rest of a sequence."""
     prompts = SHORT[:4] + CHAT[:2]
     ref = _logits_per_step(make_engine(), prompts)
     plain = make_engine(dtype="bfloat16", decode_kernel="torch")
@@ -114,10 +116,8 @@ def test_fused_steps_are_nearer_the_float32_model(make_engine: EngineFactory) ->
     torch_bf16, fused_bf16 = _logits_per_step(plain, prompts), _logits_per_step(fused, prompts)
     assert fused.runner.fused_steps == sum(len(t) - 1 for t, _ in fused_bf16)
     errors: dict[str, list[float]] = {"torch": [], "fused": []}
-    agree = {"torch": 0, "fused": 0}
     for (want, ref_steps), *runs in zip(ref, torch_bf16, fused_bf16, strict=True):
         for name, (got, steps) in zip(("torch", "fused"), runs, strict=True):
-            agree[name] += sum(a == b for a, b in zip(want, got, strict=True))
             same = next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b),
                         len(want))  # fmt: skip
             # Steps whose context is still float32's (step i computes token i + 1); none
@@ -127,7 +127,6 @@ def test_fused_steps_are_nearer_the_float32_model(make_engine: EngineFactory) ->
             errors[name] += [float((s - r).norm() / r.norm()) for r, s in pairs]
     assert len(errors["fused"]) >= 20
     assert statistics.fmean(errors["fused"]) < 0.75 * statistics.fmean(errors["torch"])
-    assert agree["fused"] >= agree["torch"]
     assert_no_leaks(fused)
 
 
