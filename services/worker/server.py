@@ -62,7 +62,7 @@ class RoleParts:
     with no KV to import)."""
 
     prefill: PrefillHandler | None
-    decode: DecodeHandler | None
+    decode: DecodeHandler
     exporter: KvExporter | None
 
 
@@ -107,11 +107,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeChunk]:
-        if self.decode_handler is None:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"worker role is {self.config.role}"
-            )
-        assert self.decode_handler is not None
         try:
             async for chunk in self.decode_handler.decode(request, context):
                 yield chunk
