@@ -27,6 +27,11 @@ os.environ.setdefault("PDSERVE_DTYPE", "float32")
 # the tests start takes the hop unless a test turns the decision on itself
 # (test_conditional_disaggregation.py, and the unit tests of `prefill_site`).
 os.environ.setdefault("PDSERVE_LOCAL_PREFILL_MAX_TOKENS", "0")
+# For the same reason their workers keep the role they were started in: a test that
+# asserts where requests ran must not find its prefill worker moved to the decode pool by
+# its own load. The tests of role changes pass --role-window-s themselves
+# (test_elastic_roles.py) or call SetRole (test_faults.py).
+os.environ.setdefault("PDSERVE_ROLE_WINDOW_S", "0")
 # Under pytest-xdist (`make test` runs the unit tests on one process per core) each
 # process computes on one thread, so the processes do not oversubscribe the cores.
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -159,6 +159,14 @@ class ClusterConfig:
             "(--gateway-args='--max-tokens-limit 512')"
         },
     )
+    # The same for every worker of the primary model (a benchmark's static deployment
+    # pins each worker's home role with --role-window-s 0, say).
+    worker_args: str = field(
+        default="",
+        metadata={
+            "help": "extra flags for every worker, shell-quoted (--worker-args='--role-window-s 0')"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.http_port is not None and not -1 <= self.http_port <= 65535:
@@ -169,10 +177,11 @@ class ClusterConfig:
             raise ValueError(f"placement must be redis or static, got {self.placement!r}")
         if self.gateways < 1:
             raise ValueError(f"gateways must be >= 1, got {self.gateways}")
-        try:
-            shlex.split(self.gateway_args)
-        except ValueError as exc:
-            raise ValueError(f"gateway_args: {exc}") from None
+        for name in ("gateway_args", "worker_args"):
+            try:
+                shlex.split(getattr(self, name))
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
         extra_model_dirs(self.extra_models)  # parses and checks the list
         if self.extra_models and self.placement != "redis":
             raise ValueError("extra_models needs placement redis: each model has its own pool")

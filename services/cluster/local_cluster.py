@@ -150,7 +150,8 @@ class LocalCluster:
                 "--kv-cache-bytes", str(self.cfg.worker_kv_cache_bytes),
                 "--kv-backend", self.cfg.kv_backend,
                 *self._pin_args(role, index), *self._common(), *self._redis_args(),
-                *self._passthrough(WORKER_PASSTHROUGH + LORA_PASSTHROUGH)]  # fmt: skip
+                *self._passthrough(WORKER_PASSTHROUGH + LORA_PASSTHROUGH),
+                *shlex.split(self.cfg.worker_args)]  # fmt: skip
 
     def _extra_model_args(self, name: str, model_dir: str) -> list[str]:
         """The one mixed worker of an extra model: it registers in that model's pool (its

@@ -1,8 +1,10 @@
 """What a worker does in the cluster: the one place the role names are defined.
 
-A worker's role is fixed for its life: it is chosen by its config, registered with the
-router under it, and decides which of the Prefill and Decode RPCs it serves. `Role` is a
-`StrEnum`, so its values are the names on the wire (Redis keys, flags, proto strings).
+A worker's home role is chosen by its config and registered with the router: it is the
+pool the routers find the worker in, so where its work comes from. It can change at run
+time (`services/worker/home_role.py`); what the worker can run only grows with it (every
+role decodes, `services/worker/phases.py`). `Role` is a `StrEnum`, so its values are the
+names on the wire (Redis keys, flags, proto strings).
 """
 
 from __future__ import annotations

@@ -61,6 +61,13 @@ class WorkerMetrics:
             "Requests whose caller went away before they finished",
             registry=registry,
         )
+        self.role_changes = Counter(
+            "pdserve_worker_role_changes",
+            "Run-time changes of the worker's home role, by the role left and the role taken, "
+            "and why (planner: the mix shifted; operator: a SetRole call)",
+            ["previous", "role", "reason"],
+            registry=registry,
+        )
 
 
 def _offload_metrics(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

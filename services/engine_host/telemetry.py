@@ -77,3 +77,7 @@ class WorkerTelemetry:
     def count_cancelled(self) -> None:
         if self.metrics is not None:
             self.metrics.cancelled.inc()
+
+    def count_role_change(self, previous: str, role: str, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.role_changes.labels(previous, role, reason).inc()

@@ -192,8 +192,13 @@ class ClusterController:
     def _worker_spec(self, pool: Pool, index: int) -> ServiceSpec:
         c = self.cluster
         name = f"{pool.role}-{index}"
+        # The autoscaler sizes each pool by its launched role; a home role that moved
+        # under it would have it drain a prefill actor that is decoding. So one or the
+        # other: with --autoscale, home roles stay fixed (deploy.md, one pool or two).
+        window = 0.0 if self.ray_cfg.autoscale else WorkerConfig.role_window_s
         worker = WorkerConfig(role=Role(pool.role), worker_id=name, redis_url=self.redis_url,
-                              namespace=self.ray_cfg.ray_namespace)  # fmt: skip
+                              namespace=self.ray_cfg.ray_namespace,
+                              role_window_s=window)  # fmt: skip
         # As a local cluster's worker process reads its PDSERVE_* env vars for what its
         # flags leave unset, a worker actor's engine takes them from the launcher's
         # environment; what the cluster sets wins.

@@ -18,6 +18,8 @@ Layout (`ns` = namespace, `role` in prefill / decode / mixed):
 - `ns:signal:<id>`   HASH of one worker's live load signal (queued prefill tokens by
   class, requests, KV blocks, recent speeds, publish time), PX-expiring: a worker
   republishes it every `--signal-interval-s` (`worker_signal.py`)
+- `ns:role_change`   id of the worker whose home role changed last, PX-expiring after
+  one role window: at most one change per window in the cluster (`home_role.py`)
 
 A load lease id is `<role>:<token>:<worker id>`: it names its pool and worker, so release
 and expiry need no lookup. Tokens are hex, roles have no ':', so the split is unambiguous.
@@ -80,6 +82,10 @@ class Keyspace:
     @property
     def signal_prefix(self) -> str:
         return f"{self.namespace}:signal:"
+
+    @property
+    def role_change(self) -> str:
+        return f"{self.namespace}:role_change"
 
 
 def pool_namespace(namespace: str, served_model_name: str = "", version: str = "") -> str:

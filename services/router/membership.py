@@ -37,11 +37,15 @@ class MembershipView:
     identity: ModelIdentity | None = None  # its parts, as a worker published them
 
     def serving_roles(self) -> tuple[str, ...]:
-        """("prefill", "decode") when both pools have workers, else ("mixed",), else ()."""
+        """("prefill", "decode") when both pools have workers, else ("mixed",), else the
+        one of prefill and decode that has workers, else (). A lone pool serves whole
+        requests: every role decodes, and prefills its own prompts without a prefill
+        worker (run-time role changes can leave a P/D cluster with one pool)."""
         if self.pools.get("prefill") and self.pools.get("decode"):
             return ("prefill", "decode")
-        if self.pools.get("mixed"):
-            return ("mixed",)
+        for role in ("mixed", "decode", "prefill"):
+            if self.pools.get(role):
+                return (role,)
         return ()
 
     def ring(self, role: str) -> HashRing:
@@ -80,10 +84,6 @@ class MembershipView:
         ]
 
     def why_empty(self) -> str:
-        if self.pools.get("prefill") and not self.pools.get("decode"):
-            return "no decode worker is registered (prefill workers need decode workers)"
-        if self.pools.get("decode") and not self.pools.get("prefill"):
-            return "no prefill worker is registered (decode workers need prefill workers)"
         return "no worker is registered with the router; start prefill+decode or mixed workers"
 
     def why_none(self, role: str, excluded: frozenset[str]) -> str:

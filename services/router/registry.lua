@@ -12,7 +12,9 @@
 --                         JSON of the model's identity parts; '' if unknown),
 --                         adapters (ARGV[13]: the LoRA adapters it holds, comma-separated)
 --   -> {'ok', created (1 new, 0 renewed)} | {'identity', model, layout} | {'role', role}
---   Creates or renews the worker's PX lease. The identity is set by the first live
+--   Creates or renews the worker's PX lease. The same id and incarnation under another
+--   role moves the worker to that role's pool (a run-time home-role change); another
+--   incarnation under another role is refused ({'role', role}). The identity is set by the first live
 --   worker and lives as long as the longest worker lease, so it resets only once every
 --   worker is gone. Draining is sticky: a heartbeat never un-drains a worker. A new
 --   registration, or a new incarnation (the worker restarted), stamps `joined` (Redis
@@ -62,7 +64,13 @@ if op == 'register' then
   end
   local old = redis.call('HMGET', key, 'role', 'draining', 'incarnation')
   if old[1] and old[1] ~= role then
-    return {'role', old[1]}
+    -- The same process under another role is a home-role change: it leaves its old
+    -- pool in this same call, so no reader sees it in two pools or in none. Another
+    -- process with the same id is refused.
+    if ARGV[11] == '' or old[3] ~= ARGV[11] then
+      return {'role', old[1]}
+    end
+    if pools[old[1]] then redis.call('SREM', pools[old[1]], id) end
   end
   local draining = ARGV[9]
   if old[2] == '1' then draining = '1' end

@@ -88,7 +88,9 @@ class Registry:
         """Create or renew `info`'s registration; True if it was created.
 
         Raises IncompatibleWorkerError (and registers nothing) if the worker's model or
-        KV layout differs from the cluster's, or its id is registered under another role.
+        KV layout differs from the cluster's, or its id is registered under another role
+        by another process (incarnation). The same incarnation under a new role moves the
+        worker to that role's pool, atomically: its home role changed at run time.
         """
         self._check_pinned(info)
         res = self._call(
@@ -161,6 +163,13 @@ class Registry:
             out.append(info)
         return sorted(out, key=lambda w: (w.role, w.worker_id))
 
+    def claim_role_change(self, worker_id: str, seconds: float) -> bool:
+        """Take the cluster's one home-role change for the next `seconds`; False if
+        another worker (or this one) changed role within them. Spacing changes a window
+        apart lets each one's effect show in the signals before the next is decided."""
+        ms = max(1, round(seconds * 1000))
+        return bool(self.client.set(self.keys.role_change, worker_id, nx=True, px=ms))
+
     def identity(self) -> tuple[str, str] | None:
         """(model, layout) of the live workers, or None if none is registered."""
         model, layout = self.client.hmget(self.keys.identity, ["model", "layout"])
@@ -188,20 +197,26 @@ async def keep_registered(
     current: Callable[[], WorkerInfo],
     stop: asyncio.Event,
     interval_s: float | None = None,
+    lock: asyncio.Lock | None = None,
 ) -> None:
     """Heartbeat `current()` every `interval_s` (default ttl/3) until `stop` is set
     (what changes between beats, such as the resident LoRA adapters, goes with each).
 
     Survives Redis outages (logged): the next heartbeat after Redis returns re-creates
     the registration. An IncompatibleWorkerError propagates: the worker must not serve.
+    A beat holds `lock` (when given) from reading `current()` to Redis's reply, so a
+    role change holding it too is never undone by a beat that read the old role.
     """
     interval = registry.ttl_s / 3 if interval_s is None else interval_s
     while not stop.is_set():
-        info = current()
-        try:
-            if await asyncio.to_thread(registry.heartbeat, info):
-                log.info("worker %s (%s) registered with the router", info.worker_id, info.role)
-        except REDIS_DOWN_ERRORS as exc:
-            log.warning("heartbeat of %s failed, Redis unreachable: %s", info.worker_id, exc)
+        async with lock or contextlib.nullcontext():
+            info = current()
+            try:
+                if await asyncio.to_thread(registry.heartbeat, info):
+                    log.info("worker %s (%s) registered with the router", info.worker_id,
+                             info.role)  # fmt: skip
+            except REDIS_DOWN_ERRORS as exc:
+                log.warning("heartbeat of %s failed, Redis unreachable: %s", info.worker_id,
+                            exc)  # fmt: skip
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=interval)

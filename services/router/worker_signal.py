@@ -68,6 +68,14 @@ class WorkerSignal:
         return sum(self.waiting_tokens)
 
     @property
+    def queue_s(self) -> float:
+        """Seconds its queued prompt tokens take at its measured prefill speed (0.0 while
+        the speed is unmeasured)."""
+        if self.prefill_tokens_per_s <= 0:
+            return 0.0
+        return self.queued_tokens / self.prefill_tokens_per_s
+
+    @property
     def kv_utilisation(self) -> float:
         """Share of the KV pool in use, 0.0 to 1.0 (0.0 for an empty pool)."""
         return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0

@@ -45,6 +45,22 @@ class WorkerConfig:
             "to Redis this often, in seconds, for the gateway's admission (with --redis-url)"
         },
     )
+    role_window_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "change the worker's home role (prefill <-> decode) at run time when the "
+            "traffic mix has stayed shifted for this many seconds; at most one worker of the "
+            "cluster changes per window (0 = the role given is kept for life; needs "
+            "--redis-url)"
+        },
+    )
+    role_long_prompt_tokens: int = field(
+        default=512,
+        metadata={
+            "help": "for the role planner, a prompt of at least this many uncomputed tokens "
+            "is long (match the gateway's --local-prefill-max-tokens)"
+        },
+    )
     cpu_cores: str = field(
         default="",
         metadata={"help": "pin every thread to these CPU core ids, comma-separated (empty: no)"},
@@ -57,6 +73,11 @@ class WorkerConfig:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if not self.signal_interval_s > 0:
             raise ValueError(f"signal_interval_s must be > 0, got {self.signal_interval_s}")
+        if self.role_window_s < 0 or self.role_long_prompt_tokens < 1:
+            raise ValueError(
+                f"role_window_s must be >= 0 and role_long_prompt_tokens >= 1, got "
+                f"{self.role_window_s} and {self.role_long_prompt_tokens}"
+            )
         if self.cpu_cores and not all(c.strip().isdigit() for c in self.cpu_cores.split(",")):
             raise ValueError(f"cpu_cores must be comma-separated core ids, got {self.cpu_cores!r}")
 

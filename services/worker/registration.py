@@ -7,7 +7,9 @@ beat sends the registration as of then (`current`): the LoRA adapters resident o
 worker change, and the router prefers workers that hold a request's adapter. On
 shutdown the worker calls `drain()` (routers stop placing on it at once), finishes its
 streams, then `stop()` ends the heartbeat and deregisters. A worker that dies simply
-stops heartbeating and expires after `heartbeat_ttl_s`.
+stops heartbeating and expires after `heartbeat_ttl_s`. `change_role(role)` moves the
+registration to another pool at run time (one atomic registry call; beats and the change
+take one lock, so a beat that read the old role cannot move it back).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
+from services.common.role import Role
 from services.router.keyspace import Keyspace
 from services.router.redis_client import REDIS_DOWN_ERRORS, connect
 from services.router.registry import Registry, WorkerInfo, keep_registered
@@ -39,10 +42,24 @@ class WorkerRegistration:
         self.registry = Registry(connect(redis_url, 1.0), Keyspace(namespace), ttl_s=ttl_s)
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._writing = asyncio.Lock()  # one registry write at a time: beat or role change
 
     async def start(self) -> None:
         await asyncio.to_thread(self.registry.register, self.current())
-        self._task = asyncio.create_task(keep_registered(self.registry, self.current, self._stop))
+        self._task = asyncio.create_task(
+            keep_registered(self.registry, self.current, self._stop, lock=self._writing)
+        )
+
+    async def change_role(self, role: Role) -> None:
+        """Register under `role` from now on: the routers find this worker in that pool
+        at their next membership read. Redis errors propagate (the role is then
+        unchanged here; Redis may or may not have moved it, and the next beat settles
+        it either way)."""
+        async with self._writing:
+            moved = replace(self.info, role=role)
+            now = replace(moved, adapters=self.adapters())
+            await asyncio.to_thread(self.registry.register, now)
+            self.info = moved
 
     def current(self) -> WorkerInfo:
         """The registration as of now (its resident adapters change)."""

@@ -1,11 +1,13 @@
 """One worker process: an engine, its loop thread, KV transfer and the Worker service.
 
 Lifecycle: `serve_worker(worker, engine, transfer)` loads the engine (converting the
-default model on first use), starts the engine loop, the KV exporter (prefill role) or
-importer (decode role; a mixed worker needs neither; every role decodes), and the gRPC
-server with health and reflection; registers with the router's Redis when
-`--redis-url` is set (refused if its model or KV layout differs from the cluster's) and
-then publishes its load signal there every `signal_interval_s` (`signal_publisher.py`);
+default model on first use), starts the engine loop, what its home role runs (`Phases`:
+the KV exporter for prefill, the importer for decode; a mixed worker needs neither; every
+role decodes), and the gRPC server with health and reflection; registers with the
+router's Redis when `--redis-url` is set (refused if its model or KV layout differs from
+the cluster's), then publishes its load signal there every `signal_interval_s`
+(`signal_publisher.py`) and, with `--role-window-s` > 0, lets the role planner change its
+home role as the mix shifts (`home_role.py`; the SetRole RPC changes it by hand);
 prints one JSON line `{"ready": address, ...}` on stdout for whoever launched it; serves
 until SIGTERM or SIGINT. Then it drains: marks itself draining in the registry (no new requests) and
 withdraws its load signal, reports NOT_SERVING, lets running streams finish and exported
@@ -24,46 +26,34 @@ import sys
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 
 import grpc
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from kvtransfer.config import TransferConfig
-from kvtransfer.exporter import KvExporter
-from kvtransfer.importer import KvImporter
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.grpc_server import announce_ready, build_server, wait_for_shutdown_signal
 from services.common.log_format import log_context
+from services.common.role import Role
 from services.common.status import abort_with, status_for
 from services.common.telemetry import Telemetry
 from services.common.telemetry_config import TelemetryConfig
 from services.common.tls import TlsConfig, channel_security
 from services.common.tracing import trace_id_from_metadata
-from services.decode.handler import DecodeHandler
 from services.engine_host.loop import EngineLoop
 from services.engine_host.telemetry import WorkerTelemetry
-from services.prefill.handler import PrefillHandler
 from services.router.keyspace import Keyspace
 from services.router.registry import WorkerInfo
 from services.router.worker_signal import SignalBoard
 from services.worker.config import WorkerConfig
+from services.worker.home_role import ChangeReason, HomeRole
+from services.worker.phases import Phases
 from services.worker.registration import WorkerRegistration
+from services.worker.role_planner import RolePlanner
 from services.worker.signal_publisher import SignalPublisher, signal_ttl_s
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RoleParts:
-    """What the worker's role serves: a Prefill handler and its KV exporter (prefill
-    role), a Decode handler (every role: a prefill worker's serves whole requests only,
-    with no KV to import)."""
-
-    prefill: PrefillHandler | None
-    decode: DecodeHandler
-    exporter: KvExporter | None
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -73,30 +63,32 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self,
         config: WorkerConfig,
         loop: EngineLoop,
-        role: RoleParts,
+        home: HomeRole,
         address: str,
         telemetry: WorkerTelemetry | None = None,
     ) -> None:
         self.telemetry = telemetry or WorkerTelemetry.disabled(config.worker_id)
         self.config = config
         self.loop = loop
-        self.prefill_handler = role.prefill
-        self.decode_handler = role.decode
-        self.exporter = role.exporter
+        self.home = home
+        self.phases = home.phases
         self.address = address
         self.worker_id = config.worker_id
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
-        if self.prefill_handler is None:
+        handler = self.phases.prefill
+        if handler is None:
             await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"worker role is {self.config.role}"
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"worker role is {self.home.role}: it has never prefilled for a decode worker",
             )
-        assert self.prefill_handler is not None
+        assert handler is not None
+        self.phases.prefill_calls += 1
         try:
             with _log_context(request.request_id, context):
-                return await self.prefill_handler.prefill(request, context)
+                return await handler.prefill(request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
@@ -108,7 +100,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeChunk]:
         try:
-            async for chunk in self.decode_handler.decode(request, context):
+            async for chunk in self.phases.decode.decode(request, context):
                 yield chunk
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -119,7 +111,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Abort(
         self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.AbortResponse:
-        found = self.prefill_handler.abort(request.request_id) if self.prefill_handler else False
+        prefill = self.phases.prefill
+        found = prefill.abort(request.request_id) if prefill else False
         if not found:
             self.loop.engine.abort(request.request_id)
             self.loop.wake()
@@ -129,6 +122,28 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStats:
         return worker_stats(self)
+
+    async def SetRole(
+        self, request: worker_pb2.SetRoleRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.SetRoleResponse:
+        try:
+            role = Role.parse(request.role)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"SetRole.role: {exc}")
+            raise
+        if self.home.registration is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "SetRole needs a registry: this worker was started without --redis-url, so "
+                "its gateway's static addresses fix its role",
+            )
+        try:
+            previous = await self.home.change(role, ChangeReason.OPERATOR)
+        except Exception as exc:
+            self.telemetry.count_error(status_for(exc)[0])
+            await abort_with(context, exc)
+            raise
+        return worker_pb2.SetRoleResponse(previous=previous, role=role)
 
 
 def _log_context(
@@ -140,9 +155,10 @@ def _log_context(
 
 def worker_stats(svc: WorkerService) -> worker_pb2.WorkerStats:
     s = svc.loop.engine.stats()
-    leases = svc.exporter.stats().leases if svc.exporter else None
+    exporter = svc.phases.exporter
+    leases = exporter.stats().leases if exporter else None
     return worker_pb2.WorkerStats(
-        worker_id=svc.worker_id, role=svc.config.role, total_blocks=s.total_blocks,
+        worker_id=svc.worker_id, role=svc.home.role, total_blocks=s.total_blocks,
         free_blocks=s.free_blocks, used_blocks=s.used_blocks, cached_blocks=s.cached_blocks,
         held_blocks=s.held_blocks, running=s.running, waiting=s.waiting,
         active_leases=leases.active if leases else 0,
@@ -172,15 +188,9 @@ async def serve_worker(
     engine = LLMEngine(engine_cfg, progress=sys.stderr.isatty())
     observe = WorkerTelemetry.on(telemetry, engine, config.worker_id)
     loop = EngineLoop(engine).start(asyncio.get_running_loop())
-    exporter = importer = None
-    if config.role == "prefill":
-        exporter = KvExporter(
-            engine.handoff, transfer, engine_id=config.worker_id, security=security
-        ).start()
-    if config.role == "decode":
-        importer = KvImporter(
-            engine.handoff, transfer, engine_id=config.worker_id, security=security
-        )
+    phases = Phases(loop, transfer, config.worker_id, security, observe)
+    phases.serve(config.role)
+    home = HomeRole(config.role, phases, observe)
     built = build_server(
         config.host,
         config.port,
@@ -188,35 +198,29 @@ async def serve_worker(
         tls=tls,
     )
     address = f"{config.host}:{built.port}"
-    prefill = PrefillHandler(loop, exporter, config.worker_id, observe) if exporter else None
-    # Every role decodes: a prefill worker with room serves short requests whole when the
-    # gateway's elastic roles send them (no KV import there, so no importer).
-    decode = DecodeHandler(loop, importer, observe)
-    role = RoleParts(prefill, decode, exporter)
-    service = WorkerService(config, loop, role, address, observe)
+    service = WorkerService(config, loop, home, address, observe)
     worker_pb2_grpc.add_WorkerServicer_to_server(service, built.server)
     await built.server.start()
     registration = await _register(config, engine, address)
     publisher = _publish_signal(config, engine, registration)
+    _plan_roles(config, home, registration, publisher)
     await built.mark_serving()
     announce_ready(ready=address, worker_id=config.worker_id, role=config.role,
                    **telemetry.ready_fields())  # fmt: skip
     await wait_for_shutdown_signal()
     log.info("worker %s draining", config.worker_id)
+    await home.stop()  # no role change while it drains
     if registration is not None:
         await registration.drain()
     if publisher is not None:
         await publisher.stop()
     await built.mark_not_serving()
-    await _wait_idle(engine, exporter, config.drain_timeout_s)
+    await _wait_idle(engine, phases, config.drain_timeout_s)
     if registration is not None:
         await registration.stop()
     await built.server.stop(grace=1.0)
     loop.stop()
-    if exporter:
-        exporter.close()
-    if importer:
-        importer.close()
+    phases.close()
     telemetry.close()
     sys.stdout.flush()
 
@@ -255,9 +259,26 @@ def _publish_signal(
     ).start()
 
 
-async def _wait_idle(engine: LLMEngine, exporter: KvExporter | None, timeout: float) -> None:
+def _plan_roles(
+    config: WorkerConfig,
+    home: HomeRole,
+    registration: WorkerRegistration | None,
+    publisher: SignalPublisher | None,
+) -> None:
+    """Give the home role its registration and publisher (SetRole moves them too), and
+    start the role planner where the mix may move it: with a registry, a window, and a
+    prefill or decode home role (a mixed worker has no split to bend)."""
+    if registration is None or config.role_window_s <= 0 or config.role is Role.MIXED:
+        home.attach(registration, publisher)
+        return
+    planner = RolePlanner(config.worker_id, config.role_window_s, config.role_long_prompt_tokens)
+    home.attach(registration, publisher, planner).start()
+
+
+async def _wait_idle(engine: LLMEngine, phases: Phases, timeout: float) -> None:
     """Let running streams finish and exported KV be pulled, up to `timeout` seconds."""
     end = asyncio.get_running_loop().time() + timeout
+    exporter = phases.exporter
     while asyncio.get_running_loop().time() < end:
         busy = engine.has_unfinished() or (exporter is not None and exporter.stats().leases.active)
         if not busy:

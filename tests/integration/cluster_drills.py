@@ -41,10 +41,15 @@ def kill(process: Child) -> float:
 
 
 def registered(cluster: LocalCluster) -> set[str]:
+    return set(home_roles(cluster))
+
+
+def home_roles(cluster: LocalCluster) -> dict[str, str]:
+    """Worker id -> the role it is registered under now."""
     assert cluster.redis is not None
     client = connect(cluster.redis.url, 2.0)
     try:
-        return {w.worker_id for w in Registry(client, Keyspace()).list()}
+        return {w.worker_id: w.role.value for w in Registry(client, Keyspace()).list()}
     finally:
         client.close()
 

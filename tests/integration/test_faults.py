@@ -33,6 +33,8 @@ from pdserve.v1 import (
     gateway_pb2,
     router_pb2,
     router_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
 )
 from services.cluster.local_cluster import Child, LocalCluster
 from services.common.metrics import scrape
@@ -45,6 +47,7 @@ from services.router.registry import Registry, WorkerInfo
 from tests.integration.cluster_drills import (
     Stream,
     busy_prefill,
+    home_roles,
     kill,
     kv_transfer_port,
     named,
@@ -194,6 +197,56 @@ def test_kill9_decode_mid_stream_moves_its_streams(cluster: LocalCluster) -> Non
     finally:
         cluster.relaunch(victim)
         _wait_registry(cluster, present={victim})
+    assert_cluster_clean(probe)
+
+
+ROLE_CHANGE_STREAMS = 6  # greedy streams on the cluster when a worker dies changing role
+
+
+async def _set_role(address: str, role: str) -> str:
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await worker_pb2_grpc.WorkerStub(channel).SetRole(
+            worker_pb2.SetRoleRequest(role=role)
+        )
+    return reply.previous
+
+
+def test_kill9_decode_worker_during_its_role_change_moves_its_streams(
+    cluster: LocalCluster,
+) -> None:
+    """A decode worker killed while it changes its home role to prefill (its KV exporter
+    starting, its registration moving) is a crash like any other: its streams move and
+    end token-identical, its registration lapses from whichever pool it was in, it
+    rejoins when restarted, and nothing leaks. An unknown role is refused, naming it."""
+    probe = start_probe(cluster)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        asyncio.run(_set_role(pool(cluster, "decode")[0].address, "leader"))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "SetRole.role" in str(refused.value.details()) and "leader" in str(
+        refused.value.details()
+    )
+
+    async def scenario() -> tuple[list[Stream], list[Stream], str, float, list[Any]]:
+        async with GatewayClient(cluster.gateway_address) as client:
+            reference = await _uninterrupted(client, "rc", ROLE_CHANGE_STREAMS, 0)
+            streams = await _open_streams(client, "rc", ROLE_CHANGE_STREAMS, 0)
+            victim = streams[0].decode_worker
+            change = asyncio.create_task(_set_role(named(cluster, victim).address, "prefill"))
+            await asyncio.sleep(0.02)  # the call is in: the exporter is starting
+            killed = kill(named(cluster, victim))
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await change
+            ends = await asyncio.gather(*(s.finish() for s in streams))
+        return reference, streams, victim, killed, list(ends)
+
+    reference, streams, victim, killed, ends = asyncio.run(scenario())
+    try:
+        _assert_moved_exactly(streams, reference, ends, victim, killed)
+        _wait_registry(cluster, present=set(), absent=frozenset({victim}))
+    finally:
+        cluster.relaunch(victim)
+        _wait_registry(cluster, present={victim})
+    assert home_roles(cluster)[victim] == "decode"  # restarted in the role it was given
     assert_cluster_clean(probe)
 
 

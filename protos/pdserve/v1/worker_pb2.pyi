@@ -105,6 +105,20 @@ class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    def __init__(self, role: _Optional[str] = ...) -> None: ...
+
+class SetRoleResponse(_message.Message):
+    __slots__ = ("previous", "role")
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    previous: str
+    role: str
+    def __init__(self, previous: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+
 class WorkerStats(_message.Message):
     __slots__ = ("worker_id", "role", "total_blocks", "free_blocks", "used_blocks", "cached_blocks", "held_blocks", "running", "waiting", "active_leases", "expired_leases", "prefix_hit_tokens", "prefix_query_tokens", "kv_layout_fingerprint", "address", "offload_blocks", "offload_capacity_blocks", "lora_adapters", "lora_held")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/pdserve.v1.Worker/SetRole',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -87,6 +92,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRole(self, request, context):
+        """Change the worker's home role now (the pool it registers in), without a restart:
+        its running streams go on, and it still serves calls placed under the old role.
+        INVALID_ARGUMENT for an unknown role; FAILED_PRECONDITION without a registry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +123,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +238,33 @@ class Worker:
             '/pdserve.v1.Worker/Stats',
             pdserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/SetRole',
+            pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -92,9 +92,7 @@ class WorkerLoads:
 
     def queue_s(self, worker_id: str) -> float:
         w = self._workers.get(worker_id)
-        if w is None or w.signal.prefill_tokens_per_s <= 0:
-            return 0.0
-        return w.signal.queued_tokens / w.signal.prefill_tokens_per_s
+        return 0.0 if w is None else w.signal.queue_s
 
     def streams(self, worker_id: str) -> int:
         w = self._workers.get(worker_id)

@@ -104,3 +104,30 @@ def test_keep_registered_heartbeats_until_stopped(client: redis.Redis, namespace
     while reg.list():  # no heartbeat after the stop
         assert time.monotonic() - stopped < ttl_s + 5.0, "still registered long after its TTL"
         time.sleep(0.05)
+
+
+def test_the_same_process_under_a_new_role_moves_pools(client: redis.Redis, namespace: str) -> None:
+    """A home-role change: the same id and incarnation re-registered under another role
+    leaves its old pool in the same call (draining and the lease kept); another process
+    with that id under another role is still refused."""
+    reg = make(client, namespace, ttl_s=30)
+    reg.register(worker("p0", "prefill", incarnation="a1"))
+    reg.set_draining("p0")
+    assert reg.register(worker("p0", "decode", incarnation="a1")) is False  # not new
+    assert [(w.worker_id, w.role, w.draining) for w in reg.list()] == [("p0", "decode", True)]
+    assert reg.list("prefill") == []
+    keys = Keyspace(namespace)
+    assert not client.sismember(keys.pool("prefill"), "p0")
+    assert client.sismember(keys.pool("decode"), "p0")
+    with pytest.raises(IncompatibleWorkerError, match="already registered as a decode worker"):
+        reg.register(worker("p0", "prefill", incarnation="b2"))
+    assert [w.role for w in reg.list()] == ["decode"]
+
+
+def test_one_role_change_per_window_in_the_cluster(client: redis.Redis, namespace: str) -> None:
+    reg = make(client, namespace)
+    assert reg.claim_role_change("d0", 0.3) is True
+    assert reg.claim_role_change("d1", 0.3) is False
+    assert reg.claim_role_change("d0", 0.3) is False  # a window of its own too
+    time.sleep(0.4)
+    assert reg.claim_role_change("d1", 0.3) is True
