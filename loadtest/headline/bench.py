@@ -1,25 +1,29 @@
 """The headline benchmark: disaggregated (1 prefill + 1 decode worker) against colocated
 (2 mixed workers), one CPU core per worker, same router, model and workload; the
 disaggregated gateway decides per request whether a prompt takes the prefill hop
-(conditional disaggregation, `--local-prefill-max-tokens`).
+(conditional disaggregation, `--local-prefill-max-tokens`). `--systems` runs other
+deployments, or more of them, in the same way (`deployment`: `--systems
+elastic,static,colocated` sets elastic roles against the static split and 2 mixed
+workers); the first is the one the ratios are of.
 
 Lifecycle: `run_headline(cfg, traffic, settings)` collects the run's provenance (commit,
-time, host: it goes into headline.json), loads the tokenizer, starts both
-deployments as `LocalCluster`s (embedded Redis, router placement, workers pinned to a
+time, host: it goes into headline.json), loads the tokenizer, starts every
+deployment as a `LocalCluster` (embedded Redis, router placement, workers pinned to a
 core each with one torch thread), sends each a few unmeasured requests, then finds each
 one's capacity on the long-prompt interference mix by search (`capacity_search`: raise
-the rate until attainment falls under the target, then bisect; so neither capacity is a
-lower bound on whatever host it runs), the two taking turns at every round (Poisson;
-identical request sequences for both; who goes first alternates). `--rates` instead
-sweeps fixed rates, a deployment skipping those above one whose attainment fell under
-`stop_below_attainment`. Then one short-prompt-only (chat) point on each, and both
-clusters stop. Only one deployment carries load at a time. `report` then
+the rate until attainment falls under the target, then bisect; so no capacity is a
+lower bound on whatever host it runs), the deployments taking turns at every round
+(Poisson; identical request sequences for all; the order reverses every round).
+`--rates` instead sweeps fixed rates, a deployment skipping those above one whose
+attainment fell under `stop_below_attainment`. Then the same on short prompts only
+(chat), and the clusters stop. Only one deployment carries load at a time. `report` then
 derives each deployment's capacity (the highest rate holding the attainment target),
-the ratio, the markdown and the plots. Results are rewritten after every rate, so an
+the ratios, the markdown and the plots. Results are rewritten after every rate, so an
 interrupted run keeps what it measured.
 
-Full run: `python -m loadtest.headline.bench` (about 40 minutes on the 2-core host);
-`make bench` runs a short sweep.
+Full run: `python -m loadtest.headline.bench` (about 40 minutes on the 2-core host, two
+deployments; a third adds half again); `make bench` runs a short sweep. The shifting
+workload (phases of chat and long prompts) is `shifting`.
 """
 
 from __future__ import annotations
@@ -28,9 +32,7 @@ import argparse
 import asyncio
 import itertools
 import os
-import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,58 +40,20 @@ from loadtest.harness.bench import load_synth, now_iso, warm_up
 from loadtest.harness.bench_main import add_settings_args, settings_from_args
 from loadtest.harness.bench_report import PointResult
 from loadtest.harness.capacity_search import CapacitySearch, SearchConfig
-from loadtest.harness.metrics import summarize
-from loadtest.harness.request_spec import BenchRequest
-from loadtest.harness.runner import Pace, run_point
+from loadtest.harness.runner import Pace
 from loadtest.harness.settings import RunSettings
 from loadtest.harness.traffic import TrafficConfig, make_requests
 from loadtest.headline.config import HeadlineConfig
+from loadtest.headline.deployment import Deployment, cluster_config, clusters_up, turns
 from loadtest.headline.report import HeadlineResults, SystemResult, as_probe, write_outputs
 from loadtest.reports.provenance import Provenance, collect_provenance
 from loadtest.workloads.prompt_text import TextSynth
-from services.cluster.config import ClusterConfig
-from services.cluster.local_cluster import LocalCluster
 from services.common.config import add_config_args, config_from_args
 
-SYSTEMS = ("disaggregated", "colocated")
+SYSTEMS = ("disaggregated", "colocated")  # the default deployments (`--systems`)
 SHORT_STREAM = 10_000  # request stream of the short-only point (apart from the sweep's)
 
-
-def cluster_config(name: str, cfg: HeadlineConfig, model: RunSettings) -> ClusterConfig:
-    prefill, workers = (1, 1) if name == "disaggregated" else (0, 2)
-    return ClusterConfig(
-        num_prefill=prefill,
-        num_decode=workers,
-        gateway_port=0,
-        worker_threads=1,
-        worker_kv_cache_bytes=cfg.worker_kv_cache_bytes,
-        kv_backend=cfg.kv_backend,
-        model=model.model,
-        model_cache_dir=model.model_cache_dir,
-        placement="redis",
-        max_streams=1024,
-        pin_workers=cfg.pin_workers,
-        dtype=cfg.dtype,
-        # A flag: it also overrides a PDSERVE_LOCAL_PREFILL_MAX_TOKENS in the env.
-        local_prefill_max_tokens=cfg.local_prefill_max_tokens if prefill else None,
-        gateway_args="" if cfg.elastic_roles or not prefill else "--elastic-roles false",
-    )
-
-
-async def _point(
-    address: str, label: str, requests: Sequence[BenchRequest], pace: Pace, cfg: HeadlineConfig
-) -> PointResult:
-    started = now_iso()
-    records = await run_point(address, requests, pace)
-    return PointResult(
-        label=label,
-        arrival="poisson",
-        offered_rate=pace.rate,
-        concurrency=None,
-        started_at=started,
-        metrics=summarize(records, cfg.slo),
-        requests=records,
-    )
+_Deployment = Deployment[SystemResult]
 
 
 def _pace(name: str, rate: float, seed: int, duration_s: float, cfg: HeadlineConfig) -> Pace:
@@ -102,29 +66,6 @@ def _pace(name: str, rate: float, seed: int, duration_s: float, cfg: HeadlineCon
         progress=cfg.progress,
         label=f"{name} {rate:g}/s",
     )
-
-
-class _Deployment:
-    """One running cluster, its results so far, and the time its points took."""
-
-    def __init__(self, result: SystemResult, address: str) -> None:
-        self.result = result
-        self.address = address
-        self.stopped = False  # attainment fell under stop_below_attainment
-
-    async def measure(
-        self, label: str, requests: Sequence[BenchRequest], pace: Pace, cfg: HeadlineConfig
-    ) -> PointResult:
-        t0 = time.perf_counter()
-        point = await _point(self.address, label, requests, pace, cfg)
-        self.result.wall_s += time.perf_counter() - t0
-        return point
-
-
-def _turns(deployments: list[_Deployment], i: int) -> list[_Deployment]:
-    """Who runs the i-th point first alternates, so a drift in the shared host's speed
-    (it moves by tens of percent within an hour) falls on both deployments alike."""
-    return deployments if i % 2 == 0 else deployments[::-1]
 
 
 async def _interleaved(
@@ -153,9 +94,9 @@ async def _interleaved(
             d.result.short_only = d.result.chat_points[0]
         return
     requests = make_requests(chat, synth, cfg.short_num_requests, stream=SHORT_STREAM)
-    for d in _turns(deployments, len(results.systems[0].points)):
+    for d in turns(deployments, len(results.systems[0].points)):
         pace = _pace(d.result.name, cfg.short_rate, SHORT_STREAM, cfg.short_duration_s, cfg)
-        d.result.short_only = await d.measure(f"chat {cfg.short_rate:g}", requests, pace, cfg)
+        d.result.short_only = await d.measure(f"chat {cfg.short_rate:g}", requests, pace, cfg.slo)
 
 
 @dataclass(frozen=True)
@@ -180,11 +121,11 @@ async def _search(
 ) -> None:
     """Each deployment's capacity by search (`capacity_search`: up from the start rate
     until attainment falls under the target, then bisect), one probe each per round,
-    taking turns; a round's requests are the same for both, at each one's own rate.
+    taking turns; a round's requests are the same for all, at each one's own rate.
     Each probe lands in `points(result)`."""
     searches = {d.result.name: CapacitySearch(probes.search) for d in deployments}
     for i in itertools.count():
-        due = [(d, searches[d.result.name].next_rate()) for d in _turns(deployments, i)]
+        due = [(d, searches[d.result.name].next_rate()) for d in turns(deployments, i)]
         if all(rate is None for _, rate in due):
             return
         requests = make_requests(probes.traffic, synth, probes.num_requests, probes.stream + i)
@@ -192,7 +133,7 @@ async def _search(
             if rate is None:
                 continue
             pace = _pace(d.result.name, rate, probes.stream + i, probes.duration_s, cfg)
-            point = await d.measure(f"{probes.label}{rate:g}", requests, pace, cfg)
+            point = await d.measure(f"{probes.label}{rate:g}", requests, pace, cfg.slo)
             points(d.result).append(point)
             searches[d.result.name].record(as_probe(point))
         write_outputs(*outputs, plots=False)
@@ -211,11 +152,11 @@ async def _sweep(
     rates = cfg.rate_list
     for i, rate in enumerate(rates):
         requests = make_requests(mix, synth, cfg.num_requests, stream=i + 1)
-        for d in _turns(deployments, i):
+        for d in turns(deployments, i):
             if d.stopped:
                 continue
             pace = _pace(d.result.name, rate, i, cfg.duration_s, cfg)
-            point = await d.measure(f"{rate:g}", requests, pace, cfg)
+            point = await d.measure(f"{rate:g}", requests, pace, cfg.slo)
             d.result.points.append(point)
             if point.metrics.slo_attainment < cfg.stop_below_attainment:
                 d.stopped = True
@@ -224,9 +165,8 @@ async def _sweep(
 
 
 def run_headline(cfg: HeadlineConfig, traffic: TrafficConfig, model: RunSettings) -> Path:
-    """Both deployments up at once, rate points interleaved, then the report; returns the
-    markdown path. The idle cluster only polls (its workers wait on an event), so it
-    costs the measured one next to nothing."""
+    """Every deployment up at once, rate points interleaved, then the report; returns the
+    markdown path."""
     provenance = collect_provenance()
     synth = load_synth(model)
     mix = replace(traffic, workload="long_mix")
@@ -237,18 +177,12 @@ def run_headline(cfg: HeadlineConfig, traffic: TrafficConfig, model: RunSettings
         slo=cfg.slo,
         host_cpus=len(os.sched_getaffinity(0)),
     )
-    results.systems = [SystemResult(n, cluster_config(n, cfg, model)) for n in SYSTEMS]
-    clusters = [LocalCluster(r.cluster) for r in results.systems]
-    try:
-        deployments = []
-        for result, cluster in zip(results.systems, clusters, strict=True):
-            address = cluster.start()
-            print(f"headline: {result.name} cluster up at {address}", file=sys.stderr)
-            deployments.append(_Deployment(result, address))
+    results.systems = [
+        SystemResult(n, cluster_config(n, cfg, model, cfg.elastic_roles)) for n in cfg.system_list
+    ]
+    with clusters_up([(r.name, r.cluster) for r in results.systems], "headline") as addresses:
+        deployments = [_Deployment(r, a) for r, a in zip(results.systems, addresses, strict=True)]
         asyncio.run(_interleaved(deployments, cfg, mix, synth, results, provenance))
-    finally:
-        for cluster in clusters:
-            cluster.stop()
     return write_outputs(results, provenance, plots=True)
 
 

@@ -1,4 +1,5 @@
-"""Settings of the headline benchmark: disaggregated 1 prefill + 1 decode against 2 mixed.
+"""Settings of the headline benchmark: disaggregated 1 prefill + 1 decode against 2 mixed
+(`--systems` picks the deployments; `deployment` describes each).
 
 The defaults are the full run (about 40 minutes); `make bench` passes a shorter sweep.
 SLOs (chosen for SmolLM2-135M in float32 on one CPU core per worker on the 2-core
@@ -22,11 +23,20 @@ from pathlib import Path
 from engine.precision import DType
 from loadtest.harness.capacity_search import SearchConfig
 from loadtest.harness.metrics import Slo
-from loadtest.harness.settings import parse_numbers
+from loadtest.harness.settings import parse_names, parse_numbers
+from loadtest.headline.deployment import SYSTEMS
 
 
 @dataclass(frozen=True)
 class HeadlineConfig:
+    systems: str = field(
+        default="disaggregated,colocated",
+        metadata={
+            "help": f"the deployments, comma-separated, among {', '.join(SYSTEMS)}: the "
+            "first is the one the ratios are of (elastic,static,colocated: elastic roles "
+            "against the static split and 2 mixed workers in one run)"
+        },
+    )
     rates: str = field(
         default="",
         metadata={
@@ -94,7 +104,11 @@ class HeadlineConfig:
         default=0.9, metadata={"help": "attainment that defines a deployment's capacity"}
     )
     target_ratio: float = field(
-        default=1.5, metadata={"help": "capacity ratio disaggregated/colocated to meet"}
+        default=1.5,
+        metadata={
+            "help": "capacity ratio to meet: the first deployment over the reference "
+            "(colocated when it runs and is not the first, else the second)"
+        },
     )
     pin_workers: bool = field(default=True, metadata={"help": "one CPU core per worker"})
     dtype: DType | None = field(
@@ -126,6 +140,12 @@ class HeadlineConfig:
         _ = self.search  # validates the search's settings
         if self.local_prefill_max_tokens < 0:
             raise ValueError("local_prefill_max_tokens must be >= 0")
+        _ = self.system_list  # validates the deployments
+
+    @property
+    def system_list(self) -> tuple[str, ...]:
+        """The deployments, the subject of the ratios first; at least two, no repeats."""
+        return system_names(self.systems)
 
     @property
     def rate_list(self) -> list[float]:
@@ -147,3 +167,11 @@ class HeadlineConfig:
         return Slo(
             self.ttft_slo_ms, self.ttft_slo_ms_per_token, self.itl_slo_ms, self.itl_slo_quantile
         )
+
+
+def system_names(text: str) -> tuple[str, ...]:
+    """'elastic,static' -> ('elastic', 'static'): two or more known deployments, once each."""
+    names = parse_names(text, "systems", SYSTEMS)
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise ValueError(f"systems must name two or more distinct deployments, got {text!r}")
+    return names

@@ -2,14 +2,17 @@
 
 Lifecycle: `bench.run_headline` appends one `SystemResult` per deployment to a
 `HeadlineResults` and calls `write_outputs` after each; it derives the per-rate goodput
-comparison, the capacity ratio (disaggregated / colocated highest rate holding the
-attainment target) and the short-prompt-only ratio, then writes `headline.json`
+comparison, the capacity ratio (the highest rate holding the attainment target, of the
+first deployment over the reference: colocated, or the second when colocated is not
+compared) and the short-prompt-only ratio, the first deployment's capacity ratios over
+every other one, then writes `headline.json`
 (schema `pdserve.headline/1`, with the run's provenance: `result_file`), `headline.md`
 and, at the end, the `headline_*.png` plots.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from loadtest.harness.capacity_search import CapacitySearch, Probe
 from loadtest.harness.metrics import Slo, max_rate_at
 from loadtest.harness.traffic import TrafficConfig
 from loadtest.headline.config import HeadlineConfig
+from loadtest.headline.deployment import layout
 from loadtest.reports.plots import cdf_plot, curve_plot
 from loadtest.reports.provenance import Provenance
 from loadtest.reports.result_file import write_result
@@ -50,12 +54,15 @@ class SystemResult:
 
 @dataclass(frozen=True)
 class RateComparison:
+    """One rate, the first deployment (named disaggregated in the JSON, as when the
+    headline compared two) against the reference (`reference`)."""
+
     rate: float
     disaggregated_goodput: float | None
     colocated_goodput: float | None
     disaggregated_attainment: float | None
     colocated_attainment: float | None
-    goodput_ratio: float | None  # disaggregated / colocated
+    goodput_ratio: float | None  # first / reference
 
 
 @dataclass
@@ -67,16 +74,25 @@ class HeadlineResults:
     host_cpus: int
     systems: list[SystemResult] = field(default_factory=list)
     comparisons: list[RateComparison] = field(default_factory=list)
-    capacity_ratio: float | None = None  # None until both ran, or colocated had none
+    capacity_ratio: float | None = None  # None until both ran, or the reference had none
     target_met: bool | None = None
     short_only_goodput_ratio: float | None = None
-    chat_capacity_ratio: float | None = None  # disaggregated / colocated, chat only
+    chat_capacity_ratio: float | None = None  # first / reference, chat only
+    # The first deployment's capacity over each other one's, by name (long mix, chat).
+    capacity_ratios: dict[str, float | None] = field(default_factory=dict)
+    chat_capacity_ratios: dict[str, float | None] = field(default_factory=dict)
     plots: dict[str, str] = field(default_factory=dict)
     schema: str = SCHEMA
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def reference(names: Sequence[str]) -> str:
+    """What the first deployment's ratios are held against: colocated when it is
+    compared (and not the first), else the second."""
+    return "colocated" if "colocated" in names[1:] else names[1]
 
 
 def _by_rate(system: SystemResult | None) -> dict[float, PointResult]:
@@ -119,9 +135,32 @@ def derive(results: HeadlineResults) -> None:
         if system.chat_points:
             chat = _searched(system.chat_points, results.config)
             system.chat_capacity_rate, system.chat_capacity_qualifier = chat
+    if len(results.systems) < 2:
+        return
+    first = results.systems[0]
     named = {s.name: s for s in results.systems}
-    dis, col = named.get("disaggregated"), named.get("colocated")
-    d_points, c_points = _by_rate(dis), _by_rate(col)
+    ref = named[reference(list(named))]
+    _compare_rates(results, first, ref)
+    results.capacity_ratio = _ratio(first.capacity_rate, ref.capacity_rate)
+    ratio = results.capacity_ratio
+    results.target_met = ratio is not None and ratio >= results.config.target_ratio
+    if first.chat_points and ref.chat_points:
+        results.chat_capacity_ratio = _ratio(first.chat_capacity_rate, ref.chat_capacity_rate)
+    if first.short_only and ref.short_only:
+        results.short_only_goodput_ratio = _ratio(
+            first.short_only.metrics.goodput, ref.short_only.metrics.goodput
+        )
+    others = results.systems[1:]
+    results.capacity_ratios = {o.name: _ratio(first.capacity_rate, o.capacity_rate) for o in others}
+    results.chat_capacity_ratios = {
+        o.name: _ratio(first.chat_capacity_rate, o.chat_capacity_rate)
+        for o in others
+        if first.chat_points and o.chat_points
+    }
+
+
+def _compare_rates(results: HeadlineResults, first: SystemResult, ref: SystemResult) -> None:
+    d_points, c_points = _by_rate(first), _by_rate(ref)
     results.comparisons = []
     for rate in sorted(set(d_points) | set(c_points)):
         d, c = d_points.get(rate), c_points.get(rate)
@@ -137,20 +176,25 @@ def derive(results: HeadlineResults) -> None:
                 _ratio(dg, cg),
             )
         )
-    if dis and col:
-        results.capacity_ratio = _ratio(dis.capacity_rate, col.capacity_rate)
-        ratio = results.capacity_ratio
-        results.target_met = ratio is not None and ratio >= results.config.target_ratio
-        if dis.chat_points and col.chat_points:
-            results.chat_capacity_ratio = _ratio(dis.chat_capacity_rate, col.chat_capacity_rate)
-        if dis.short_only and col.short_only:
-            results.short_only_goodput_ratio = _ratio(
-                dis.short_only.metrics.goodput, col.short_only.metrics.goodput
-            )
 
 
 def _fmt(value: float | None, spec: str = ".3f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _pair(results: HeadlineResults) -> tuple[str, str]:
+    """(first deployment, reference) by name."""
+    names = [s.name for s in results.systems]
+    return names[0], reference(names)
+
+
+def _other_ratios(ratios: dict[str, float | None], first: str, ref: str) -> list[str]:
+    """The first deployment's ratio over each deployment but the reference."""
+    return [
+        f"- ratio {first} / {name}: {_fmt(ratio, '.2f', 'x')}"
+        for name, ratio in ratios.items()
+        if name != ref
+    ]
 
 
 def _capacity_lines(results: HeadlineResults) -> list[str]:
@@ -158,15 +202,18 @@ def _capacity_lines(results: HeadlineResults) -> list[str]:
     lines = [f"Capacity = highest arrival rate keeping >= {target:.0%} SLO attainment:", ""]
     for s in results.systems:
         lines.append(f"- {s.name}: {s.capacity_rate:.3f} req/s ({s.capacity_qualifier})")
+    if len(results.systems) < 2:
+        return lines
+    first, ref = _pair(results)
     if results.capacity_ratio is not None:
         verdict = "met" if results.target_met else "NOT met"
         lines.append(
-            f"- ratio disaggregated / colocated: **{results.capacity_ratio:.2f}x** "
+            f"- ratio {first} / {ref}: **{results.capacity_ratio:.2f}x** "
             f"(target >= {results.config.target_ratio:g}x: {verdict})"
         )
-    elif len(results.systems) == 2:
-        lines.append("- ratio: undefined (colocated held the target at no swept rate)")
-    return lines
+    else:
+        lines.append(f"- ratio {first} / {ref}: undefined ({ref} held the target at no rate)")
+    return lines + _other_ratios(results.capacity_ratios, first, ref)
 
 
 def _short_lines(results: HeadlineResults) -> list[str]:
@@ -181,8 +228,9 @@ def _short_lines(results: HeadlineResults) -> list[str]:
             )
     ratio = results.short_only_goodput_ratio
     if ratio is not None:
-        winner = "disaggregated" if ratio > 1 else "colocated" if ratio < 1 else "neither"
-        lines.append(f"- goodput ratio disaggregated / colocated: {ratio:.2f}x ({winner} wins)")
+        first, ref = _pair(results)
+        winner = first if ratio > 1 else ref if ratio < 1 else "neither"
+        lines.append(f"- goodput ratio {first} / {ref}: {ratio:.2f}x ({winner} wins)")
     return lines
 
 
@@ -197,11 +245,32 @@ def _chat_capacity_lines(results: HeadlineResults) -> list[str]:
             f"- {s.name}: {s.chat_capacity_rate:.3f} req/s ({s.chat_capacity_qualifier}; "
             f"probes, rate (attainment): {rates})"
         )
+    if len(results.systems) < 2:
+        return lines
+    first, ref = _pair(results)
     if results.chat_capacity_ratio is not None:
         lines.append(
-            f"- ratio disaggregated / colocated: **{results.chat_capacity_ratio:.2f}x** "
-            "(target >= 1.0x)"
+            f"- ratio {first} / {ref}: **{results.chat_capacity_ratio:.2f}x** (target >= 1.0x)"
         )
+    return lines + _other_ratios(results.chat_capacity_ratios, first, ref)
+
+
+def _rate_table(results: HeadlineResults) -> list[str]:
+    """Goodput and attainment of every deployment at every rate any of them ran."""
+    names = [s.name for s in results.systems]
+    head = "".join(f" {n} goodput | attainment |" for n in names)
+    ratio = "goodput ratio" if len(names) <= 2 else "goodput ratio {} / {}".format(*_pair(results))
+    lines = [f"| rate req/s |{head} {ratio} |", "|---|" + "---|---|" * len(names) + "---|"]
+    by_rate = [_by_rate(s) for s in results.systems]
+    ratios = {c.rate: c.goodput_ratio for c in results.comparisons}
+    for rate in sorted({r for points in by_rate for r in points}):
+        cells = "".join(
+            f" {_fmt(p.metrics.goodput)} | {_fmt(p.metrics.slo_attainment, '.2f')} |"
+            if (p := points.get(rate))
+            else " - | - |"
+            for points in by_rate
+        )
+        lines.append(f"| {rate:g} |{cells} {_fmt(ratios.get(rate), '.2f', 'x')} |")
     return lines
 
 
@@ -209,15 +278,26 @@ def _chat_capacity_lines(results: HeadlineResults) -> list[str]:
 DEFAULT_DTYPE_TEXT = "auto (the workers' default)"
 
 
+def _title(results: HeadlineResults) -> str:
+    cfg = results.config
+    return "# Headline: " + " vs ".join(
+        f"{n} ({layout(n, cfg.elastic_roles).description})" for n in cfg.system_list
+    )
+
+
 def markdown(results: HeadlineResults) -> str:
     cfg, t = results.config, results.traffic
+    roles = (
+        f"elastic roles {'on' if cfg.elastic_roles else 'off (static split)'}; "
+        if "disaggregated" in cfg.system_list
+        else ""
+    )
     lines = [
-        "# Headline: disaggregated (1 prefill + 1 decode) vs colocated (2 mixed)",
+        _title(results),
         "",
         f"{results.created}; {results.host_cpus} CPU cores; one core and one torch thread per "
         f"worker (pinned: {cfg.pin_workers}); compute dtype "
-        f"{cfg.dtype.value if cfg.dtype else DEFAULT_DTYPE_TEXT}; "
-        f"elastic roles {'on' if cfg.elastic_roles else 'off (static split)'}; "
+        f"{cfg.dtype.value if cfg.dtype else DEFAULT_DTYPE_TEXT}; {roles}"
         "router placement on embedded Redis; KV over "
         f"{cfg.kv_backend}. Workload: chat ({t.tenants} tenants x {t.prompts_per_tenant} "
         f"system prompts of {t.system_tokens} tokens, Zipf {t.zipf_s}; user {t.user_tokens}, "
@@ -227,16 +307,8 @@ def markdown(results: HeadlineResults) -> str:
         "",
         f"SLO: {slo_text(results.slo)}.",
         "",
-        "| rate req/s | disaggregated goodput | attainment | colocated goodput | attainment "
-        "| goodput ratio |",
-        "|---|---|---|---|---|---|",
+        *_rate_table(results),
     ]
-    for c in results.comparisons:
-        lines.append(
-            f"| {c.rate:g} | {_fmt(c.disaggregated_goodput)} | "
-            f"{_fmt(c.disaggregated_attainment, '.2f')} | {_fmt(c.colocated_goodput)} | "
-            f"{_fmt(c.colocated_attainment, '.2f')} | {_fmt(c.goodput_ratio, '.2f', 'x')} |"
-        )
     lines += ["", *_capacity_lines(results), ""]
     lines += [f"Short prompts only (chat at {cfg.short_rate:g} req/s):", "", *_short_lines(results)]
     lines += _chat_capacity_lines(results)

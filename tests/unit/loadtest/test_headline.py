@@ -19,13 +19,14 @@ from PIL import Image
 from engine.precision import DType
 from loadtest.harness.bench import load_synth
 from loadtest.harness.bench_report import PointResult
-from loadtest.harness.metrics import RequestRecord, summarize
+from loadtest.harness.metrics import RequestRecord, Slo, summarize
 from loadtest.harness.request_spec import BenchRequest
 from loadtest.harness.runner import Pace
 from loadtest.harness.settings import RunSettings
 from loadtest.harness.traffic import TrafficConfig
-from loadtest.headline.bench import SYSTEMS, _Deployment, _interleaved, cluster_config
+from loadtest.headline.bench import SYSTEMS, _Deployment, _interleaved
 from loadtest.headline.config import HeadlineConfig
+from loadtest.headline.deployment import cluster_config
 from loadtest.headline.report import HeadlineResults, SystemResult, markdown, write_outputs
 from loadtest.reports.provenance import collect_provenance
 
@@ -68,7 +69,7 @@ class StandIn(_Deployment):
         self.capacity = capacity  # searched: attainment 1.0 up to this rate, 0.5 above
 
     async def measure(
-        self, label: str, requests: Sequence[BenchRequest], pace: Pace, cfg: HeadlineConfig
+        self, label: str, requests: Sequence[BenchRequest], pace: Pace, slo: Slo
     ) -> PointResult:
         self.log.append((self.result.name, label))
         if self.capacity is not None:
@@ -81,7 +82,7 @@ class StandIn(_Deployment):
         self.result.wall_s += 1.0
         return PointResult(
             label, "poisson", pace.rate, None, "2026-01-01T00:00:00+00:00",
-            summarize(records, cfg.slo), records,
+            summarize(records, slo), records,
         )  # fmt: skip
 
 
@@ -103,7 +104,7 @@ def _run_stand_ins(
     model = RunSettings(model=str(model_dir), model_cache_dir=model_dir.parent)
     mix = replace(TrafficConfig(), workload="long_mix")
     results = HeadlineResults("2026-01-01T00:00:00+00:00", cfg, mix, cfg.slo, host_cpus=2)
-    results.systems = [SystemResult(n, cluster_config(n, cfg, model)) for n in SYSTEMS]
+    results.systems = [SystemResult(n, cluster_config(n, cfg, model)) for n in cfg.system_list]
     log: list[tuple[str, str]] = []
     stand_ins = [StandIn(r, log, capacity) for r in results.systems]
     provenance = collect_provenance()
@@ -191,3 +192,45 @@ def test_report_carries_capacities_ratio_and_plots(
     for file in results.plots.values():
         with Image.open(tmp_path / file) as img:
             assert img.size[0] > 100 and img.size[1] > 100
+
+
+def test_a_third_deployment_runs_in_turn_and_gets_its_ratio(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """`--systems elastic,static,colocated`: three deployments take turns (the order
+    reverses every round), the first's capacity is held against colocated for the
+    target and against static too (the cost of the flexibility), and the static one
+    runs with fixed roles in both its gateway and its workers."""
+    cfg = HeadlineConfig(
+        systems="elastic,static,colocated", num_requests=10, short_num_requests=10,
+        warmup_requests=0, out_dir=tmp_path, progress=False, start_rate=0.3,
+        chat_search=False,
+    )  # fmt: skip
+    capacity = {"elastic": 0.7, "static": 0.7, "colocated": 0.4}
+    results, log = _run_stand_ins(cfg, model_dir, capacity, plots=False)
+    assert log[:6] == [("elastic", "0.3"), ("static", "0.3"), ("colocated", "0.3"),
+                       ("colocated", "0.6"), ("static", "0.6"), ("elastic", "0.6")]  # fmt: skip
+    elastic, static, colocated = results.systems
+    assert results.capacity_ratio == pytest.approx(0.6 / 0.375)
+    assert results.capacity_ratios == {
+        "static": pytest.approx(1.0), "colocated": pytest.approx(0.6 / 0.375)
+    }  # fmt: skip
+    assert static.cluster.gateway_args == "--elastic-roles false"
+    assert static.cluster.worker_args == "--role-window-s 0"
+    assert elastic.cluster.gateway_args == elastic.cluster.worker_args == ""
+    assert (colocated.cluster.num_prefill, colocated.cluster.num_decode) == (0, 2)
+    md = (tmp_path / "headline.md").read_text()
+    assert md.startswith(
+        "# Headline: elastic (1P+1D, elastic roles) vs static (1P+1D, fixed roles) vs "
+        "colocated (2 mixed)"
+    )
+    assert "- ratio elastic / colocated: **1.60x** (target >= 1.5x: met)" in md
+    assert "- ratio elastic / static: 1.00x" in md
+    assert "| rate req/s | elastic goodput | attainment | static goodput |" in md
+
+
+def test_systems_must_be_two_or_more_known_distinct_deployments() -> None:
+    assert HeadlineConfig().system_list == ("disaggregated", "colocated")
+    for bad in ("elastic", "elastic,elastic", "elastic,mixed", ""):
+        with pytest.raises(ValueError, match="systems"):
+            HeadlineConfig(systems=bad)
