@@ -37,13 +37,14 @@ class MembershipView:
     identity: ModelIdentity | None = None  # its parts, as a worker published them
 
     def serving_roles(self) -> tuple[str, ...]:
-        """("prefill", "decode") when both pools have workers, else ("mixed",), else the
-        one of prefill and decode that has workers, else (). A lone pool serves whole
-        requests: every role decodes, and prefills its own prompts without a prefill
-        worker (run-time role changes can leave a P/D cluster with one pool)."""
+        """("prefill", "decode") when both pools have workers, else ("mixed",), else
+        ("decode",), else (). A lone decode pool serves whole requests, prefilling its own
+        prompts (a run-time role change moved its prefill worker to it). Prefill workers
+        alone serve nothing: they have lost every decode worker, which is an outage to
+        report, not a pool to pile every stream on."""
         if self.pools.get("prefill") and self.pools.get("decode"):
             return ("prefill", "decode")
-        for role in ("mixed", "decode", "prefill"):
+        for role in ("mixed", "decode"):
             if self.pools.get(role):
                 return (role,)
         return ()
@@ -84,6 +85,8 @@ class MembershipView:
         ]
 
     def why_empty(self) -> str:
+        if self.pools.get("prefill"):
+            return "no decode worker is registered (prefill workers need decode workers)"
         return "no worker is registered with the router; start prefill+decode or mixed workers"
 
     def why_none(self, role: str, excluded: frozenset[str]) -> str:

@@ -6,8 +6,8 @@ Lifecycle of a decision (`Router.route`, synchronous and thread-safe):
    whose non-draining members changed.
 2. Key: the engine's prefix hash of the prompt's first K blocks, seeded with the cluster's
    model fingerprint and the tenant as salt.
-3. Pools: prefill + decode if both have workers, else the one pool there is (mixed, then
-   decode, then prefill: a lone pool serves whole requests). Each pool's candidate order
+3. Pools: prefill + decode if both have workers, else mixed, else a lone decode pool
+   (it serves whole requests). Each pool's candidate order
    comes from the policy (the ring walk for the hashing policies), minus `exclude`.
 4. Place: one pipelined round trip runs `bounded_load.lua` once per pool; each call is
    atomic, so the bound holds across any number of router replicas.

@@ -189,15 +189,15 @@ class Capacity:
     def update(self, signals: Sequence[WorkerSignal], now: float | None = None) -> None:
         """Take a tick's signals. Prefill work goes to prefill workers (mixed ones when
         the cluster has no prefill pool), and to decode workers for the prompts the
-        gateway keeps local; the KV lives on decode (or mixed) workers. A lone prefill or
-        decode pool (its roles changed at run time) runs whole requests: both views."""
+        gateway keeps local; the KV lives on decode (or mixed) workers. A lone decode pool
+        (its prefill worker changed role at run time) prefills too: both views."""
         now = time.monotonic() if now is None else now
         prefill = [s for s in signals if s.role is Role.PREFILL]
         decode = [s for s in signals if s.role is Role.DECODE]
         mixed = [s for s in signals if s.role is Role.MIXED]
         self.prefill = _view(prefill or mixed or decode, now)
         self.local = _view(decode if prefill and self.sites.local_limit() > 0 else [], now)
-        self.decode = _view(decode or mixed or prefill, now)
+        self.decode = _view(decode or mixed, now)
         self.loads.update(signals, now)
         for p in self._passes:
             if p.first_token is not None and p.estimate_s > 0:

@@ -104,17 +104,19 @@ def test_dead_worker_is_dropped_via_refresh_and_retry(client: redis.Redis, names
     assert r.route(RouteQuery("r", [1] * 40, "t")).decode.worker_id == "m9"
 
 
-def test_no_workers_and_a_lone_prefill_or_decode_pool(client: redis.Redis, namespace: str) -> None:
-    """With no worker a route fails; a lone prefill or decode pool (home roles changed at
-    run time) serves whole requests, as a mixed pool does, and decode wins over prefill."""
+def test_no_workers_prefill_workers_alone_and_a_lone_decode_pool(
+    client: redis.Redis, namespace: str
+) -> None:
+    """With no worker a route fails, and with prefill workers alone (every decode worker
+    lost); a lone decode pool (its prefill worker changed role at run time) serves whole
+    requests, as a mixed pool does."""
     r = make_router(client, namespace)
     with pytest.raises(NoWorkerError, match="no worker is registered"):
         r.route(RouteQuery("r", [1], "t"))
     register_pool(client, namespace, "prefill", 1)
     r.refresh()
-    whole = r.route(RouteQuery("r", [1], "t"))
-    assert whole.prefill is None and whole.decode.worker_id == "p0"
-    r.release(whole.load_lease_ids)
+    with pytest.raises(NoWorkerError, match="no decode worker"):
+        r.route(RouteQuery("r", [1], "t"))
     register_pool(client, namespace, "decode", 1)
     r.refresh()
     split = r.route(RouteQuery("r", [1], "t"))
