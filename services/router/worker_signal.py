@@ -29,6 +29,15 @@ from engine.stats import ClassCounts
 from services.common.role import Role
 from services.router.keyspace import Keyspace
 
+#: A prefill worker whose queue is under this many seconds has room to decode, whatever
+#: the decode worker's queue: a chat prompt's prefill on the development host takes
+#: about 0.1-0.6 s. (The gateway's elastic roles and the workers' role planner read the
+#: signals with the same two bars.)
+IDLE_QUEUE_S = 0.5
+#: A decode worker carrying fewer streams than this is not loaded: below it a decode
+#: step costs about the same at any batch size, and moving work to it gains nothing.
+MIN_DECODE_STREAMS = 2
+
 # Hash fields of the waiting tokens, one per class, in ClassCounts order.
 _WAITING_TOKEN_FIELDS = tuple(f"waiting_tokens_{p.label}" for p in Priority)
 

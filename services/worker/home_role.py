@@ -105,7 +105,7 @@ class HomeRole:
 
     def start(self) -> HomeRole:
         """Start the planner's task (needs a registration, a publisher and a planner)."""
-        assert self.planner is not None and self.registration is not None
+        assert self.planner and self.registration and self.publisher
         self._task = asyncio.create_task(self._run(), name="home-role")
         return self
 
@@ -117,9 +117,8 @@ class HomeRole:
             self._task = None
 
     async def _run(self) -> None:
-        assert self.planner is not None and self.registration is not None
-        registry = self.registration.registry
-        board = SignalBoard(registry.client, registry.keys)
+        assert self.planner is not None and self.publisher is not None
+        board = self.publisher.board  # the one the worker publishes on: it reads there too
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=TICK_S)

@@ -34,14 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.role import Role
-from services.router.worker_signal import WorkerSignal
+from services.router.worker_signal import IDLE_QUEUE_S, MIN_DECODE_STREAMS, WorkerSignal
 
-#: A prefill worker's queue under this many seconds counts as idle.
-IDLE_QUEUE_S = 0.5
 #: A prefill worker's queue over this many seconds leaves it no room for more prompts.
 BUSY_QUEUE_S = 2.0
-#: The decode pool is loaded when it carries at least this many streams per worker.
-MIN_DECODE_STREAMS = 2
 #: The share of a window's samples that must lean to prefill for a decode worker to move.
 PREFILL_SHARE = 0.5
 

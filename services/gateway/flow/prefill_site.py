@@ -52,17 +52,12 @@ import enum
 from dataclasses import dataclass, field
 
 from services.gateway.flow.worker_loads import LoadView, NoLoads
+from services.router.worker_signal import IDLE_QUEUE_S as IDLE_QUEUE_S
+from services.router.worker_signal import MIN_DECODE_STREAMS as MIN_DECODE_STREAMS
 
 #: A prompt up to this many times the local limit still goes local when the prefill
 #: pool is busy: the decode batch absorbs a few hundred tokens more at a small ITL cost.
 BUSY_FACTOR = 4
-#: A prefill worker whose queue is under this many seconds has room to decode, whatever
-#: the decode worker's queue: a chat prompt's prefill on the development host takes
-#: about 0.1-0.6 s.
-IDLE_QUEUE_S = 0.5
-#: The decode worker keeps a request while it carries fewer streams than this: below it
-#: a decode step costs about the same at any batch size, and a split gains nothing.
-MIN_DECODE_STREAMS = 2
 
 
 class PrefillSite(enum.Enum):

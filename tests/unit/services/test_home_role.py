@@ -17,10 +17,10 @@ from services.engine_host.telemetry import WorkerTelemetry
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.keyspace import Keyspace
 from services.router.registry import IncompatibleWorkerError, Registry, WorkerInfo
-from services.router.worker_signal import SignalBoard, WorkerSignal
+from services.router.worker_signal import MIN_DECODE_STREAMS, SignalBoard, WorkerSignal
 from services.worker.home_role import ChangeReason, HomeRole
 from services.worker.registration import WorkerRegistration
-from services.worker.role_planner import MIN_DECODE_STREAMS, RolePlanner
+from services.worker.role_planner import RolePlanner
 from tests.unit.services.test_capacity import signal
 
 WINDOW_S = 5.0

@@ -10,14 +10,8 @@ import pytest
 
 from engine.stats import ClassCounts
 from services.common.role import Role
-from services.router.worker_signal import WorkerSignal
-from services.worker.role_planner import (
-    BUSY_QUEUE_S,
-    MIN_DECODE_STREAMS,
-    Reading,
-    RolePlanner,
-    lean,
-)
+from services.router.worker_signal import MIN_DECODE_STREAMS, WorkerSignal
+from services.worker.role_planner import BUSY_QUEUE_S, Reading, RolePlanner, lean
 from tests.unit.services.test_capacity import signal
 
 RATE = 1000.0  # prompt tokens per second of prefill
