@@ -56,10 +56,8 @@ class WorkerRegistration:
         unchanged here; Redis may or may not have moved it, and the next beat settles
         it either way)."""
         async with self._writing:
-            moved = replace(self.info, role=role)
-            now = replace(moved, adapters=self.adapters())
-            await asyncio.to_thread(self.registry.register, now)
-            self.info = moved
+            await asyncio.to_thread(self.registry.register, replace(self.current(), role=role))
+            self.info = replace(self.info, role=role)
 
     def current(self) -> WorkerInfo:
         """The registration as of now (its resident adapters change)."""
