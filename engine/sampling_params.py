@@ -7,9 +7,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from engine.errors import InvalidRequestError
-
-#: OpenAI's cap on top_logprobs and on the completions API's `logprobs`.
-MAX_LOGPROBS = 20
+from engine.logprobs import MAX_LOGPROBS
 
 #: Stop strings are matched on decoded text; longer ones would make every step slow.
 MAX_STOP_STRING_CHARS = 256

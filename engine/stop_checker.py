@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from engine.finish_reason import FinishReason
-from engine.request import Request
+from engine.request import FinishReason, Request
 from engine.tokenizer import Tokenizer
 
 

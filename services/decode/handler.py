@@ -32,8 +32,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.finish_reason import FinishReason
-from engine.request import RequestOutput
+from engine.request import FinishReason, RequestOutput
 from engine.request_spec import RequestSpec
 from kvtransfer.errors import LeaseExpiredError, NoBlocksError, PeerUnavailableError
 from kvtransfer.importer import ImportResult, KvImporter

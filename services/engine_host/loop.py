@@ -16,8 +16,7 @@ import logging
 import threading
 
 from engine.engine import LLMEngine
-from engine.finish_reason import FinishReason
-from engine.request import RequestOutput
+from engine.request import FinishReason, RequestOutput
 
 log = logging.getLogger(__name__)
 
