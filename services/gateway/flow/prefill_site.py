@@ -52,8 +52,7 @@ import enum
 from dataclasses import dataclass, field
 
 from services.gateway.flow.worker_loads import LoadView, NoLoads
-from services.router.worker_signal import IDLE_QUEUE_S as IDLE_QUEUE_S
-from services.router.worker_signal import MIN_DECODE_STREAMS as MIN_DECODE_STREAMS
+from services.router.worker_signal import IDLE_QUEUE_S, MIN_DECODE_STREAMS
 
 #: A prompt up to this many times the local limit still goes local when the prefill
 #: pool is busy: the decode batch absorbs a few hundred tokens more at a small ITL cost.

@@ -15,15 +15,9 @@ import redis
 
 from engine.stats import ClassCounts
 from services.common.role import Role
-from services.gateway.flow.prefill_site import (
-    IDLE_QUEUE_S,
-    MIN_DECODE_STREAMS,
-    PrefillSite,
-    SitePolicy,
-    SiteReason,
-)
+from services.gateway.flow.prefill_site import PrefillSite, SitePolicy, SiteReason
 from services.gateway.flow.worker_loads import RECENT_WINDOW_S, WorkerLoads
-from services.router.worker_signal import WorkerSignal
+from services.router.worker_signal import IDLE_QUEUE_S, MIN_DECODE_STREAMS, WorkerSignal
 from tests.unit.services.gateway_fakes import (
     DECODE_TOKENS,
     Client,
