@@ -10,11 +10,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
-
-import torch
+from typing import TYPE_CHECKING, TypeVar
 
 from engine.precision import DType, KvCacheDType, WeightQuant, check_quant, resolve_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL_CACHE = Path("~/.cache/pdserve/models")
 _E = TypeVar("_E", bound=enum.Enum)
@@ -244,6 +245,8 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch  # here, not at import: the gateway and CLI read this module's enums
+
         return torch.device(self.device)
 
     @property

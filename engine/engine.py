@@ -33,6 +33,7 @@ from dataclasses import replace
 
 import torch
 
+from engine.adapter_ref import AdapterRef
 from engine.builder import build_parts
 from engine.config import EngineConfig
 from engine.engine_stats import StatsSources, collect_stats
@@ -40,7 +41,7 @@ from engine.fork import Forker, fork_id
 from engine.grammar import LazyGrammarCompiler
 from engine.intake import Intake, IntakeParts
 from engine.kv_handoff import HandoffParts, HeldKvIndex, KvHandoff
-from engine.lora import AdapterRef, LoraAdapter
+from engine.lora import LoraAdapter
 from engine.output_stage import OutputParts, OutputStage, output_of
 from engine.request import Request, RequestOutput
 from engine.request_check import RequestLimits

@@ -12,10 +12,8 @@ or outlines-core). Lifecycle:
   `complete` says the grammar can end and nothing else may follow (the stop checker ends
   the request with STOP), `fork()` copies the state. Preemption needs nothing: the
   request keeps its output tokens and the matcher their state.
-- `MaskJob.start(grammars)` computes the next-token masks of a step's constrained rows
-  on a worker thread (llguidance drops the GIL and fills them on its own thread pool)
-  while the model runs; `rows(n, index)` then returns the [n, vocab] bool `allowed`
-  tensor for the sampler. A step with no constrained row starts no job.
+- `MaskJob` (`engine/grammar_mask.py`) turns a step's grammars into token masks. This
+  module does not import torch: gateways compile grammars to check requests.
 """
 
 from __future__ import annotations
@@ -24,11 +22,8 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.numpy
-import torch
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import GuidedKind, GuidedSpec
@@ -36,9 +31,6 @@ from engine.tokenizer import Tokenizer
 
 #: Compiled grammars kept per engine (the text llguidance builds from a spec).
 CACHE_SIZE = 256
-#: Bits in one word of llguidance's token bitmask.
-WORD_BITS = 32
-_BIT = torch.arange(WORD_BITS, dtype=torch.int32)
 
 
 class Grammar:
@@ -152,43 +144,3 @@ def _grammar_of(spec: GuidedSpec) -> str:
         return llguidance.grammar_from("grammar", spec.spec)
     except ValueError as exc:
         raise InvalidRequestError("guided.spec", f"is not a grammar: {exc}") from None
-
-
-class MaskJob:
-    """The next-token masks of one step's constrained rows, computed off the step thread."""
-
-    # Made on the first constrained step, not at import: every process imports this
-    # module (through engine.request), most never constrain a request.
-    _pool: ThreadPoolExecutor | None = None
-    _executor: llguidance.LLExecutor | None = None
-
-    @classmethod
-    def _workers(cls) -> tuple[ThreadPoolExecutor, llguidance.LLExecutor]:
-        if cls._pool is None or cls._executor is None:
-            cls._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-            cls._executor = llguidance.LLExecutor()
-        return cls._pool, cls._executor
-
-    def __init__(self, grammars: Sequence[Grammar], vocab_size: int) -> None:
-        self.count = len(grammars)
-        self.vocab_size = vocab_size
-        words = (vocab_size + WORD_BITS - 1) // WORD_BITS
-        self._bits = torch.full((self.count, words), -1, dtype=torch.int32)
-        pairs = [(g.matcher, i) for i, g in enumerate(grammars)]
-        pool, executor = self._workers()
-        # Filled through a numpy view of the same memory: llguidance's torch module
-        # defines a torch.compile'd function, and importing it loads torch._dynamo (0.8 s
-        # at every gateway and worker start).
-        self._done: Future[None] = pool.submit(
-            llguidance.numpy.fill_next_token_bitmask_par, executor, pairs, self._bits.numpy()
-        )
-
-    def allowed(self, rows: int, index: Sequence[int]) -> torch.Tensor:
-        """[rows, vocab] bool: the constrained rows' masks at `index` (job row i goes to
-        row index[i]); every other row allows everything."""
-        self._done.result()
-        out = torch.ones(rows, self.vocab_size, dtype=torch.bool)
-        if self.count:
-            bits = (self._bits[:, :, None] >> _BIT) & 1
-            out[torch.tensor(list(index))] = bits.reshape(self.count, -1)[:, : self.vocab_size] > 0
-        return out

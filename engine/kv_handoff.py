@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import InvalidRequestError, UnknownRequestError
+from engine.finish_reason import FinishReason
 from engine.intake import Intake
 from engine.kv_cache import KvCache
 from engine.kv_layout import KvLayout
-from engine.request import FinishReason, Request
+from engine.request import Request
 from engine.request_spec import RequestSpec
 from engine.scheduler import Scheduler
 from engine.step_gate import StepGate

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-#: OpenAI's cap on top_logprobs and on the completions API's `logprobs`.
-MAX_LOGPROBS = 20
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -43,6 +42,8 @@ def token_logprobs(
 ) -> list[TokenLogprobs]:
     """Row i's log-probability of `tokens[i]`, its rank and the top `tops[i]` tokens, from
     raw logits ([N, vocab]); one log-softmax and one top-k for all rows."""
+    import torch  # here, not at import: gateways read this module's types only
+
     if not tokens:
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)

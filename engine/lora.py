@@ -3,9 +3,10 @@
 Lifecycle: `LoraSet` (engine/lora_set.py) calls `read_adapter(path, target)` when a
 request first names an adapter that is not resident; the `LoraAdapter` it returns is
 immutable, shared by every request of that adapter, and dropped when the set evicts it
-(never while a request holds it). `adapter_digest(path)` is the adapter's identity, which
-gateways compute too: it is folded into the prefix-block hashes and router keys of the
-adapter's requests, and a KV hand-off between workers that disagree on it is refused.
+(never while a request holds it). `adapter_digest(path)` (`engine.adapter_ref`) is the
+adapter's identity, which gateways compute too: it is folded into the prefix-block
+hashes and router keys of the adapter's requests, and a KV hand-off between workers
+that disagree on it is refused.
 
 The format is what `peft.PeftModel.save_pretrained` writes: `adapter_config.json` (r,
 lora_alpha, target_modules, use_rslora, ...) and `adapter_model.safetensors`, whose keys
@@ -28,7 +29,6 @@ module other than the seven projections of a layer (embeddings, the LM head).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -36,17 +36,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xxhash
 from safetensors.torch import load as load_safetensors
 
+from engine.adapter_ref import (
+    WEIGHTS_FILE,
+    check_adapter_name,
+    digest_start,
+    read_config,
+    weights_file,
+)
 from engine.errors import AdapterFormatError
 from engine.model_spec import ModelSpec
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-#: adapter_config.json keys that say where or by what the adapter was saved, not what it
-#: computes: they stay out of the digest.
-CONFIG_NOISE = ("base_model_name_or_path", "revision", "peft_version", "inference_mode")
 #: Each PEFT module name -> the engine's fused projection it belongs to.
 FUSED = {
     "q_proj": "qkv",
@@ -61,8 +62,6 @@ _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
     r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])\.weight$"
 )
-#: A legal adapter name: it travels in the OpenAI `model` field as "base:adapter".
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
@@ -71,22 +70,6 @@ def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     h, i = spec.hidden_size, spec.intermediate_size
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
-
-
-def adapter_path(directory: Path, name: str) -> Path | None:
-    """`directory/name` when `name` may name an adapter and holds an adapter config there;
-    else None."""
-    path = directory / name
-    return path if NAME.match(name) and (path / CONFIG_FILE).is_file() else None
-
-
-@dataclass(frozen=True)
-class AdapterRef:
-    """How a request names its adapter: by name, and optionally by the digest the caller
-    expects (a gateway's routing key, or an exporter's KV, were made for that copy)."""
-
-    name: str
-    digest: str = ""  # "": whichever copy the engine holds
 
 
 @dataclass(frozen=True)
@@ -138,43 +121,14 @@ class LoraAdapter:
         return sum(p.a_t.nbytes + p.b_t.nbytes for p in self.pairs.values())
 
 
-def check_adapter_name(name: str) -> str:
-    """`name` if it may name an adapter; else AdapterFormatError saying what may."""
-    if not NAME.match(name):
-        raise AdapterFormatError(
-            f"adapter name {name!r}: use 1-128 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
-        )
-    return name
-
-
-def adapter_digest(path: Path) -> str:
-    """The adapter's identity: xxh3-128 over its config (less `CONFIG_NOISE`) and the
-    bytes of its weights file. AdapterFormatError if either is missing or unreadable."""
-    h = _digest_start(_read_config(path))
-    with _weights_file(path).open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _digest_start(config: Mapping[str, object]) -> xxhash.xxh3_128:
-    canonical = json.dumps(
-        {k: v for k, v in config.items() if k not in CONFIG_NOISE}, sort_keys=True
-    )
-    h = xxhash.xxh3_128()
-    h.update(f"pdserve-lora-v1|{canonical}|".encode())
-    return h
-
-
 def read_adapter(path: Path, target: LoraTarget, *, name: str = "") -> LoraAdapter:
     """Read the PEFT adapter in `path` onto `target`'s fused projections. The weights
     file is read once: the digest is of the very bytes the tensors come from."""
     name = check_adapter_name(name or path.name)
-    config = _read_config(path)
+    config = read_config(path)
     _check_config(path, config)
-    blob = _weights_file(path).read_bytes()
-    digest = _digest_start(config)
+    blob = weights_file(path).read_bytes()
+    digest = digest_start(config)
     digest.update(blob)
     try:
         raw = load_safetensors(blob)
@@ -190,31 +144,6 @@ def read_adapter(path: Path, target: LoraTarget, *, name: str = "") -> LoraAdapt
         pairs[key] = _fuse(key, modules, target, alpha, rslora)
     rank = max((p.rank for p in pairs.values()), default=0)
     return LoraAdapter(name, digest.hexdigest(), rank, pairs)
-
-
-def _read_config(path: Path) -> dict[str, object]:
-    file = path / CONFIG_FILE
-    try:
-        config = json.loads(file.read_text("utf-8"))
-    except FileNotFoundError as exc:
-        raise AdapterFormatError(f"adapter {path.name!r}: no {CONFIG_FILE} in {path}") from exc
-    except (OSError, ValueError) as exc:
-        raise AdapterFormatError(f"adapter {path.name!r}: cannot read {file}: {exc}") from exc
-    if not isinstance(config, dict):
-        raise AdapterFormatError(f"adapter {path.name!r}: {file} is not a JSON object")
-    return config
-
-
-def _weights_file(path: Path) -> Path:
-    file = path / WEIGHTS_FILE
-    if file.is_file():
-        return file
-    if (path / "adapter_model.bin").is_file():
-        raise AdapterFormatError(
-            f"adapter {path.name!r}: only safetensors weights are read (pickled "
-            f"adapter_model.bin is not); save it with safe_serialization=True"
-        )
-    raise AdapterFormatError(f"adapter {path.name!r}: no {WEIGHTS_FILE} in {path}")
 
 
 def _check_config(path: Path, config: Mapping[str, object]) -> None:

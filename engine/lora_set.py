@@ -30,8 +30,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.adapter_ref import adapter_digest, adapter_path, available_adapters
 from engine.errors import AdapterMismatchError, AdaptersBusyError, UnknownAdapterError
-from engine.lora import LoraAdapter, LoraTarget, adapter_digest, adapter_path, read_adapter
+from engine.lora import LoraAdapter, LoraTarget, read_adapter
 
 log = logging.getLogger(__name__)
 
@@ -174,11 +175,3 @@ class LoraSet:
             f"slots (--max-loras) hold adapters of running requests "
             f"({', '.join(self._resident)}); retry shortly"
         )
-
-
-def available_adapters(directory: Path | None) -> list[str]:
-    """The adapter names under `directory`: its subdirectories holding an
-    adapter_config.json whose names may name an adapter (sorted)."""
-    if directory is None or not directory.is_dir():
-        return []
-    return sorted(p.name for p in directory.iterdir() if adapter_path(directory, p.name))

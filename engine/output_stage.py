@@ -20,12 +20,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.finish_reason import FinishReason
 from engine.fork import Forker
-from engine.grammar import MaskJob
+from engine.grammar_mask import MaskJob
 from engine.kv_handoff import HeldKv, HeldKvIndex
 from engine.logits_processing import RowContext
 from engine.logprobs import TokenLogprobs, token_logprobs
-from engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from engine.request import Request, RequestOutput, RequestStatus
 from engine.sampler import sample
 from engine.scheduled_batch import ScheduledBatch
 from engine.scheduler import Scheduler

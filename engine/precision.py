@@ -21,8 +21,10 @@ import functools
 import logging
 import platform
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ class KvCacheDType(enum.StrEnum):
 
 def kv_storage_dtype(kv: KvCacheDType, compute: torch.dtype) -> torch.dtype:
     """The torch dtype the KV pool stores for `kv` when the model computes in `compute`."""
+    import torch  # here, not at import: services that never compute read the enums above
+
     if kv is KvCacheDType.INT8:
         return torch.int8
     if kv is KvCacheDType.FP8_E4M3:
@@ -83,6 +87,8 @@ def cpu_has_native_bf16() -> bool:
 
 def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:
     """The torch dtype `dtype` means on `device`; `auto` is decided here and logged."""
+    import torch
+
     if dtype is not DType.AUTO:
         resolved: torch.dtype = getattr(torch, dtype.value)
         return resolved

@@ -35,28 +35,13 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import DeadlineExceededError
+from engine.finish_reason import FinishReason
 from engine.grammar import Grammar
 from engine.logprobs import TokenLogprobs
 from engine.lora import LoraAdapter
 from engine.priority import Priority
 from engine.sampler import new_generator, position_seed
 from engine.sampling_params import SamplingParams
-
-
-class FinishReason(enum.Enum):
-    """Why a request's output ended: a stop (EOS, stop token or string), the length limit
-    (max_tokens or the context length), an abort (cancelled, or the engine failed), or
-    its deadline (it passed while the request was preempted, so it was not recomputed)."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    DEADLINE = "deadline"
-
-    @property
-    def completed(self) -> bool:
-        """The output ran to its natural end (a stop or the length limit)."""
-        return self in (FinishReason.STOP, FinishReason.LENGTH)
 
 
 class RequestStatus(enum.Enum):

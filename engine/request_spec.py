@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.lora import AdapterRef
+from engine.adapter_ref import AdapterRef
 from engine.priority import Priority
 from engine.sampling_params import SamplingParams
 

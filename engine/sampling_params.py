@@ -7,7 +7,9 @@ import math
 from dataclasses import dataclass, field, replace
 
 from engine.errors import InvalidRequestError
-from engine.logprobs import MAX_LOGPROBS
+
+#: OpenAI's cap on top_logprobs and on the completions API's `logprobs`.
+MAX_LOGPROBS = 20
 
 #: Stop strings are matched on decoded text; longer ones would make every step slow.
 MAX_STOP_STRING_CHARS = 256

@@ -35,10 +35,11 @@ from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
 from engine.errors import OutOfBlocksError, UnknownRequestError
+from engine.finish_reason import FinishReason
 from engine.kv_offload import OffloadTier
 from engine.prefix_hash import prefix_block_hashes
 from engine.priority import Priority
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import Request, RequestStatus
 from engine.scheduled_batch import ScheduledBatch
 from engine.waiting_queue import WaitingQueue
 

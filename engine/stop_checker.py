@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from engine.request import FinishReason, Request
+from engine.finish_reason import FinishReason
+from engine.request import Request
 from engine.tokenizer import Tokenizer
 
 

@@ -17,9 +17,9 @@ from typing import Protocol
 
 import torch
 
+from engine.finish_reason import FinishReason
 from engine.kv_handoff import HeldKv, ImportSlot
 from engine.kv_layout import KvLayout
-from engine.request import FinishReason
 from engine.request_spec import RequestSpec
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from engine.adapter_ref import AdapterRef
 from engine.errors import AdapterMismatchError
 from engine.kv_layout import KvLayout
-from engine.lora import AdapterRef
 from kvtransfer.errors import InvalidHandleError, LayoutMismatchError, LeaseExpiredError
 from pdserve.v1 import common_pb2
 

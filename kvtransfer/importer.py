@@ -29,8 +29,8 @@ import grpc
 import torch
 
 from engine.errors import OutOfBlocksError
+from engine.finish_reason import FinishReason
 from engine.kv_layout import KvLayout
-from engine.request import FinishReason
 from engine.request_spec import RequestSpec
 from kvtransfer.backend import ImportBackend
 from kvtransfer.channel import PLAINTEXT, ChannelSecurity, dial

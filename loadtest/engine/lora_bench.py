@@ -31,9 +31,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from engine.adapter_ref import AdapterRef
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.lora import AdapterRef, module_shapes
+from engine.lora import module_shapes
 from engine.model_spec import ModelSpec
 from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.grammar import MaskJob
+from engine.grammar_mask import MaskJob
 from engine.request_spec import RequestSpec
 from engine.sampling_params import GuidedKind, GuidedSpec, SamplingParams
 from loadtest.reports.provenance import collect_provenance

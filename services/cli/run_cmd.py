@@ -11,7 +11,6 @@ import argparse
 import sys
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
 from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatMessage
@@ -33,6 +32,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # Imported here: every `pdserve` command parses this module, and the engine brings
+    # torch, which the gateway and client commands never need.
+    from engine.engine import LLMEngine
+
     engine = LLMEngine(config_from_args(EngineConfig, args), progress=True)
     tok = engine.tokenizer
     ids = (

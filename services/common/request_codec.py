@@ -22,8 +22,8 @@ from __future__ import annotations
 import time
 from typing import TypeAlias
 
+from engine.adapter_ref import AdapterRef
 from engine.errors import InvalidRequestError
-from engine.lora import AdapterRef
 from engine.priority import Priority
 from engine.request_spec import RequestSpec
 from pdserve.v1 import common_pb2, worker_pb2

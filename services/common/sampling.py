@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine.errors import InvalidRequestError
+from engine.finish_reason import FinishReason
 from engine.logprobs import Logprob, TokenLogprobs
-from engine.request import FinishReason
 from engine.sampling_params import GuidedKind, GuidedSpec, SamplingParams
 from pdserve.v1 import common_pb2
 

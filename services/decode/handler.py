@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.request import FinishReason, RequestOutput
+from engine.finish_reason import FinishReason
+from engine.request import RequestOutput
 from engine.request_spec import RequestSpec
 from kvtransfer.errors import LeaseExpiredError, NoBlocksError, PeerUnavailableError
 from kvtransfer.importer import ImportResult, KvImporter

@@ -16,7 +16,8 @@ import logging
 import threading
 
 from engine.engine import LLMEngine
-from engine.request import FinishReason, RequestOutput
+from engine.finish_reason import FinishReason
+from engine.request import RequestOutput
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ from dataclasses import replace
 import grpc
 from opentelemetry.context import Context
 
-from engine.request import FinishReason, RequestOutput
+from engine.finish_reason import FinishReason
+from engine.request import RequestOutput
 from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from kvtransfer.exporter import KvExporter

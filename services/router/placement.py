@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from engine.lora import AdapterRef
+from engine.adapter_ref import AdapterRef
 from services.common.detached import done
 from services.common.status import NoWorkerError as NoWorkerError  # raised by route
 

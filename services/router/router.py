@@ -44,7 +44,7 @@ from dataclasses import astuple, dataclass, replace
 
 import redis
 
-from engine.lora import AdapterRef
+from engine.adapter_ref import AdapterRef
 from engine.model_identity import IdentityPart, ModelIdentity
 from services.router.identity_check import IdentityCheck
 from services.router.keyspace import Keyspace

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from engine.engine import LLMEngine
+from engine.finish_reason import FinishReason
 from engine.priority import Priority
-from engine.request import FinishReason
 from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from kvtransfer.backend import ReadResult

@@ -4,7 +4,7 @@ Lifecycle: the gateway builds an `AdapterCatalog` on `--lora-dir` (the same adap
 the model's workers were started with) at start; it is read, never written, by every
 request after. `names()` lists the directory as it is now (an adapter copied in later is
 served without a restart: the workers load it on first use); `resolve(name)` gives the
-adapter's `AdapterRef`: its name and its digest (`engine.lora.adapter_digest`). The
+adapter's `AdapterRef`: its name and its digest (`engine.adapter_ref.adapter_digest`). The
 digest goes into the request's routing key, so requests of one adapter meet the prefix
 caches of their own adapter, and to the workers, which refuse a request made for
 another copy of the adapter than theirs (FAILED_PRECONDITION). The adapters present at
@@ -21,15 +21,21 @@ import threading
 import time
 from pathlib import Path
 
+from engine.adapter_ref import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterRef,
+    adapter_digest,
+    adapter_path,
+    available_adapters,
+)
 from engine.errors import AdapterFormatError
-from engine.lora import CONFIG_FILE, WEIGHTS_FILE, AdapterRef, adapter_digest, adapter_path
-from engine.lora_set import available_adapters
 from engine.model_identity import file_stamp, still_current
 from services.common.status import UnknownModelError
 
 log = logging.getLogger(__name__)
 
-#: The files whose bytes an adapter's digest covers (`engine.lora.adapter_digest`).
+#: The files whose bytes an adapter's digest covers (`engine.adapter_ref.adapter_digest`).
 _FILES = (CONFIG_FILE, WEIGHTS_FILE)
 
 

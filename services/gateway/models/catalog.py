@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine.lora import AdapterRef
+from engine.adapter_ref import AdapterRef
 from services.common.status import UnknownModelError
 from services.gateway.models.backend import Backend, SharedParts
 from services.gateway.models.served_model import ServedModel, ServedModelSpec

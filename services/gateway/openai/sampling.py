@@ -27,8 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
-from engine.logprobs import MAX_LOGPROBS
-from engine.sampling_params import MAX_FORKS, GuidedKind, GuidedSpec, SamplingParams
+from engine.sampling_params import MAX_FORKS, MAX_LOGPROBS, GuidedKind, GuidedSpec, SamplingParams
 
 SEED_CAP = 2**63
 MAX_TOKEN_ID = 2**31 - 1

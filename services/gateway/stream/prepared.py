@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from engine.lora import AdapterRef
+from engine.adapter_ref import AdapterRef
 from engine.priority import Priority
 from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams

@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
+from engine.finish_reason import FinishReason
 from engine.prefix_hash import hash_seed
 from engine.priority import Priority
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduled_batch import ScheduledBatch
 from engine.scheduler import Scheduler, SchedulerConfig

@@ -7,7 +7,8 @@ import pytest
 
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError, OutOfBlocksError
-from engine.request import FinishReason, RequestOutput, RequestStatus
+from engine.finish_reason import FinishReason
+from engine.request import RequestOutput, RequestStatus
 from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory, assert_no_leaks

@@ -11,8 +11,9 @@ import pytest
 
 from engine.engine import LLMEngine
 from engine.errors import DeadlineExceededError, InvalidRequestError
+from engine.finish_reason import FinishReason
 from engine.priority import Priority
-from engine.request import FinishReason, RequestOutput
+from engine.request import RequestOutput
 from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory, assert_no_leaks

@@ -7,7 +7,7 @@ import pytest
 
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError, UnknownRequestError
-from engine.request import FinishReason
+from engine.finish_reason import FinishReason
 from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory, assert_no_leaks

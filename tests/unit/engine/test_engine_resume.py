@@ -12,8 +12,8 @@ import pytest
 
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
+from engine.finish_reason import FinishReason
 from engine.grammar import GuidedKind, GuidedSpec
-from engine.request import FinishReason
 from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory, assert_no_leaks

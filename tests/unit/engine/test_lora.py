@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+from engine.adapter_ref import AdapterRef
 from engine.engine import LLMEngine
-from engine.lora import AdapterRef
 from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatMessage

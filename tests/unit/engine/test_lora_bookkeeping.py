@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.adapter_ref import WEIGHTS_FILE, AdapterRef, adapter_digest
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import (
@@ -22,7 +23,6 @@ from engine.errors import (
     AdaptersBusyError,
     UnknownAdapterError,
 )
-from engine.lora import WEIGHTS_FILE, AdapterRef, adapter_digest
 from engine.lora_batch import LoraStacks
 from engine.lora_set import LoraSet
 from engine.request_spec import RequestSpec

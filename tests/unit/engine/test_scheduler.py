@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.request import FinishReason, Request, RequestStatus
+from engine.finish_reason import FinishReason
+from engine.request import Request, RequestStatus
 from engine.scheduler import SchedulerConfig
 from tests.unit.engine.scheduler_sim import (
     assert_complete,

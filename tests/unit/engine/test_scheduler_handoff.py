@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import OutOfBlocksError, UnknownRequestError
-from engine.request import FinishReason, Request, RequestStatus
+from engine.finish_reason import FinishReason
+from engine.request import Request, RequestStatus
 from tests.unit.engine.scheduler_sim import Sim, assert_complete, make_req, make_sim, token_for
 
 

@@ -14,8 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.finish_reason import FinishReason
 from engine.priority import Priority
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import Request, RequestStatus
 from engine.stats import ClassCounts
 from engine.waiting_queue import WaitingQueue
 from tests.unit.engine.scheduler_sim import Sim, assert_complete, make_req, make_sim

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from engine.adapter_ref import AdapterRef
 from engine.errors import AdapterMismatchError
-from engine.lora import AdapterRef
 from kvtransfer.handle import handle_adapter
 from pdserve.v1 import common_pb2
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine.lora_set import available_adapters
+from engine.adapter_ref import available_adapters
 from engine.model_spec import ModelSpec
 from loadtest.engine import lora_bench
 from loadtest.reports.provenance import collect_provenance

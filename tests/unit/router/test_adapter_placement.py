@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import redis
 
-from engine.lora import AdapterRef
+from engine.adapter_ref import AdapterRef
 from services.router.keyspace import Keyspace
 from services.router.membership import MembershipView
 from services.router.placement import RouteDecision, RouteQuery

@@ -8,7 +8,8 @@ import grpc
 import pytest
 
 from engine.errors import DeadlineExceededError
-from engine.request import FinishReason, RequestOutput
+from engine.finish_reason import FinishReason
+from engine.request import RequestOutput
 from pdserve.v1 import common_pb2
 from services.common import sampling
 from services.common.status import status_for

@@ -15,7 +15,7 @@ import redis
 import torch
 from safetensors.torch import save_file
 
-from engine.lora import CONFIG_FILE, WEIGHTS_FILE, AdapterRef, adapter_digest
+from engine.adapter_ref import CONFIG_FILE, WEIGHTS_FILE, AdapterRef, adapter_digest
 from services.common.status import UnknownModelError
 from services.gateway.client import RequestOptions, build_request
 from services.gateway.models.adapter_catalog import AdapterCatalog

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
+from engine.adapter_ref import AdapterRef
 from engine.errors import InvalidRequestError
-from engine.lora import AdapterRef
 from engine.priority import Priority
 from engine.request_spec import RequestSpec
 from engine.sampling_params import GuidedKind, GuidedSpec, SamplingParams
