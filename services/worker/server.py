@@ -2,17 +2,18 @@
 
 Lifecycle: `serve_worker(worker, engine, transfer)` loads the engine (converting the
 default model on first use), starts the engine loop, what its home role runs (`Phases`:
-the KV exporter for prefill, the importer for decode; a mixed worker needs neither; every
-role decodes), and the gRPC server with health and reflection; registers with the
+the KV exporter for prefill, the importer for decode; a mixed worker needs neither;
+every role decodes), and the gRPC server with health and reflection; registers with the
 router's Redis when `--redis-url` is set (refused if its model or KV layout differs from
-the cluster's), then publishes its load signal there every `signal_interval_s`
-(`signal_publisher.py`) and, with `--role-window-s` > 0, lets the role planner change its
-home role as the mix shifts (`home_role.py`; the SetRole RPC changes it by hand);
-prints one JSON line `{"ready": address, ...}` on stdout for whoever launched it; serves
-until SIGTERM or SIGINT. Then it drains: marks itself draining in the registry (no new requests) and
-withdraws its load signal, reports NOT_SERVING, lets running streams finish and exported
-KV be pulled for up to `drain_timeout_s`, deregisters, and stops everything (remaining
-leases released).
+the cluster's; before that it runs one short prefill, `calibration.py`, so its first
+signal carries a measured prefill speed), then publishes its load signal there every
+`signal_interval_s` (`signal_publisher.py`) and, with `--role-window-s` > 0, lets the
+role planner change its home role as the mix shifts (`home_role.py`; the SetRole RPC
+changes it by hand); prints one JSON line `{"ready": address, ...}` on stdout for
+whoever launched it; serves until SIGTERM or SIGINT. Then it drains: marks itself
+draining in the registry (no new requests) and withdraws its load signal, reports
+NOT_SERVING, lets running streams finish and exported KV be pulled for up to
+`drain_timeout_s`, deregisters, and stops everything (remaining leases released).
 Telemetry (`Telemetry`, `WorkerTelemetry`) starts first and stops last: the metrics
 endpoint's port goes into the ready line, and queued spans are flushed at exit.
 """
@@ -46,6 +47,7 @@ from services.engine_host.telemetry import WorkerTelemetry
 from services.router.keyspace import Keyspace
 from services.router.registry import WorkerInfo
 from services.router.worker_signal import SignalBoard
+from services.worker.calibration import calibrate
 from services.worker.config import WorkerConfig
 from services.worker.home_role import ChangeReason, HomeRole
 from services.worker.phases import Phases
@@ -187,6 +189,8 @@ async def serve_worker(
     # A bar only where a person watches: weight packing or quantization takes seconds.
     engine = LLMEngine(engine_cfg, progress=sys.stderr.isatty())
     observe = WorkerTelemetry.on(telemetry, engine, config.worker_id)
+    if config.redis_url:  # its load signal is published: give it a measured speed first
+        await asyncio.to_thread(calibrate, engine)
     loop = EngineLoop(engine).start(asyncio.get_running_loop())
     phases = Phases(loop, transfer, config.worker_id, security, observe)
     phases.serve(config.role)

@@ -63,8 +63,9 @@ MIN_WAIT_SHARE = 1 - HEADROOM
 # The most a request is let queue in the engines behind others: enough to keep the pool
 # busy across a signal's lag, short enough that the backlog waits here, in order.
 QUEUE_TARGET_S = 1.0
-# Before any prefill worker has measured its speed there is no estimate; this many
-# admitted requests may be on their way at once until there is.
+# Where no worker publishes a speed (workers calibrate before they register, so only
+# one that could not) there is no estimate; this many admitted requests may be on their
+# way at once, per gateway replica, until there is.
 UNMEASURED_PENDING = 8
 MAX_RETRY_S = 60.0
 

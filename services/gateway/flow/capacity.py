@@ -14,8 +14,9 @@ the prefill pool in classes >= c (the engines admit higher classes first), plus 
 prompts this gateway admitted that had not reached a worker when the pool's oldest
 signal was taken, plus its own prompt. The pool computes `prefill_tokens_per_s` (summed
 over workers, each measured while busy), less what higher classes have been taking
-lately (they arrive while it waits, and go first). Until some worker has measured its
-speed there is no estimate (admission lets a few requests in at a time until there is).
+lately (they arrive while it waits, and go first). Workers measure their speed before
+they register (`services/worker/calibration.py`); where no worker has one there is no
+estimate (admission lets a few requests in at a time until there is).
 
 With conditional disaggregation the decode pool prefills too, and a prompt that the
 gateway may prefill there (`SitePolicy.local_limit`: up to `BUSY_FACTOR` times the

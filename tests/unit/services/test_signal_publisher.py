@@ -23,6 +23,11 @@ from services.router.keyspace import Keyspace
 from services.router.redis_client import connect
 from services.router.registry import Registry, WorkerInfo
 from services.router.worker_signal import SignalBoard
+from services.worker.calibration import (
+    CALIBRATION_PROMPT_TOKENS,
+    calibrate,
+    calibration_prompt,
+)
 from services.worker.config import WorkerConfig
 from services.worker.signal_publisher import BusyAverage, SignalPublisher, signal_ttl_s
 from tests.conftest import assert_no_leaks
@@ -117,6 +122,39 @@ def test_a_real_engine_reports_its_measured_speeds(
 
     asyncio.run(scenario())
     assert_no_leaks(engine)
+
+
+def test_a_calibrated_engine_signals_a_speed_from_its_first_publish(
+    client: redis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    """The worker calibrates before it registers: its first signal is never blind."""
+    write_tiny_model("qwen2", tmp_path / "tiny")
+    engine = LLMEngine(EngineConfig(model=str(tmp_path / "tiny"), dtype="float32",
+                                    num_kv_blocks=64, max_num_batched_tokens=32))  # fmt: skip
+    speed = calibrate(engine)
+    prompt = calibration_prompt(engine.spec.vocab_size, engine.max_model_len)
+    assert speed > 0 and engine.stats().prefill_tokens_total == len(prompt)
+    board = registered_board(client, namespace, "p4")
+
+    async def scenario() -> None:
+        publisher = SignalPublisher(board, engine.stats, "p4", Role.PREFILL, INTERVAL_S)
+        await publisher.publish_once()
+        (first,) = await asyncio.to_thread(board.read, [Role.PREFILL])
+        assert first.prefill_tokens_per_s == pytest.approx(speed)
+        assert first.free_blocks == 64  # the calibration's blocks are cached, so free
+        await publisher.stop()
+
+    asyncio.run(scenario())
+    assert_no_leaks(engine)
+
+
+def test_the_calibration_prompt_fits_any_vocabulary_and_context() -> None:
+    usual = calibration_prompt(vocab_size=49152, max_model_len=8192)
+    assert len(usual) == CALIBRATION_PROMPT_TOKENS and min(usual) >= 1000
+    assert len(set(usual)) == len(usual)  # distinct ids: no repeated block to reuse
+    tiny = calibration_prompt(vocab_size=256, max_model_len=64)
+    assert len(tiny) == 63 and max(tiny) < 256  # one position left for the output
+    assert calibration_prompt(vocab_size=1, max_model_len=1) == [0]
 
 
 def test_speeds_are_busy_time_averages_of_the_counters(client: redis.Redis, namespace: str) -> None:
