@@ -41,6 +41,7 @@ from tests.integration.leak_check import assert_cluster_clean, start_probe
 
 BLOCK = 16  # tokens per KV block (the engine's default)
 POOL_BLOCKS = 41  # every worker's KV pool: 656 tokens
+LEASE_TTL_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +60,14 @@ def _cluster(num_decode: int) -> Iterator[LocalCluster]:
     # Admission control would hold the second request back until the decode pool had
     # room. It acts on signals a moment old, and several gateways admit at once, so a
     # decode worker can still be full when the KV comes: that moment is what is tested.
+    # The waiting request's KV stays pinned on the prefill worker until the first
+    # request has decoded: the lease must outlast that on any host. At the default 30 s
+    # it did not always on a 2-core float32 host (200 tokens took 28-33 s there).
     cluster = LocalCluster(
         ClusterConfig(
             num_prefill=1, num_decode=num_decode, gateway_port=0, http_port=-1,
             model_cache_dir=MODEL_CACHE, worker_kv_cache_bytes=_pool_bytes(),
-            gateway_args="--admission-control false",
+            gateway_args="--admission-control false", kv_lease_ttl_s=LEASE_TTL_S,
         )
     )  # fmt: skip
     cluster.start()
