@@ -23,7 +23,7 @@ from engine.config import DecodeKernel, EngineConfig, SpecMode
 from engine.draft_model import DraftModel
 from engine.fused_decode import fused_decode_wanted
 from engine.kv_cache import KvCache
-from engine.kv_layout import KvLayout, blocks_for_budget
+from engine.kv_layout import QMAX, KvLayout, blocks_for_budget, kernel_family
 from engine.kv_offload import OffloadTier
 from engine.linear_kernel import pick_linear_kernel
 from engine.llama import LlamaModel
@@ -73,9 +73,20 @@ def build_parts(config: EngineConfig, *, progress: bool = False) -> EngineParts:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     models = _model(config, progress)
+    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, config.torch_dtype)
+    backend = select_backend(
+        config.attention_backend, config.torch_device, config.torch_dtype,
+        quantized_kv=kv_dtype in QMAX,
+        # Where the fused decode runs, larger decode steps use its attention too.
+        compiled_decode=models.model.fused is not None,
+    )  # fmt: skip
+    fused = models.model.fused
     layout = KvLayout.from_spec(
-        models.spec, kv_storage_dtype(config.kv_cache_dtype, config.torch_dtype),
-        config.block_size, config.torch_device,
+        models.spec, kv_dtype, config.block_size, config.torch_device,
+        compute_dtype=config.torch_dtype,
+        kernels=kernel_family(
+            models.model.kernel.name, fused.max_rows if fused else 0, backend.name
+        ),
     )  # fmt: skip
     num_blocks = config.num_kv_blocks or blocks_for_budget(layout, config.kv_cache_bytes)
     kv_cache = KvCache(layout, num_blocks, config.torch_device)
@@ -89,12 +100,6 @@ def build_parts(config: EngineConfig, *, progress: bool = False) -> EngineParts:
         offload = OffloadTier(kv_cache, config.kv_offload_bytes)
         pool.on_evict = offload.spill
         scheduler.tier = offload
-    backend = select_backend(
-        config.attention_backend, config.torch_device, config.torch_dtype,
-        quantized_kv=layout.quantized,
-        # Where the fused decode runs, larger decode steps use its attention too.
-        compiled_decode=models.model.fused is not None,
-    )  # fmt: skip
     eos = set(models.spec.eos_token_ids)
     if models.tokenizer.eos_token_id is not None:
         eos.add(models.tokenizer.eos_token_id)

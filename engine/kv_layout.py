@@ -4,7 +4,14 @@ Lifecycle: at engine start `KvLayout.from_spec` describes one block (every layer
 V for `block_size` tokens, plus an 8-bit cache's scales), `blocks_for_budget` turns the
 memory budget into a block count and `allocate_blocks` makes the zeroed pool that
 `engine.kv_cache.KvCache` then addresses. Peers compare `KvLayout.fingerprint()` at the
-KV-transfer handshake and refuse a mismatch.
+KV-transfer handshake and refuse a mismatch; the registry refuses a worker whose
+fingerprint differs from the live workers' (they share prefix-cache hits).
+
+The fingerprint covers the numerics as well as the bytes' shape: two engines whose
+blocks have the same shape but whose arithmetic differs (the compute dtype under an
+8-bit cache, the linear, decode and attention kernels) compute different bits for the
+same prompt, so a block one computed is not the block the other would have: imported
+or matched, it would make a request's tokens depend on where it ran.
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ import xxhash
 from engine.model_spec import ModelSpec
 
 #: Bumped when the pool's tensor layout changes; part of the layout fingerprint.
-#: 1: layer-major [layers, K/V, blocks, ...]; 2: block-major with in-block scales.
-KV_LAYOUT_VERSION = 2
+#: 1: layer-major [layers, K/V, blocks, ...]; 2: block-major with in-block scales;
+#: 3: the numerics (compute dtype, kernels) are part of the fingerprint.
+KV_LAYOUT_VERSION = 3
 _MADV_HUGEPAGE = 14
 SCALE_BYTES = 4  # float32
 
@@ -38,19 +46,33 @@ class KvLayout:
     num_kv_heads: int
     head_dim: int
     memory_kind: str  # "cpu" or "cuda"
+    compute_dtype: str = ""  # the dtype the model computes in ("": the stored dtype)
+    kernels: str = ""  # the kernel family that computes the blocks (`kernel_family`)
 
     @classmethod
     def from_spec(
-        cls, spec: ModelSpec, dtype: torch.dtype, block_size: int, device: torch.device
+        cls,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        block_size: int,
+        device: torch.device,
+        *,
+        compute_dtype: torch.dtype | None = None,
+        kernels: str = "",
     ) -> KvLayout:
+        """`dtype` is the stored one; `compute_dtype` defaults to it (an unquantized
+        cache); `kernels` names the engine's kernels (tools that only move bytes leave
+        it empty)."""
         return cls(
             model_fingerprint=spec.fingerprint,
-            dtype=str(dtype).removeprefix("torch."),
+            dtype=_name(dtype),
             block_size=block_size,
             num_layers=spec.num_layers,
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             memory_kind=device.type,
+            compute_dtype=_name(compute_dtype or dtype),
+            kernels=kernels,
         )
 
     @property
@@ -99,9 +121,31 @@ class KvLayout:
         """Stable id of this layout: peers compare it at handshake and refuse a mismatch."""
         text = (
             f"v{KV_LAYOUT_VERSION}|{self.model_fingerprint}|{self.dtype}|{self.block_size}|"
-            f"{self.num_layers}|{self.num_kv_heads}|{self.head_dim}|{self.memory_kind}"
+            f"{self.num_layers}|{self.num_kv_heads}|{self.head_dim}|{self.memory_kind}|"
+            f"{self.compute_dtype}|{self.kernels}"
         )
         return xxhash.xxh3_64_hexdigest(text.encode())
+
+    def describe(self) -> str:
+        """The fields a person compares when two layouts differ (the model by its
+        fingerprint)."""
+        return (
+            f"model {self.model_fingerprint}, KV {self.dtype} in blocks of {self.block_size} "
+            f"on {self.memory_kind}, computed in {self.compute_dtype or self.dtype}"
+            f" by {self.kernels or 'unnamed kernels'}"
+        )
+
+
+def kernel_family(linear: str, fused_rows: int, attention: str) -> str:
+    """The kernels that decide a block's bits: the linear kernel's name, the fused
+    decode's row limit (0: every step through torch; the limit decides which steps it
+    takes), the attention backend's name."""
+    decode = f"fused<={fused_rows}" if fused_rows else "torch"
+    return f"linear={linear} decode={decode} attention={attention}"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def blocks_for_budget(layout: KvLayout, budget_bytes: int) -> int:

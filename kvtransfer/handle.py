@@ -38,7 +38,9 @@ def validate_handle(
         )
     if handle.layout_fingerprint != layout.fingerprint():
         raise LayoutMismatchError(
-            "kv_handle.layout_fingerprint: the exporter's KV layout differs from this worker's"
+            f"kv_handle.layout_fingerprint: the exporter's KV layout "
+            f"{handle.layout_fingerprint!r} differs from this worker's "
+            f"{layout.fingerprint()!r} ({layout.describe()})"
         )
     if handle.backend != backend:
         raise InvalidHandleError(

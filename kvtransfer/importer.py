@@ -44,7 +44,7 @@ from kvtransfer.errors import (
 )
 from kvtransfer.grpc_errors import transfer_error_from_rpc
 from kvtransfer.handle import PROTOCOL_VERSION, handle_adapter, validate_handle
-from kvtransfer.layout import check_layout
+from kvtransfer.layout import check_layout, layout_to_proto
 from kvtransfer.lease_release import LeaseReleaser
 from kvtransfer.tcp_backend import TcpImportBackend
 from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
@@ -69,6 +69,7 @@ def handshake_offer(layout: KvLayout, agent_name: str) -> kvtransfer_pb2.Handsha
         protocol_version=PROTOCOL_VERSION,
         layout_fingerprint=layout.fingerprint(),
         importer_agent_name=agent_name,
+        layout=layout_to_proto(layout),
     )
 
 
@@ -211,7 +212,7 @@ class KvImporter:
                 f"KV exporter at {address} restarted (incarnation {response.incarnation}, "
                 f"handle has {handle.incarnation}); its blocks are gone"
             )
-        check_layout(self.engine.layout, response.layout)
+        check_layout(self.engine.layout, response.layout, "importer", "exporter")
         with self._lock:
             old = self._peer_by_address.get(address)
             if old is not None and old != key:

@@ -18,7 +18,7 @@ import torch
 from engine.kv_layout import KvLayout
 from kvtransfer.backend import ExportBackend
 from kvtransfer.handle import PROTOCOL_VERSION
-from kvtransfer.layout import layout_to_proto
+from kvtransfer.layout import layout_differences, layout_to_proto
 from kvtransfer.leases import LeaseTable
 from pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
@@ -54,10 +54,14 @@ class KvTransferService(kvtransfer_pb2_grpc.KvTransferServicer):
                 f"(exporter speaks {PROTOCOL_VERSION})",
             )
         if request.layout_fingerprint != exp.layout.fingerprint():
+            if request.HasField("layout"):
+                detail = layout_differences(exp.layout, request.layout, "exporter", "importer")
+            else:  # an importer from before the layout rode along
+                detail = f"exporter: {exp.layout.describe()}"
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                "layout_fingerprint: the importer's KV layout differs from the exporter's "
-                f"({exp.layout})",
+                f"layout_fingerprint: the importer's KV layout differs from the exporter's "
+                f"({detail})",
             )
         response = kvtransfer_pb2.HandshakeResponse(
             protocol_version=PROTOCOL_VERSION,

@@ -1,17 +1,20 @@
 -- Worker registry operations, each atomic. One script, dispatched on ARGV[1].
 --
--- KEYS[1]  ns:identity       HASH {model, layout} all live workers share, PX-expiring
+-- KEYS[1]  ns:identity       HASH {model, layout, layout_text} all live workers share,
+--                            PX-expiring (layout_text: the layout in words, for errors)
 -- KEYS[2]  ns:pool:prefill   SET of worker ids
 -- KEYS[3]  ns:pool:decode    SET of worker ids
 -- KEYS[4]  ns:pool:mixed     SET of worker ids
 -- ARGV[1]  op: register | deregister | drain | down | list
 -- ARGV[2]  worker key prefix "ns:worker:" (a worker's key is prefix .. id; single Redis)
 --
--- register  ARGV[3..13] = id, role, model, layout, address, capacity, draining, ttl_ms,
+-- register  ARGV[3..14] = id, role, model, layout, address, capacity, draining, ttl_ms,
 --                         incarnation (the worker process's start token), identity (the
 --                         JSON of the model's identity parts; '' if unknown),
---                         adapters (ARGV[13]: the LoRA adapters it holds, comma-separated)
---   -> {'ok', created (1 new, 0 renewed)} | {'identity', model, layout} | {'role', role}
+--                         adapters (ARGV[13]: the LoRA adapters it holds, comma-separated),
+--                         layout_text (ARGV[14]: its layout in words; '' if unknown)
+--   -> {'ok', created (1 new, 0 renewed)} | {'identity', model, layout, layout_text}
+--      | {'role', role}
 --   Creates or renews the worker's PX lease. The same id and incarnation under another
 --   role moves the worker to that role's pool (a run-time home-role change); another
 --   incarnation under another role is refused ({'role', role}). The identity is set by the first live
@@ -58,9 +61,9 @@ if op == 'register' then
   if pools[role] == nil then
     return redis.error_reply('registry: unknown role ' .. role)
   end
-  local known = redis.call('HMGET', KEYS[1], 'model', 'layout')
+  local known = redis.call('HMGET', KEYS[1], 'model', 'layout', 'layout_text')
   if known[1] and (known[1] ~= model or known[2] ~= layout) then
-    return {'identity', known[1], known[2]}
+    return {'identity', known[1], known[2], known[3] or ''}
   end
   local old = redis.call('HMGET', key, 'role', 'draining', 'incarnation')
   if old[1] and old[1] ~= role then
@@ -83,7 +86,7 @@ if op == 'register' then
   end
   redis.call('PEXPIRE', key, ttl)
   redis.call('SADD', pools[role], id)
-  redis.call('HSET', KEYS[1], 'model', model, 'layout', layout)
+  redis.call('HSET', KEYS[1], 'model', model, 'layout', layout, 'layout_text', ARGV[14] or '')
   if redis.call('PTTL', KEYS[1]) < ttl then
     redis.call('PEXPIRE', KEYS[1], ttl)
   end

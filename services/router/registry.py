@@ -47,6 +47,7 @@ class WorkerInfo:
     incarnation: str = ""  # its process's start token: a new one restarts its slow start
     identity: ModelIdentity | None = None  # the parts `model` folds (None: not published)
     adapters: tuple[str, ...] = ()  # LoRA adapters resident at its last heartbeat
+    layout_text: str = ""  # its KV layout in words (KvLayout.describe()), for refusals
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
@@ -97,16 +98,18 @@ class Registry:
             "register", info.worker_id, info.role, info.model, info.layout_fingerprint,
             info.address, info.capacity, "1" if info.draining else "0",
             max(1, round(self.ttl_s * 1000)), info.incarnation, _identity_text(info.identity),
-            ",".join(info.adapters),
+            ",".join(info.adapters), info.layout_text,
         )  # fmt: skip
         assert isinstance(res, list)
         status = str(res[0])
         if status == "identity":
             raise IncompatibleWorkerError(
                 f"worker {info.worker_id!r} refused: it has model {info.model!r} and KV layout "
-                f"{info.layout_fingerprint!r}, but the live workers have model {res[1]!r} and "
-                f"KV layout {res[2]!r}; start it with the same model, dtype and block size, or "
-                f"in another namespace"
+                f"{info.layout_fingerprint!r} ({info.layout_text or 'not described'}), but the "
+                f"live workers have model {res[1]!r} and KV layout {res[2]!r} "
+                f"({str(res[3]) if len(res) > 3 and res[3] else 'not described'}); start it "
+                f"with the same model, dtype, KV cache dtype, kernels and block size, or in "
+                f"another namespace"
             )
         if status == "role":
             raise IncompatibleWorkerError(

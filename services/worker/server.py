@@ -238,7 +238,7 @@ async def _register(
         worker_id=config.worker_id, role=config.role, model=engine.spec.fingerprint,
         layout_fingerprint=engine.layout.fingerprint(), address=address,
         capacity=engine.pool.num_blocks, incarnation=uuid.uuid4().hex[:12],
-        identity=engine.spec.identity,
+        identity=engine.spec.identity, layout_text=engine.layout.describe(),
     )  # fmt: skip
     registration = WorkerRegistration(
         config.redis_url, config.pool_namespace, config.heartbeat_ttl_s, info,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/kvtransfer.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x86\x01\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x02 \x01(\t\x12\x1b\n\x13importer_agent_name\x18\x03 \x01(\t\x12\x1f\n\x17importer_agent_metadata\x18\x04 \x01(\x0c\"\xfb\x01\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x05 \x01(\x0c\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12\x19\n\x11pool_base_address\x18\x07 \x01(\x04\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x11\n\tdevice_id\x18\t \x01(\r\x12\x10\n\x08\x62\x61\x63kends\x18\n \x03(\t\"8\n\x11ReadBlocksRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"O\n\nBlockChunk\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\rJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xe1\x01\n\nKvTransfer\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x45\n\nReadBlocks\x12\x1d.pdserve.v1.ReadBlocksRequest\x1a\x16.pdserve.v1.BlockChunk0\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/kvtransfer.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xac\x01\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x02 \x01(\t\x12\x1b\n\x13importer_agent_name\x18\x03 \x01(\t\x12\x1f\n\x17importer_agent_metadata\x18\x04 \x01(\x0c\x12$\n\x06layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\"\xfb\x01\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x05 \x01(\x0c\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12\x19\n\x11pool_base_address\x18\x07 \x01(\x04\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x11\n\tdevice_id\x18\t \x01(\r\x12\x10\n\x08\x62\x61\x63kends\x18\n \x03(\t\"8\n\x11ReadBlocksRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"O\n\nBlockChunk\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\rJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xe1\x01\n\nKvTransfer\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x45\n\nReadBlocks\x12\x1d.pdserve.v1.ReadBlocksRequest\x1a\x16.pdserve.v1.BlockChunk0\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kvtransfer_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HANDSHAKEREQUEST']._serialized_start=69
-  _globals['_HANDSHAKEREQUEST']._serialized_end=203
-  _globals['_HANDSHAKERESPONSE']._serialized_start=206
-  _globals['_HANDSHAKERESPONSE']._serialized_end=457
-  _globals['_READBLOCKSREQUEST']._serialized_start=459
-  _globals['_READBLOCKSREQUEST']._serialized_end=515
-  _globals['_BLOCKCHUNK']._serialized_start=517
-  _globals['_BLOCKCHUNK']._serialized_end=596
-  _globals['_RELEASEREQUEST']._serialized_start=598
-  _globals['_RELEASEREQUEST']._serialized_end=632
-  _globals['_RELEASERESPONSE']._serialized_start=634
-  _globals['_RELEASERESPONSE']._serialized_end=669
-  _globals['_KVTRANSFER']._serialized_start=672
-  _globals['_KVTRANSFER']._serialized_end=897
+  _globals['_HANDSHAKEREQUEST']._serialized_end=241
+  _globals['_HANDSHAKERESPONSE']._serialized_start=244
+  _globals['_HANDSHAKERESPONSE']._serialized_end=495
+  _globals['_READBLOCKSREQUEST']._serialized_start=497
+  _globals['_READBLOCKSREQUEST']._serialized_end=553
+  _globals['_BLOCKCHUNK']._serialized_start=555
+  _globals['_BLOCKCHUNK']._serialized_end=634
+  _globals['_RELEASEREQUEST']._serialized_start=636
+  _globals['_RELEASEREQUEST']._serialized_end=670
+  _globals['_RELEASERESPONSE']._serialized_start=672
+  _globals['_RELEASERESPONSE']._serialized_end=707
+  _globals['_KVTRANSFER']._serialized_start=710
+  _globals['_KVTRANSFER']._serialized_end=935
 # @@protoc_insertion_point(module_scope)

@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("protocol_version", "layout_fingerprint", "importer_agent_name", "importer_agent_metadata")
+    __slots__ = ("protocol_version", "layout_fingerprint", "importer_agent_name", "importer_agent_metadata", "layout")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     IMPORTER_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     IMPORTER_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     layout_fingerprint: str
     importer_agent_name: str
     importer_agent_metadata: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., importer_agent_name: _Optional[str] = ..., importer_agent_metadata: _Optional[bytes] = ...) -> None: ...
+    layout: _common_pb2.KvLayout
+    def __init__(self, protocol_version: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., importer_agent_name: _Optional[str] = ..., importer_agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("protocol_version", "engine_id", "incarnation", "agent_name", "agent_metadata", "layout", "pool_base_address", "num_blocks", "device_id", "backends")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_layout import KvLayout
+from engine.kv_layout import KvLayout, kernel_family
 from kvtransfer.errors import LayoutMismatchError
 from kvtransfer.layout import check_layout, layout_to_proto
 from kvtransfer.leases import LeaseTable
@@ -88,6 +88,17 @@ def test_layout_check_names_every_difference() -> None:
     # An 8-bit cache and an unquantized one never exchange blocks.
     with pytest.raises(LayoutMismatchError, match="dtype: local 'float32' vs peer 'int8'"):
         check_layout(local, layout_to_proto(_layout(dtype="int8")))
+    # The same 8-bit cache computed in another dtype, or by other kernels: refused,
+    # each side's value named.
+    int8 = _layout(dtype="int8", compute_dtype="bfloat16")
+    with pytest.raises(
+        LayoutMismatchError, match="compute_dtype: local 'bfloat16' vs peer 'float32'"
+    ):
+        check_layout(int8, layout_to_proto(_layout(dtype="int8", compute_dtype="float32")))
+    fused, torch_only = kernel_family("onednn", 4, "torch"), kernel_family("onednn", 0, "torch")
+    with pytest.raises(LayoutMismatchError, match=r"kernels: importer .*fused<=4.* vs exporter"):
+        check_layout(_layout(kernels=fused), layout_to_proto(_layout(kernels=torch_only)),
+                     "importer", "exporter")  # fmt: skip
     # A peer of another pool layout version (same fields, other fingerprint) is refused.
     old = layout_to_proto(_layout())
     old.fingerprint = "0123456789abcdef"

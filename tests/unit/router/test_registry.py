@@ -49,6 +49,20 @@ def test_incompatible_worker_is_refused_with_a_clear_message(
     assert [w.worker_id for w in reg.list()] == ["m0"]
 
 
+def test_a_refusal_gives_both_layouts_in_words(client: redis.Redis, namespace: str) -> None:
+    """Workers of one pool share KV and prefix-cache hits, so numerics the stored dtype
+    hides (the compute dtype under an 8-bit cache) refuse a worker; the message says
+    how, not just that two hashes differ."""
+    reg = make(client, namespace)
+    reg.register(worker("m0", layout_text="KV int8, computed in bfloat16"))
+    with pytest.raises(IncompatibleWorkerError) as err:
+        reg.register(
+            worker("m1", layout_fingerprint="f32", layout_text="KV int8, computed in float32")
+        )
+    assert "(KV int8, computed in float32)" in str(err.value)
+    assert "(KV int8, computed in bfloat16)" in str(err.value)
+
+
 def test_pinned_identity_refuses_even_the_first_worker(client: redis.Redis, namespace: str) -> None:
     reg = make(client, namespace, model=MODEL, layout="pinned")
     with pytest.raises(IncompatibleWorkerError, match="configured for 'pinned'"):
