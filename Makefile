@@ -61,6 +61,8 @@ bench: model
 	$(BIN)/python -m loadtest.engine.bench --out bench-results/engine.json
 	# the engine against this machine's GEMM and bandwidth roofs, per precision (about 1 minute)
 	$(BIN)/python -m loadtest.engine.roofline_bench --out bench-results/roofline.json
+	# which linear kernels give a row the same bits alone and in a batch (about 1 minute)
+	$(BIN)/python -m loadtest.engine.invariance_probe --out bench-results/invariance.json
 	# bf16, int8 and 8-bit KV against float32, and transformers' own bf16 against its
 	# float32 as the yardstick: perplexity and agreement (about 2.5 minutes)
 	$(BIN)/python -m loadtest.engine.accuracy --out bench-results/accuracy.json
