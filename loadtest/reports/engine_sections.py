@@ -212,3 +212,36 @@ def lora(data: Json) -> list[str]:
         "",
         *table(["batch", "tokens/s", "ratio to base", "decode step ms"], rows),
     ]
+
+
+def invariance(data: Json) -> list[str]:
+    """Rows whose bits depend on their batch, per linear kernel, and a fixed tile's cost."""
+    cfg = _mapping(data.get("config"))
+    sizes = [str(b) for b in cfg.get("batch_sizes", [])]
+    rows = [
+        [str(d.get("dtype")), str(d.get("kernel")), "tiled" if d.get("tiled") else "plain",
+         str(d.get("projection")), *(str(_mapping(d.get("by_batch")).get(b, "")) for b in sizes)]
+        for d in dicts(data.get("differing"))
+    ]  # fmt: skip
+    costs = [
+        [str(c.get("dtype")), str(c.get("kernel")), str(c.get("rows")),
+         fmt(num(c.get("plain_ms")), ".1f"), fmt(num(c.get("tiled_ms")), ".1f"),
+         fmt(num(c.get("ratio")), ".2f", "x")]
+        for c in dicts(data.get("costs"))
+    ]  # fmt: skip
+    return [
+        f"Rows of a random batch whose output differs in any bit from the same row alone "
+        f"(of as many rows as the batch has), one torch thread; `tiled` runs every product "
+        f"as whole tiles of {cfg.get('tile_rows')} rows. CPU with native bf16: "
+        f"{data.get('native_bf16')}.",
+        "",
+        *table(["dtype", "kernel", "", "projection", *(f"batch {b}" for b in sizes)], rows),
+        "",
+        "The tile's cost: one layer's projections and the LM head, median of paired rounds.",
+        "",
+        *table(["dtype", "kernel", "rows", "plain ms", "tiled ms", "tiled / plain"], costs),
+    ]
+
+
+def _mapping(value: object) -> Json:
+    return value if isinstance(value, dict) else {}

@@ -30,6 +30,7 @@ from loadtest.reports.cluster_sections import (
 from loadtest.reports.engine_sections import (
     accuracy,
     engine,
+    invariance,
     kv_memory,
     lora,
     roofline,
@@ -70,6 +71,7 @@ SECTIONS: dict[str, tuple[str, Renderer]] = {
     "pdserve.bench/1": ("Load sweep (pdserve-bench)", sweep),
     "structured_bench/v1": ("Structured output and logit processing: cost per step", structured),
     "pdserve.lora_bench/1": ("Multi-LoRA: a batch mixing adapters against the base model", lora),
+    "pdserve.invariance_probe/1": ("Batch invariance of the linear kernels", invariance),
 }
 
 
