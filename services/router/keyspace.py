@@ -4,7 +4,7 @@ Layout (`ns` = namespace, `role` in prefill / decode / mixed):
 
 - `ns:worker:<id>`   HASH of one worker's registration, PX-expiring (its heartbeat lease)
 - `ns:pool:<role>`   SET of worker ids registered in a pool (pruned of expired ids)
-- `ns:identity`      HASH {model, layout} every live worker shares, PX-expiring
+- `ns:identity`      HASH {model, layout, layout_text} every live worker shares, PX-expiring
 - `ns:load:<role>`   ZSET of load lease ids scored by expiry (Redis server ms)
 - `ns:count:<role>`  HASH worker id -> number of live load leases (kept equal to the ZSET)
 - `ns:expired:<role>` counter of load leases purged because they expired unreleased (a

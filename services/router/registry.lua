@@ -86,7 +86,12 @@ if op == 'register' then
   end
   redis.call('PEXPIRE', key, ttl)
   redis.call('SADD', pools[role], id)
-  redis.call('HSET', KEYS[1], 'model', model, 'layout', layout, 'layout_text', ARGV[14] or '')
+  redis.call('HSET', KEYS[1], 'model', model, 'layout', layout)
+  -- A caller that does not describe its layout (a tool, an older worker) keeps the text
+  -- another worker of the same layout left.
+  if (ARGV[14] or '') ~= '' then
+    redis.call('HSET', KEYS[1], 'layout_text', ARGV[14])
+  end
   if redis.call('PTTL', KEYS[1]) < ttl then
     redis.call('PEXPIRE', KEYS[1], ttl)
   end

@@ -5,7 +5,7 @@ default model on first use), starts the engine loop, what its home role runs (`P
 the KV exporter for prefill, the importer for decode; a mixed worker needs neither;
 every role decodes), and the gRPC server with health and reflection; registers with the
 router's Redis when `--redis-url` is set (refused if its model or KV layout differs from
-the cluster's; before that it runs one short prefill, `calibration.py`, so its first
+the cluster's; before that it runs two short prefills, `calibration.py`, so its first
 signal carries a measured prefill speed), then publishes its load signal there every
 `signal_interval_s` (`signal_publisher.py`) and, with `--role-window-s` > 0, lets the
 role planner change its home role as the mix shifts (`home_role.py`; the SetRole RPC
@@ -47,7 +47,7 @@ from services.engine_host.telemetry import WorkerTelemetry
 from services.router.keyspace import Keyspace
 from services.router.registry import WorkerInfo
 from services.router.worker_signal import SignalBoard
-from services.worker.calibration import calibrate
+from services.worker.calibration import Calibration, calibrate
 from services.worker.config import WorkerConfig
 from services.worker.home_role import ChangeReason, HomeRole
 from services.worker.phases import Phases
@@ -189,8 +189,8 @@ async def serve_worker(
     # A bar only where a person watches: weight packing or quantization takes seconds.
     engine = LLMEngine(engine_cfg, progress=sys.stderr.isatty())
     observe = WorkerTelemetry.on(telemetry, engine, config.worker_id)
-    if config.redis_url:  # its load signal is published: give it a measured speed first
-        await asyncio.to_thread(calibrate, engine)
+    # Its load signal is published: give it a measured speed first.
+    calibration = await asyncio.to_thread(calibrate, engine) if config.redis_url else None
     loop = EngineLoop(engine).start(asyncio.get_running_loop())
     phases = Phases(loop, transfer, config.worker_id, security, observe)
     phases.serve(config.role)
@@ -206,7 +206,7 @@ async def serve_worker(
     worker_pb2_grpc.add_WorkerServicer_to_server(service, built.server)
     await built.server.start()
     registration = await _register(config, engine, address)
-    publisher = _publish_signal(config, engine, registration)
+    publisher = _publish_signal(config, engine, registration, calibration)
     _plan_roles(config, home, registration, publisher)
     await built.mark_serving()
     announce_ready(ready=address, worker_id=config.worker_id, role=config.role,
@@ -249,17 +249,22 @@ async def _register(
 
 
 def _publish_signal(
-    config: WorkerConfig, engine: LLMEngine, registration: WorkerRegistration | None
+    config: WorkerConfig,
+    engine: LLMEngine,
+    registration: WorkerRegistration | None,
+    calibration: Calibration | None,
 ) -> SignalPublisher | None:
     """Publish the worker's load signal next to its registration (sharing its Redis
-    client), so the gateway's readers find it through the pool the worker is in."""
+    client), so the gateway's readers find it through the pool the worker is in; its
+    speeds count from the calibration's baseline."""
     if registration is None:
         return None
     keys = Keyspace(config.pool_namespace)
     ttl_s = signal_ttl_s(config.signal_interval_s)
     board = SignalBoard(registration.registry.client, keys, ttl_s=ttl_s)
+    since = calibration.baseline if calibration is not None else None
     return SignalPublisher(
-        board, engine.stats, config.worker_id, config.role, config.signal_interval_s
+        board, engine.stats, config.worker_id, config.role, config.signal_interval_s, since
     ).start()
 
 

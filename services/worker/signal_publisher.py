@@ -68,13 +68,20 @@ class BusyAverage:
 class EngineSpeeds:
     """Prefill tokens per second and seconds per decode step, from successive stats."""
 
-    def __init__(self, horizon_s: float = SPEED_HORIZON_S) -> None:
+    def __init__(
+        self, horizon_s: float = SPEED_HORIZON_S, since: EngineStats | None = None
+    ) -> None:
+        """`since`: count from these stats (the worker's calibration baseline: the work
+        before it, a cold warm-up, is not a speed); None counts from the engine's start."""
         self.prefill_tokens_per_s = BusyAverage(horizon_s)
         self.decode_step_s = BusyAverage(horizon_s)
-        # The counters at the last update; they start at 0 with the engine, so the work
-        # done before the first update counts too.
+        # The counters at the last update; they start at `since` (else 0, with the engine),
+        # so the work done after it and before the first update counts too.
         self._prefill = (0, 0.0)  # (tokens, busy seconds)
         self._decode = (0, 0.0)  # (steps, busy seconds)
+        if since is not None:
+            self._prefill = (since.prefill_tokens_total, since.prefill_busy_s_total)
+            self._decode = (since.decode_steps_total, since.decode_busy_s_total)
 
     def update(self, s: EngineStats) -> None:
         prefill = (s.prefill_tokens_total, s.prefill_busy_s_total)
@@ -98,6 +105,7 @@ class SignalPublisher:
         worker_id: str,
         role: Role,
         interval_s: float = 0.25,
+        since: EngineStats | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
@@ -106,7 +114,7 @@ class SignalPublisher:
         self.worker_id = worker_id
         self.role = Role.parse(role)
         self.interval_s = interval_s
-        self.speeds = EngineSpeeds()
+        self.speeds = EngineSpeeds(since=since)
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._down = False  # the last publish failed (logged once per outage)

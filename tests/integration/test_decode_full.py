@@ -61,8 +61,9 @@ def _cluster(num_decode: int) -> Iterator[LocalCluster]:
     # room. It acts on signals a moment old, and several gateways admit at once, so a
     # decode worker can still be full when the KV comes: that moment is what is tested.
     # The waiting request's KV stays pinned on the prefill worker until the first
-    # request has decoded: the lease must outlast that on any host. At the default 30 s
-    # it did not always on a 2-core float32 host (200 tokens took 28-33 s there).
+    # request has decoded: the lease must outlast that. At the default 30 s it did not
+    # always on a 2-core float32 host (200 tokens took 28-33 s there). The gateway's
+    # first-token timeout (60 s, across decode retries) is the next limit.
     cluster = LocalCluster(
         ClusterConfig(
             num_prefill=1, num_decode=num_decode, gateway_port=0, http_port=-1,

@@ -61,6 +61,10 @@ def test_a_refusal_gives_both_layouts_in_words(client: redis.Redis, namespace: s
         )
     assert "(KV int8, computed in float32)" in str(err.value)
     assert "(KV int8, computed in bfloat16)" in str(err.value)
+    # A caller that does not describe its layout keeps the text another one left.
+    reg.register(worker("m2"))
+    with pytest.raises(IncompatibleWorkerError, match=r"computed in bfloat16"):
+        reg.register(worker("m1", layout_fingerprint="f32"))
 
 
 def test_pinned_identity_refuses_even_the_first_worker(client: redis.Redis, namespace: str) -> None:

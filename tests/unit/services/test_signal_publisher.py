@@ -27,6 +27,7 @@ from services.worker.calibration import (
     CALIBRATION_PROMPT_TOKENS,
     calibrate,
     calibration_prompt,
+    prompt_room,
 )
 from services.worker.config import WorkerConfig
 from services.worker.signal_publisher import BusyAverage, SignalPublisher, signal_ttl_s
@@ -124,23 +125,32 @@ def test_a_real_engine_reports_its_measured_speeds(
     assert_no_leaks(engine)
 
 
+def _tiny_engine(tmp_path: Path, **kw: object) -> LLMEngine:
+    write_tiny_model("qwen2", tmp_path / "tiny")
+    cfg = EngineConfig(model=str(tmp_path / "tiny"), dtype="float32",  # type: ignore[arg-type]
+                       max_num_batched_tokens=32, **kw)  # type: ignore[arg-type]  # fmt: skip
+    return LLMEngine(cfg)
+
+
 def test_a_calibrated_engine_signals_a_speed_from_its_first_publish(
     client: redis.Redis, namespace: str, tmp_path: Path
 ) -> None:
-    """The worker calibrates before it registers: its first signal is never blind."""
-    write_tiny_model("qwen2", tmp_path / "tiny")
-    engine = LLMEngine(EngineConfig(model=str(tmp_path / "tiny"), dtype="float32",
-                                    num_kv_blocks=64, max_num_batched_tokens=32))  # fmt: skip
-    speed = calibrate(engine)
-    prompt = calibration_prompt(engine.spec.vocab_size, engine.max_model_len)
-    assert speed > 0 and engine.stats().prefill_tokens_total == len(prompt)
+    """The worker calibrates before it registers: its first signal is never blind, and
+    carries the measured prefill's speed, not the cold warm-up's."""
+    engine = _tiny_engine(tmp_path, num_kv_blocks=64)
+    calibration = calibrate(engine)
+    assert calibration is not None and calibration.tokens_per_s > 0
+    measured = min(CALIBRATION_PROMPT_TOKENS, prompt_room(engine))
+    warm_up = calibration.baseline.prefill_tokens_total
+    assert engine.stats().prefill_tokens_total == warm_up + measured
     board = registered_board(client, namespace, "p4")
 
     async def scenario() -> None:
-        publisher = SignalPublisher(board, engine.stats, "p4", Role.PREFILL, INTERVAL_S)
+        publisher = SignalPublisher(board, engine.stats, "p4", Role.PREFILL, INTERVAL_S,
+                                    since=calibration.baseline)  # fmt: skip
         await publisher.publish_once()
         (first,) = await asyncio.to_thread(board.read, [Role.PREFILL])
-        assert first.prefill_tokens_per_s == pytest.approx(speed)
+        assert first.prefill_tokens_per_s == pytest.approx(calibration.tokens_per_s)
         assert first.free_blocks == 64  # the calibration's blocks are cached, so free
         await publisher.stop()
 
@@ -148,13 +158,25 @@ def test_a_calibrated_engine_signals_a_speed_from_its_first_publish(
     assert_no_leaks(engine)
 
 
-def test_the_calibration_prompt_fits_any_vocabulary_and_context() -> None:
-    usual = calibration_prompt(vocab_size=49152, max_model_len=8192)
-    assert len(usual) == CALIBRATION_PROMPT_TOKENS and min(usual) >= 1000
-    assert len(set(usual)) == len(usual)  # distinct ids: no repeated block to reuse
-    tiny = calibration_prompt(vocab_size=256, max_model_len=64)
-    assert len(tiny) == 63 and max(tiny) < 256  # one position left for the output
-    assert calibration_prompt(vocab_size=1, max_model_len=1) == [0]
+def test_calibration_fits_a_small_pool_and_skips_an_engine_with_no_room(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    small = _tiny_engine(tmp_path, num_kv_blocks=4)  # 64 tokens: less than the prompt
+    assert prompt_room(small) == 63
+    assert calibrate(small) is not None
+    assert_no_leaks(small)
+    none = _tiny_engine(tmp_path, num_kv_blocks=4, max_model_len=1)
+    with caplog.at_level(logging.WARNING):
+        assert calibrate(none) is None  # the worker starts without it
+    assert "no calibration" in caplog.text
+
+
+def test_calibration_prompts_are_distinct_and_fit_any_vocabulary() -> None:
+    warm, measured = calibration_prompt(49152, 16), calibration_prompt(49152, 128, 16)
+    assert min(warm) >= 1000 and len(set(warm + measured)) == 16 + 128  # no shared block
+    tiny = calibration_prompt(vocab_size=256, length=63)
+    assert len(tiny) == 63 and max(tiny) < 256
+    assert calibration_prompt(vocab_size=1, length=1) == [0]
 
 
 def test_speeds_are_busy_time_averages_of_the_counters(client: redis.Redis, namespace: str) -> None:
