@@ -59,7 +59,7 @@ class LayoutInfo:
     layout: KvLayout
     bytes_per_token: int
     bytes_per_block: int
-    layout_version: int  # 2: block-major, one NIXL descriptor per block
+    layout_version: int  # >= 2: block-major, one NIXL descriptor per block
     pool_blocks: int
     pool_bytes: int
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from engine.kv_layout import KV_LAYOUT_VERSION
 from kvtransfer.service import CHUNK_BYTES
 from loadtest.transfer import report as transfer_report
 from loadtest.transfer.bench import main, parse_args
@@ -74,7 +75,7 @@ def test_cases_add_up(report: dict[str, Any]) -> None:
     layout = report["layout"]
     blocks = TOKENS // BLOCK_SIZE
     per_message = max(1, CHUNK_BYTES // layout["bytes_per_block"])
-    assert layout["layout_version"] == 2
+    assert layout["layout_version"] == KV_LAYOUT_VERSION
     assert [(c["tokens"], c["pattern"]) for c in report["cases"]] == [
         (TOKENS, "contig"),
         (TOKENS, "scatter"),
