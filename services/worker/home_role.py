@@ -105,7 +105,11 @@ class HomeRole:
 
     def start(self) -> HomeRole:
         """Start the planner's task (needs a registration, a publisher and a planner)."""
-        assert self.planner and self.registration and self.publisher
+        parts = {"planner": self.planner, "registration": self.registration,
+                 "publisher": self.publisher}  # fmt: skip
+        missing = [name for name, part in parts.items() if part is None]
+        if missing:  # a wiring bug: say which part, even under python -O
+            raise RuntimeError(f"HomeRole.start needs its {', '.join(missing)}: attach them")
         self._task = asyncio.create_task(self._run(), name="home-role")
         return self
 

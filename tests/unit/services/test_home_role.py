@@ -141,3 +141,9 @@ def test_the_planner_moves_one_worker_per_window_after_a_window_of_readings(
                 await home.registration.stop()
 
     asyncio.run(scenario())
+
+
+def test_starting_the_planner_unwired_names_what_is_missing() -> None:
+    home = HomeRole(Role.PREFILL, None, WorkerTelemetry.disabled("w0"))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="needs its planner, registration, publisher"):
+        home.start()
