@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 DEMO_PROMPT ?= Explain in two sentences why splitting prefill from decode helps LLM serving.
 
-.PHONY: install model demo test lint bench bench-docs clean
+.PHONY: install model promtool demo test lint bench bench-docs clean
 
 # Also points git at .githooks (the commit-msg style check); a no-op outside a checkout.
 install: $(STAMP)
@@ -30,6 +30,12 @@ $(STAMP): pyproject.toml
 model: install
 	$(BIN)/pdserve model prepare
 
+# Prometheus' promtool, for the chart's alert and autoscaling query tests: Debian's
+# package, pinned by digest (tests/unit/helm/install_promtool.py says why and what a
+# host without it gets).
+promtool: install
+	$(BIN)/python -m tests.unit.helm.install_promtool
+
 demo: model
 	$(BIN)/pdserve up --gateway-port 0 --generate "$(DEMO_PROMPT)" --max-tokens 80
 
@@ -48,7 +54,7 @@ lint: install
 # make fails if either did (an interrupted first phase, pytest's exit 2, stops it).
 # Bytecode is cached even where the environment says not to (PYTHONDONTWRITEBYTECODE):
 # the suite starts a few hundred Python processes.
-test: model lint
+test: model lint promtool
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n auto --dist loadfile -m "not serial"; \
 	unit=$$?; \
 	if [ $$unit -eq 2 ]; then exit 2; fi; \

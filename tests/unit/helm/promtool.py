@@ -4,21 +4,24 @@
 `run_rule_tests(groups, tests)` evaluates the rules over synthetic series, as Prometheus
 would, and checks the alerts that fire and the values expressions return (`promtool
 test rules`, prometheus.io/docs/prometheus/latest/configuration/unit_testing_rules).
-The tests that use these skip where `promtool` is not on PATH (Debian's `prometheus`
-package ships it).
+`make test` installs promtool next to the venv's Python (`install_promtool.py`); it is
+looked for there, then on PATH, and the tests that use it skip where it is in neither.
 """
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-PROMTOOL = shutil.which("promtool")
+PROMTOOL = shutil.which("promtool", path=str(Path(sys.executable).parent)) or shutil.which(
+    "promtool"
+)
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed")
 
 
