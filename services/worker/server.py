@@ -262,10 +262,12 @@ def _publish_signal(
     keys = Keyspace(config.pool_namespace)
     ttl_s = signal_ttl_s(config.signal_interval_s)
     board = SignalBoard(registration.registry.client, keys, ttl_s=ttl_s)
-    since = calibration.baseline if calibration is not None else None
-    return SignalPublisher(
-        board, engine.stats, config.worker_id, config.role, config.signal_interval_s, since
-    ).start()
+    publisher = SignalPublisher(
+        board, engine.stats, config.worker_id, config.role, config.signal_interval_s
+    )
+    if calibration is not None:
+        publisher.count_from(calibration.baseline)
+    return publisher.start()
 
 
 def _plan_roles(

@@ -105,7 +105,6 @@ class SignalPublisher:
         worker_id: str,
         role: Role,
         interval_s: float = 0.25,
-        since: EngineStats | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
@@ -114,10 +113,16 @@ class SignalPublisher:
         self.worker_id = worker_id
         self.role = Role.parse(role)
         self.interval_s = interval_s
-        self.speeds = EngineSpeeds(since=since)
+        self.speeds = EngineSpeeds()
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._down = False  # the last publish failed (logged once per outage)
+
+    def count_from(self, since: EngineStats) -> SignalPublisher:
+        """Measure the speeds from `since` on (the worker's calibration baseline: the
+        cold warm-up before it is not a speed). Call before `start`."""
+        self.speeds = EngineSpeeds(since=since)
+        return self
 
     def start(self) -> SignalPublisher:
         self._task = asyncio.create_task(self._run(), name=f"signal-{self.worker_id}")

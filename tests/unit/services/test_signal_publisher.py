@@ -146,8 +146,8 @@ def test_a_calibrated_engine_signals_a_speed_from_its_first_publish(
     board = registered_board(client, namespace, "p4")
 
     async def scenario() -> None:
-        publisher = SignalPublisher(board, engine.stats, "p4", Role.PREFILL, INTERVAL_S,
-                                    since=calibration.baseline)  # fmt: skip
+        publisher = SignalPublisher(board, engine.stats, "p4", Role.PREFILL, INTERVAL_S)
+        publisher.count_from(calibration.baseline)
         await publisher.publish_once()
         (first,) = await asyncio.to_thread(board.read, [Role.PREFILL])
         assert first.prefill_tokens_per_s == pytest.approx(calibration.tokens_per_s)
