@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from engine.config import DEFAULT_MODEL_CACHE
+from engine.linear_kernel import OneDnnLinear, TorchLinear
 from engine.model_spec import ModelSpec
 from engine.model_store import prepare_default_model
 from engine.precision import cpu_has_native_bf16
@@ -92,10 +92,11 @@ class ProbeReport:
 
 
 def product(kernel: str, weight: torch.Tensor) -> Product:
-    if kernel == "torch":
-        return lambda x: F.linear(x, weight)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 16)
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    """The engine's own linear kernel of that name (oneDNN always packed, whatever the
+    row count), so the probe measures exactly what a step runs."""
+    linear = TorchLinear() if kernel == "torch" else OneDnnLinear(max_rows=None)
+    prepared = linear.prepare(weight)
+    return lambda x: linear.apply(x, prepared)
 
 
 def tiled(run: Product, tile: int) -> Product:
