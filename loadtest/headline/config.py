@@ -17,14 +17,91 @@ batch 60-90 ms; since prefill attention takes torch's fused kernel, 3.2 and 5.2 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from engine.precision import DType
 from loadtest.harness.capacity_search import SearchConfig
 from loadtest.harness.metrics import Slo
 from loadtest.harness.settings import parse_names, parse_numbers
 from loadtest.headline.deployment import SYSTEMS
+
+
+@dataclass(frozen=True)
+class SharedSettings:
+    """The settings both headline benchmarks take, declared once: the client's deadline,
+    the SLO's TTFT parts and ITL quantile, the attainment target, and how each
+    deployment's workers run. `HeadlineConfig` and `shifting_config.ShiftingConfig`
+    declare these fields again, flat, with `shared_field` (default and help from here),
+    and check them through `SharedSettings.of(self)` in their `__post_init__`.
+
+    Flat fields rather than an embedded `SharedSettings`: `services.common.config` makes
+    one flag and `PDSERVE_*` env var per top-level field, and a result file's `config`
+    object is the config's `dataclasses.asdict`, so flat fields keep both benchmarks'
+    flags and JSON exactly as they were. A field whose default differs between the two
+    (the deployments, the warm-up, the ITL SLO, the target ratio, the output directory)
+    is each one's own.
+    """
+
+    request_timeout_s: float = field(
+        default=120.0, metadata={"help": "client deadline of one stream (a miss when hit)"}
+    )
+    ttft_slo_ms: float = field(default=2000.0, metadata={"help": "TTFT SLO, fixed part"})
+    ttft_slo_ms_per_token: float = field(
+        default=12.0, metadata={"help": "TTFT SLO allowance per prompt token"}
+    )
+    itl_slo_quantile: float = field(
+        default=0.9, metadata={"help": "quantile of a request's own gaps held to the ITL SLO"}
+    )
+    attainment_target: float = field(
+        default=0.9, metadata={"help": "attainment that defines a deployment's capacity"}
+    )
+    local_prefill_max_tokens: int = field(
+        default=512,
+        metadata={
+            "help": "the disaggregated gateway's conditional disaggregation threshold "
+            "(0 = every request takes the prefill hop)"
+        },
+    )
+    pin_workers: bool = field(default=True, metadata={"help": "one CPU core per worker"})
+    dtype: DType | None = field(
+        default=None,
+        metadata={"help": "workers' compute dtype (unset: their default, auto: bf16 where native)"},
+    )
+    kv_backend: str = field(default="nixl", metadata={"help": "KV transfer backend"})
+    worker_kv_cache_bytes: int = field(
+        default=1 << 30, metadata={"help": "KV pool per worker (a 4k prompt needs 180 MiB)"}
+    )
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+
+    def __post_init__(self) -> None:
+        if self.request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be > 0")
+        if not 0.0 < self.attainment_target <= 1.0:
+            raise ValueError("attainment_target must be in (0, 1]")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError("local_prefill_max_tokens must be >= 0")
+        _ = self.slo(1.0)  # validates the SLO's shared parts
+
+    @classmethod
+    def of(cls, cfg: object) -> SharedSettings:
+        """The shared settings of a config that declares every one of them."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+    def slo(self, itl_ms: float) -> Slo:
+        """The SLO with these TTFT parts and quantile, and `itl_ms` as its ITL bound."""
+        return Slo(self.ttft_slo_ms, self.ttft_slo_ms_per_token, itl_ms, self.itl_slo_quantile)
+
+
+def shared_field(name: str, help_text: str = "") -> Any:
+    """A config's field declared as `SharedSettings` declares `name`: its default, and its
+    help unless `help_text` words it for one benchmark."""
+    declared = {f.name: f for f in fields(SharedSettings)}
+    if name not in declared:
+        raise ValueError(f"{name!r} is not a SharedSettings field")
+    shared = declared[name]
+    return field(default=shared.default, metadata={"help": help_text or shared.metadata["help"]})
 
 
 @dataclass(frozen=True)
@@ -51,13 +128,7 @@ class HeadlineConfig:
     )
     min_rate: float = field(default=0.02, metadata={"help": "search: lowest rate it probes"})
     max_rate: float = field(default=16.0, metadata={"help": "search: highest rate it probes"})
-    local_prefill_max_tokens: int = field(
-        default=512,
-        metadata={
-            "help": "the disaggregated gateway's conditional disaggregation threshold "
-            "(0 = every request takes the prefill hop)"
-        },
-    )
+    local_prefill_max_tokens: int = shared_field("local_prefill_max_tokens")
     elastic_roles: bool = field(
         default=True,
         metadata={
@@ -67,9 +138,7 @@ class HeadlineConfig:
     )
     num_requests: int = field(default=40, metadata={"help": "most requests per rate"})
     duration_s: float = field(default=150.0, metadata={"help": "stop issuing a rate after"})
-    request_timeout_s: float = field(
-        default=120.0, metadata={"help": "client deadline of one stream (a miss when hit)"}
-    )
+    request_timeout_s: float = shared_field("request_timeout_s")
     warmup_requests: int = field(
         default=3, metadata={"help": "unmeasured requests before each deployment's sweep"}
     )
@@ -92,17 +161,11 @@ class HeadlineConfig:
     )
     short_num_requests: int = field(default=40, metadata={"help": "requests of that point"})
     short_duration_s: float = field(default=120.0, metadata={"help": "its time bound"})
-    ttft_slo_ms: float = field(default=2000.0, metadata={"help": "TTFT SLO, fixed part"})
-    ttft_slo_ms_per_token: float = field(
-        default=12.0, metadata={"help": "TTFT SLO allowance per prompt token"}
-    )
+    ttft_slo_ms: float = shared_field("ttft_slo_ms")
+    ttft_slo_ms_per_token: float = shared_field("ttft_slo_ms_per_token")
     itl_slo_ms: float = field(default=250.0, metadata={"help": "inter-token latency SLO"})
-    itl_slo_quantile: float = field(
-        default=0.9, metadata={"help": "quantile of a request's own gaps held to the ITL SLO"}
-    )
-    attainment_target: float = field(
-        default=0.9, metadata={"help": "attainment that defines a deployment's capacity"}
-    )
+    itl_slo_quantile: float = shared_field("itl_slo_quantile")
+    attainment_target: float = shared_field("attainment_target")
     target_ratio: float = field(
         default=1.5,
         metadata={
@@ -110,36 +173,29 @@ class HeadlineConfig:
             "(colocated when it runs and is not the first, else the second)"
         },
     )
-    pin_workers: bool = field(default=True, metadata={"help": "one CPU core per worker"})
-    dtype: DType | None = field(
-        default=None,
-        metadata={"help": "workers' compute dtype (unset: their default, auto: bf16 where native)"},
-    )
-    kv_backend: str = field(default="nixl", metadata={"help": "KV transfer backend"})
-    worker_kv_cache_bytes: int = field(
-        default=1 << 30, metadata={"help": "KV pool per worker (a 4k prompt needs 180 MiB)"}
-    )
+    pin_workers: bool = shared_field("pin_workers")
+    dtype: DType | None = shared_field("dtype")  # noqa: RUF009 -- a Field; its default is None
+    kv_backend: str = shared_field("kv_backend")
+    worker_kv_cache_bytes: int = shared_field("worker_kv_cache_bytes")
     out_dir: Path = field(
         default=Path("bench-results"),
         metadata={"help": "headline.json, headline.md and headline_*.png go here"},
     )
-    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    progress: bool = shared_field("progress")
 
     def __post_init__(self) -> None:
         _ = self.rate_list  # validates a fixed sweep's rates
         if min(self.num_requests, self.short_num_requests) < 1 or self.warmup_requests < 0:
             raise ValueError("request counts must be >= 1 (warmup_requests >= 0)")
-        if min(self.duration_s, self.short_duration_s, self.request_timeout_s) <= 0:
-            raise ValueError("durations and request_timeout_s must be > 0")
+        if min(self.duration_s, self.short_duration_s) <= 0:
+            raise ValueError("duration_s and short_duration_s must be > 0")
         if self.short_rate <= 0 or self.target_ratio <= 0:
             raise ValueError("short_rate and target_ratio must be > 0")
-        for name in ("stop_below_attainment", "attainment_target"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1]")
+        if not 0.0 <= self.stop_below_attainment <= 1.0:
+            raise ValueError("stop_below_attainment must be in [0, 1]")
+        _ = SharedSettings.of(self)  # validates the settings the shifting workload shares
         _ = self.slo  # builds (and so validates) the SLO
         _ = self.search  # validates the search's settings
-        if self.local_prefill_max_tokens < 0:
-            raise ValueError("local_prefill_max_tokens must be >= 0")
         _ = self.system_list  # validates the deployments
 
     @property
@@ -164,9 +220,7 @@ class HeadlineConfig:
 
     @property
     def slo(self) -> Slo:
-        return Slo(
-            self.ttft_slo_ms, self.ttft_slo_ms_per_token, self.itl_slo_ms, self.itl_slo_quantile
-        )
+        return SharedSettings.of(self).slo(self.itl_slo_ms)
 
 
 def system_names(text: str) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ from pathlib import Path
 from engine.precision import DType
 from loadtest.harness.metrics import RequestRecord, Slo
 from loadtest.harness.settings import parse_numbers
-from loadtest.headline.config import system_names
+from loadtest.headline.config import SharedSettings, shared_field, system_names
 from loadtest.headline.phases import Phase, parse_phases
 
 
@@ -61,20 +61,16 @@ class ShiftingConfig:
     target_ratio: float = field(
         default=1.2, metadata={"help": "first deployment / the better other one, to meet"}
     )
-    attainment_target: float = field(
-        default=0.9, metadata={"help": "attainment that defines a capacity (a sweep)"}
+    attainment_target: float = shared_field(
+        "attainment_target", "attainment that defines a capacity (a sweep)"
     )
-    request_timeout_s: float = field(
-        default=120.0, metadata={"help": "client deadline of one stream (a miss when hit)"}
-    )
+    request_timeout_s: float = shared_field("request_timeout_s")
     warmup_requests: int = field(
         default=4,
         metadata={"help": "unmeasured chat requests, one at a time, per deployment"},
     )
-    ttft_slo_ms: float = field(default=2000.0, metadata={"help": "TTFT SLO, fixed part"})
-    ttft_slo_ms_per_token: float = field(
-        default=12.0, metadata={"help": "TTFT SLO allowance per prompt token"}
-    )
+    ttft_slo_ms: float = shared_field("ttft_slo_ms")
+    ttft_slo_ms_per_token: float = shared_field("ttft_slo_ms_per_token")
     itl_slo_ms: float = field(
         default=0.0,
         metadata={"help": "inter-token latency SLO (0: derived from the unloaded decode step)"},
@@ -82,42 +78,31 @@ class ShiftingConfig:
     itl_slo_step_factor: float = field(
         default=3.0, metadata={"help": "a derived ITL SLO is this many unloaded decode steps"}
     )
-    itl_slo_quantile: float = field(
-        default=0.9, metadata={"help": "quantile of a request's own gaps held to the ITL SLO"}
+    itl_slo_quantile: float = shared_field("itl_slo_quantile")
+    local_prefill_max_tokens: int = shared_field(
+        "local_prefill_max_tokens", "1P+1D gateways' conditional disaggregation threshold"
     )
-    local_prefill_max_tokens: int = field(
-        default=512,
-        metadata={"help": "1P+1D gateways' conditional disaggregation threshold"},
-    )
-    pin_workers: bool = field(default=True, metadata={"help": "one CPU core per worker"})
-    dtype: DType | None = field(
-        default=None,
-        metadata={"help": "workers' compute dtype (unset: their default, auto: bf16 where native)"},
-    )
-    kv_backend: str = field(default="nixl", metadata={"help": "KV transfer backend"})
-    worker_kv_cache_bytes: int = field(
-        default=1 << 30, metadata={"help": "KV pool per worker (a 4k prompt needs 180 MiB)"}
-    )
+    pin_workers: bool = shared_field("pin_workers")
+    dtype: DType | None = shared_field("dtype")  # noqa: RUF009 -- a Field; its default is None
+    kv_backend: str = shared_field("kv_backend")
+    worker_kv_cache_bytes: int = shared_field("worker_kv_cache_bytes")
     out_dir: Path = field(
         default=Path("bench-results/shifting"),
         metadata={"help": "shifting.json and shifting.md go here"},
     )
-    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    progress: bool = shared_field("progress")
 
     def __post_init__(self) -> None:
         _ = self.system_list, self.phase_list, self.scale_list  # validates the lists
         if self.rounds < 1 or self.warmup_requests < 0:
             raise ValueError("rounds must be >= 1 and warmup_requests >= 0")
-        if self.request_timeout_s <= 0 or self.target_ratio <= 0:
-            raise ValueError("request_timeout_s and target_ratio must be > 0")
-        if not 0.0 < self.attainment_target <= 1.0:
-            raise ValueError("attainment_target must be in (0, 1]")
+        if self.target_ratio <= 0:
+            raise ValueError("target_ratio must be > 0")
+        _ = SharedSettings.of(self)  # validates the settings the headline shares
         if self.itl_slo_ms < 0 or self.itl_slo_step_factor <= 0:
             raise ValueError("itl_slo_ms must be >= 0 and itl_slo_step_factor > 0")
         if self.derives_itl_slo and self.warmup_requests < 1:
             raise ValueError("a derived ITL SLO (itl_slo_ms 0) needs warmup_requests >= 1")
-        if self.local_prefill_max_tokens < 0:
-            raise ValueError("local_prefill_max_tokens must be >= 0")
         _ = self.slo(100.0)  # validates the SLO's other settings
 
     @property
@@ -145,7 +130,7 @@ class ShiftingConfig:
             itl = float(max(1, round(self.itl_slo_step_factor * step_ms)))  # whole ms
         else:
             itl = self.itl_slo_ms
-        return Slo(self.ttft_slo_ms, self.ttft_slo_ms_per_token, itl, self.itl_slo_quantile)
+        return SharedSettings.of(self).slo(itl)
 
 
 def unloaded_step_ms(records: Sequence[RequestRecord]) -> float | None:

@@ -9,7 +9,7 @@ its lines. A renderer only reads the file.
 
 from __future__ import annotations
 
-from loadtest.reports.markdown import Json, dicts, fmt, num, table
+from loadtest.reports.markdown import Json, dicts, fmt, mapping, num, table
 
 
 def _side_tps(phase: Json, side: str) -> str:
@@ -216,11 +216,11 @@ def lora(data: Json) -> list[str]:
 
 def invariance(data: Json) -> list[str]:
     """Rows whose bits depend on their batch, per linear kernel, and a fixed tile's cost."""
-    cfg = _mapping(data.get("config"))
+    cfg = mapping(data.get("config"))
     sizes = [str(b) for b in cfg.get("batch_sizes", [])]
     rows = [
         [str(d.get("dtype")), str(d.get("kernel")), "tiled" if d.get("tiled") else "plain",
-         str(d.get("projection")), *(str(_mapping(d.get("by_batch")).get(b, "")) for b in sizes)]
+         str(d.get("projection")), *(str(mapping(d.get("by_batch")).get(b, "")) for b in sizes)]
         for d in dicts(data.get("differing"))
     ]  # fmt: skip
     costs = [
@@ -241,7 +241,3 @@ def invariance(data: Json) -> list[str]:
         "",
         *table(["dtype", "kernel", "rows", "plain ms", "tiled ms", "tiled / plain"], costs),
     ]
-
-
-def _mapping(value: object) -> Json:
-    return value if isinstance(value, dict) else {}

@@ -26,6 +26,11 @@ def dicts(value: object) -> list[Json]:
     return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
 
 
+def mapping(value: object) -> Json:
+    """A JSON object (an empty one, if it is not one)."""
+    return value if isinstance(value, dict) else {}
+
+
 def fmt(value: object, spec: str = ".2f", suffix: str = "") -> str:
     number = num(value)
     return "-" if number is None else f"{number:{spec}}{suffix}"

@@ -4,13 +4,14 @@ committed result files in docs/results/.
 Lifecycle: a benchmark run writes its JSON with its provenance (`result_file`); whoever
 wants the docs to quote it copies or writes it under docs/results/ (`--out
 docs/results/<name>.json`) and commits it. This command then reads every `*.json` there
-(a file without provenance is an error: the docs quote nothing whose commit, time and
-host they cannot name), renders one section per file (`sections`: headline first,
-then the component benchmarks), marks each result registered in `stale` as not current
-(its section says since which commit and why, and the count of met targets at the top
-leaves it out), and rewrites the markdown. The page depends only on the files and the
-registry, never on the clock, so regenerating it without new results changes nothing;
-`--check true` exits 1 instead of writing when the page is out of date (for CI).
+and the few files below it that `EXTRA_RESULTS` lists (`result_paths`; a file without
+provenance is an error: the docs quote nothing whose commit, time and host they cannot
+name), renders one section per file (`sections`: headline first, then the component
+benchmarks), marks each result registered in `stale` as not current (its section says
+since which commit and why, and the count of met targets at the top leaves it out), and
+rewrites the markdown. The page depends only on the files and the registry, never on
+the clock, so regenerating it without new results changes nothing; `--check true` exits
+1 instead of writing when the page is out of date (for CI).
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ is re-run: it keeps its numbers, its section says since which commit it is stale
 why, and its targets read "not current" and are not counted as met.
 """
 
+#: Result files in subdirectories of the results directory that the page quotes too,
+#: relative to it (`result_paths` says why a list and not a recursive glob).
+EXTRA_RESULTS = (
+    Path("elastic/issue41/shifting/shifting.json"),  # pdserve.shifting/1
+    Path("peer/peer.json"),  # pdserve.peer_bench/1
+)
+
 
 @dataclass(frozen=True)
 class ResultsConfig:
@@ -55,6 +63,30 @@ class ResultsConfig:
     check: bool = field(
         default=False, metadata={"help": "exit 1 if the page is out of date; write nothing"}
     )
+
+
+def result_paths(results_dir: Path, extra: Sequence[Path] = EXTRA_RESULTS) -> list[Path]:
+    """The files the page quotes: every `*.json` at the top of `results_dir`, then those
+    of `extra` (relative to it) that exist; ValueError if two share a stem, by which the
+    stale registry and the targets line name a result.
+
+    A list of the files below the top rather than a recursive glob, because the
+    subdirectories also hold results that are not the current word on a benchmark: the
+    `base_*`/`new_*` pairs of an A/B comparison between two commits (docs/results/ab/),
+    and issue 41's single-deployment headline runs (docs/results/elastic/issue41/*.json)
+    that its write-up in docs/history.md compares. A glob would give each of those its
+    own section, two each of the engine, router and transfer sections among them, and
+    count their targets as current; a result meant for the page is listed here instead.
+    A listed file that is absent (a results directory of another layout) is skipped.
+    """
+    paths = sorted(results_dir.glob("*.json"))
+    paths += [results_dir / p for p in extra if (results_dir / p).is_file()]
+    seen: dict[str, Path] = {}
+    for path in paths:
+        if path.stem in seen:
+            raise ValueError(f"{seen[path.stem]} and {path} share the result name {path.stem!r}")
+        seen[path.stem] = path
+    return paths
 
 
 def targets_summary(loaded: Sequence[tuple[Path, Json]], stale: Mapping[str, StaleResult]) -> str:
@@ -80,7 +112,7 @@ def render(
     and marking the results `stale` names (by file stem; default: the registry);
     ValueError naming the file if one is not a result with provenance."""
     stale = by_result() if stale is None else stale
-    loaded = [(path, read_result(path)) for path in sorted(results_dir.glob("*.json"))]
+    loaded = [(path, read_result(path)) for path in result_paths(results_dir)]
     loaded.sort(key=lambda item: sort_key(str(item[1].get("schema")), item[0]))
     lines = [HEADER]
     if not loaded:

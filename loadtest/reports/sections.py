@@ -5,11 +5,11 @@ Lifecycle: `loadtest.reports.results` reads each committed result file and calls
 `section` on it, with the file's `StaleResult` when `stale` registers one. `section`
 writes the heading; for a stale result the line "Stale since <commit>: <reason>"; the
 provenance line (when, on which commit and host, with which command); the renderer's
-tables (`engine_sections`, `cluster_sections`); then the targets, which read "not
-current" instead of met or not met when the result is stale. A renderer reads only the
-file: nothing is measured or recomputed here, so the page says exactly what the files
-say. A schema without a renderer gets its top-level numbers (`generic`), so a new
-benchmark's results are quoted before anyone writes a table for them.
+tables (`engine_sections`, `cluster_sections`, `elastic_sections`); then the targets,
+which read "not current" instead of met or not met when the result is stale. A renderer
+reads only the file: nothing is measured or recomputed here, so the page says exactly
+what the files say. A schema without a renderer gets its top-level numbers (`generic`),
+so a new benchmark's results are quoted before anyone writes a table for them.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from loadtest.reports.cluster_sections import (
     tracing,
     transfer,
 )
+from loadtest.reports.elastic_sections import peer, shifting
 from loadtest.reports.engine_sections import (
     accuracy,
     engine,
@@ -56,6 +57,8 @@ def generic(data: Json) -> list[str]:
 #: schema -> (title, renderer), in the page's order.
 SECTIONS: dict[str, tuple[str, Renderer]] = {
     "pdserve.headline/1": ("Headline: disaggregated vs colocated", headline),
+    "pdserve.shifting/1": ("Shifting workload: elastic roles vs static and colocated", shifting),
+    "pdserve.peer_bench/1": ("Peer: pdserve against llama.cpp's llama-server", peer),
     "pdserve.engine_bench/1": ("Engine: decode throughput", engine),
     "pdserve.engine_bench/2": ("Engine: decode throughput", engine),
     "roofline_bench/v1": ("Engine against this machine's roofs", roofline),

@@ -2,13 +2,14 @@
 
 Lifecycle: when main changes under a committed result (a kernel, admission, a default)
 so that its numbers no longer hold, an entry goes into `STALE` in the same commit as
-the finding, naming the result (its file's stem under docs/results/), the commit that
-made it stale and, in the reason, what changed and what a re-run measured if one was
-made. `results` reads the registry when it renders docs/benchmarks.md: a stale result
-keeps its numbers, its section says "stale since <commit>: <reason>", its targets read
-"not current" instead of met or not met, and the page's count of met targets leaves it
-out. A fresh run committed under docs/results/ replaces the file; its entry is deleted
-in the same commit.
+the finding, naming the result (its file's stem: `spec` for docs/results/spec.json,
+`peer` for docs/results/peer/peer.json, one of the files below the top that
+`results.EXTRA_RESULTS` lists), the commit that made it stale and, in the reason, what
+changed and what a re-run measured if one was made. `results` reads the registry when
+it renders docs/benchmarks.md: a stale result keeps its numbers, its section says "stale
+since <commit>: <reason>", its targets read "not current" instead of met or not met, and
+the page's count of met targets leaves it out. A fresh run committed under docs/results/
+replaces the file; its entry is deleted in the same commit.
 
 The re-runs quoted below were made on main as of the commit that registered them, on a
 host with half-width AVX-512 units rather than the committed files' host: they say
@@ -28,6 +29,13 @@ _BF16_DEFAULT = "7db916db5706fe6349f7f11a6548e6c82c040c28"  # dtype auto = bf16 
 _FIRST_ADMISSION = "8f23f52b4dbbf9480afafb755851c6f38edae9de"
 # The commit that added 53 lines to bounded_load.lua, the placement script routed by.
 _PLACEMENT_53 = "cfe15b5309b1b182498fcce26bbaf721aa0637de"
+# Workers measure their prefill speed before they register (admission is no longer blind
+# at start).
+_CALIBRATION = "1b68e711d8ea7f5f50625acb67dfffb472846891"
+_CALIBRATION_REASON = (
+    "taken before workers measured their prefill speed before registering, which changes "
+    "admission at the start of a run (refusals, first bursts); not re-run"
+)
 _FLOW_REASON = (
     "measured on 2026-11-23 in fp32, before 14 admission commits, conditional "
     "disaggregation and the bf16 default"
@@ -85,6 +93,8 @@ STALE: tuple[StaleResult, ...] = (
         _PLACEMENT_53,
         "before 53 new lines of the placement script (pd route p99 0.974 ms against 1 ms)",
     ),
+    StaleResult("shifting", _CALIBRATION, _CALIBRATION_REASON),
+    StaleResult("peer", _CALIBRATION, _CALIBRATION_REASON),
 )
 
 
