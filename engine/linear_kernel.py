@@ -1,5 +1,6 @@
-"""How the model's linear layers multiply: plain torch, oneDNN with pre-packed weights, or
-int8 weights through `torch._int_mm`.
+"""How the model's linear layers multiply: plain torch, oneDNN with pre-packed weights,
+float32 tiles whose rows do not depend on their batch, or int8 weights through
+`torch._int_mm`.
 
 Lifecycle: the engine picks a kernel once (`pick_linear_kernel(name, device, dtype,
 quant)`);
@@ -25,6 +26,15 @@ reorders the weight on every call).
 
 Measurements (by row count, the LM head, the memory): docs/engine.md "Kernels".
 
+Tiled (`linear_kernel tiled`, float32 on CPU): the weights packed once into
+`engine.weight_tiles`'s float32 tiles and multiplied by its compiled loop, which sums
+each output of each row in input order in one accumulator. A row's result is then the
+same bits whatever else shares the step and however many rows it has (MKL and oneDNN
+choose their blocking, and so their order of summation, by the row count: the
+invariance probe, docs/engine.md "Batch invariance"). Large products are split over
+threads by tiles of output columns, which changes no sum. The cost against oneDNN by
+row count: docs/engine.md "Batch invariance".
+
 Int8 (`quantization int8`): each weight is quantized once at load, per output channel
 and symmetric; each step's activations are quantized per token on the fly, and the
 product runs in int8 through `torch._int_mm` (oneDNN's s8s8 GEMM with VNNI dot
@@ -43,9 +53,11 @@ for lookups).
 from __future__ import annotations
 
 import platform
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -62,6 +74,9 @@ INT8_MAX = 127
 #: the best teacher-forced agreement in both dtypes (the activations' peaks and the
 #: thresholds tried: docs/engine.md "Precision").
 OUTLIER_THRESHOLD = 4.0
+#: Multiply-adds below which a tiled product runs on the calling thread alone: handing
+#: a range to another thread costs tens of microseconds, about what this much work takes.
+TILED_SPLIT_WORK = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -142,6 +157,56 @@ class OneDnnLinear:
         return out
 
 
+class TiledLinear:
+    """float32 products through `engine.weight_tiles`' tiles (CPU): every row summed in
+    input order alone, so its bits do not depend on the other rows of its step. Large
+    products are split by tiles over `threads` threads (the caller's and a pool's)."""
+
+    name = "tiled"
+    folds_norms = False
+
+    def __init__(self, threads: int = 1) -> None:
+        self.threads = max(threads, 1)
+        self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
+
+    def prepare(self, weight: torch.Tensor) -> LinearWeight:
+        from engine.weight_tiles import pack_f32
+
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(
+                "linear_kernel tiled multiplies float32 weights on the CPU, got "
+                f"{weight.dtype} on {weight.device.type}"
+            )
+        tiles = pack_f32(weight.detach().contiguous().numpy())
+        return LinearWeight(None, (tiles, weight.shape[0]))
+
+    def apply(
+        self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        from engine.weight_tiles import matmul_f32
+
+        tiles, n_out = weight.packed
+        rows = x.shape[0]
+        out = np.empty((rows, n_out), dtype=np.float32)
+        xb = x.detach().contiguous().numpy().view(np.uint16)
+        n_tiles = tiles.shape[0]
+        work = rows * n_out * x.shape[1]
+        parts = min(self.threads, n_tiles, max(work // TILED_SPLIT_WORK, 1))
+        if rows and parts > 1 and self._pool is not None:
+            per = -(-n_tiles // parts)
+            ranges = [(t, min(t + per, n_tiles)) for t in range(0, n_tiles, per)]
+            pending = [self._pool.submit(matmul_f32, tiles, xb, out, *r) for r in ranges[1:]]
+            matmul_f32(tiles, xb, out, *ranges[0])
+            for done in pending:
+                done.result()
+        elif rows:
+            matmul_f32(tiles, xb, out, 0, n_tiles)
+        result = torch.from_numpy(out)
+        if bias is not None:
+            result += bias
+        return result
+
+
 class Int8Linear:
     """Per-channel int8 weights and per-token dynamic int8 activations (CPU).
 
@@ -213,7 +278,8 @@ def pick_linear_kernel(
     quant: WeightQuant = WeightQuant.NONE,
 ) -> LinearKernel:
     """The kernel `choice` names; "auto" takes oneDNN on x86 CPUs in float32 or bfloat16,
-    torch elsewhere. Int8 weights have one kernel, which only "auto" picks."""
+    torch elsewhere. Int8 weights have one kernel, which only "auto" picks. "tiled"
+    needs float32 on the CPU and splits large products over torch's thread count."""
     try:
         name = LinearKernelName(choice)
     except ValueError:
@@ -231,6 +297,13 @@ def pick_linear_kernel(
         and torch.backends.mkldnn.is_available()
         and torch.backends.mkldnn.enabled
     )
+    if name is LinearKernelName.TILED:
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(
+                "linear_kernel tiled needs device cpu and dtype float32 "
+                f"(got device {device.type}, dtype {dtype})"
+            )
+        return TiledLinear(torch.get_num_threads())
     if name is LinearKernelName.ONEDNN and not onednn_ok:
         raise ValueError(
             "linear_kernel onednn needs device cpu, dtype float32 or bfloat16 and a torch "

@@ -1,10 +1,19 @@
-"""bfloat16 weights packed in tiles of output rows, and the compiled product that streams
-them for a few input rows at a time (numba, with the inner loop written in LLVM IR).
+"""Weights packed in tiles of output rows, and the compiled product that streams them for
+a few input rows at a time (numba, with the inner loop written in LLVM IR): bfloat16
+weights for the fused decode, float32 weights for the tiled linear kernel.
 
 Lifecycle: `engine.fused_decode.FusedDecoder` packs each projection once at load
 (`pack`, stacked over layers) and keeps the packed copy; the fused decode step
 (`engine.decode_kernel`) calls `matmul(tiles, x, out)` for every projection of every
-step. Nothing here holds state.
+step. `engine.linear_kernel.TiledLinear` does the same through `pack_f32` and
+`matmul_f32` for float32 weights. Nothing here holds state.
+
+Batch invariance, by construction: each output of each row is one float32 accumulator
+that sums its products in input order, one pair (bfloat16) or one feature (float32) per
+step, with no sum across vector lanes and no split of the input features. How many rows
+share a pass, a call or a thread changes which loop runs and which tiles a thread takes,
+never the operations or their order for one output, so a row's bits do not depend on
+the other rows (`tests/unit/engine/test_weight_tiles.py` holds it).
 
 Layout: a weight [n_out, n_in] becomes [tiles, pairs, 2 * TILE] bfloat16 bits, pairs =
 ceil(n_in / 2): tile t holds output rows t*TILE .. t*TILE + TILE - 1, and each 128 bytes
@@ -24,6 +33,11 @@ each weight pair and each row's pair to float32 and runs fused multiply-adds: th
 numbers up to the order of the sum (and `vdpbf16ps` flushing subnormal inputs and
 outputs to zero), with two multiply-adds and the widening where `vdpbf16ps` is one
 instruction.
+
+float32 weights use the same geometry: tile t holds [n_in, TILE] float32, so each
+input feature's 32 weights fill the same 128 bytes a bfloat16 pair's do, and one
+multiply-add per vector replaces the pair's two. `pack_f32` returns them as the same
+uint16 array shape ([tiles, n_in, 2 * TILE]), so one intrinsic serves both.
 
 Why not numba's own vectorizer: written as loops over a row-major weight, LLVM
 vectorizes each output's dot product along the input features, which needs a lane-wise
@@ -49,6 +63,7 @@ digest of this file too.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import llvmlite.binding as llvm
@@ -90,6 +105,18 @@ def _host_has_bf16_dot() -> bool:
 BF16_DOT = _host_has_bf16_dot()
 
 
+class Operands(enum.Enum):
+    """What a tile loop multiplies, and with which instruction."""
+
+    BF16_DOT = "bf16-dot"  # bfloat16 pairs through `vdpbf16ps`
+    BF16_WIDENED = "bf16-widened"  # bfloat16 pairs widened to float32, two FMAs
+    FLOAT32 = "float32"  # float32 features, one FMA
+
+
+#: The bfloat16 loop this host runs.
+BF16_OPERANDS = Operands.BF16_DOT if BF16_DOT else Operands.BF16_WIDENED
+
+
 class _BFloat(ir.Type):
     """LLVM's `bfloat`, which llvmlite's IR builder lacks (the dot product's operand)."""
 
@@ -122,16 +149,27 @@ def pack(bits: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(by_pair).reshape(*lead, tiles, pairs, 2 * TILE)
 
 
+def pack_f32(weight: np.ndarray) -> np.ndarray:
+    """float32 weights [n_out, n_in] as tiles [tiles, n_in, TILE] float32, padded with
+    zero outputs, viewed as uint16 [tiles, n_in, 2 * TILE] (`matmul_f32`'s operand)."""
+    n_out, n_in = weight.shape
+    tiles = -(-n_out // TILE)
+    padded = np.zeros((tiles * TILE, n_in), dtype=np.float32)
+    padded[:n_out] = weight
+    by_feature = padded.reshape(tiles, TILE, n_in).swapaxes(1, 2)
+    return np.ascontiguousarray(by_feature).view(np.uint16)
+
+
 class _TileLoop:
     """Emits one tile's product for `rows` input rows: acc[r, :TILE] = tile t times row
     r0 + r of the bfloat16 pairs, for r < rows (the caller copies acc out)."""
 
-    def __init__(self, builder: ir.IRBuilder, rows: int, dot: bool) -> None:
+    def __init__(self, builder: ir.IRBuilder, rows: int, operands: Operands) -> None:
         self.b = builder
         self.rows = rows
-        self.dot = dot
+        self.operands = operands
         module = builder.module
-        if dot:
+        if operands is Operands.BF16_DOT:
             self.dpbf16 = cgutils.get_or_insert_function(
                 module,
                 ir.FunctionType(_F32X, [_F32X, _BF16X, _BF16X]),
@@ -146,7 +184,10 @@ class _TileLoop:
 
     def emit(self, w: Any, pairs: Any, x: Any, x_stride: Any, acc: Any) -> None:
         """`w` (i32*) points at the tile's first weight pair, `x` (i32*) at row r0's
-        first pair; rows are `x_stride` pairs apart."""
+        first pair; rows are `x_stride` pairs apart. For float32 (read "feature" for
+        "pair") `x` is a panel instead: feature k of the pass's row r at k * x_stride + r,
+        so one pointer per step reaches every row at a constant offset (rows `x_stride`
+        apart each need a register, and twelve of them spill)."""
         b = self.b
         entry = b.block
         loop, done = b.append_basic_block("tile.loop"), b.append_basic_block("tile.done")
@@ -162,7 +203,7 @@ class _TileLoop:
         weights = [self._load(b.gep(line, [ir.Constant(_I64, v * LANES)])) for v in (0, 1)]
         new = []
         for r in range(self.rows):
-            pair = b.load(b.gep(x, [b.add(b.mul(ir.Constant(_I64, r), x_stride), k)]))
+            pair = b.load(b.gep(x, [self._at(r, k, x_stride)]))
             new += self._accumulate(weights, self._splat(pair), sums[2 * r : 2 * r + 2])
         k_next = b.add(k, ir.Constant(_I64, 1))
         k.add_incoming(k_next, loop)
@@ -173,6 +214,13 @@ class _TileLoop:
         for i, n in enumerate(new):
             at = b.gep(acc, [ir.Constant(_I64, i * LANES)])
             b.store(n, b.bitcast(at, _F32X.as_pointer()), align=4)
+
+    def _at(self, r: int, k: Any, x_stride: Any) -> Any:
+        """The i32 index of row r's pair (or panel feature) k."""
+        b, row = self.b, ir.Constant(_I64, r)
+        if self.operands is Operands.FLOAT32:
+            return b.add(b.mul(k, x_stride), row)
+        return b.add(b.mul(row, x_stride), k)
 
     def _load(self, at: Any) -> Any:
         """16 weight pairs (one per output) as 16 x i32."""
@@ -186,10 +234,14 @@ class _TileLoop:
     def _accumulate(self, weights: list[Any], pair: Any, sums: list[Any]) -> list[Any]:
         """sums[v] + the dot products of weight vector v's pairs with the row's pair."""
         b = self.b
-        if self.dot:
+        if self.operands is Operands.BF16_DOT:
             x = b.bitcast(pair, _BF16X)
             pairs = zip(weights, sums, strict=True)
             return [b.call(self.dpbf16, [s, b.bitcast(w, _BF16X), x]) for w, s in pairs]
+        if self.operands is Operands.FLOAT32:
+            x = b.bitcast(pair, _F32X)
+            features = zip(weights, sums, strict=True)
+            return [b.call(self.fma, [b.bitcast(w, _F32X), x, s]) for w, s in features]
         x_lo, x_hi = self._halves(pair)
         out = []
         for w, s in zip(weights, sums, strict=True):
@@ -213,14 +265,17 @@ class _TileLoop:
             b.call(self.prefetch, [ahead, *flags])
 
 
-def _tile_product(dot: bool = BF16_DOT) -> Any:
+def _tile_product(operands: Operands) -> Any:
     """The intrinsic `product(tiles, t, x, r0, rows, acc)`: acc[r, :TILE] = tile t of
     `tiles` ([tiles, pairs, 2 * TILE] uint16, pairs >= 1) times row r0 + r of `x`
     ([rows, 2 * pairs] bfloat16 bits), for the first `rows` (1..PASS_ROWS) rows of `acc`
     ([PASS_ROWS, TILE] float32). The row count fixes how many accumulators a loop keeps,
     so the intrinsic holds one loop per count and switches to it (any other count does
-    nothing). No bounds checks: the caller keeps t and r0 + rows in range. `dot` picks
-    the instruction (only on a CPU that has it)."""
+    nothing). No bounds checks: the caller keeps t and r0 + rows in range. `operands`
+    picks the loop (`BF16_DOT` only on a CPU that has the instruction). For `FLOAT32`
+    the uint16 arrays are float32 ones viewed as uint16, a feature per "pair", and `x`
+    is panels ([passes * features, 2 * rows per pass], `_panels`): r0 names the first
+    line of the pass's panel and row r of the pass is its column r."""
 
     def typer(typingctx: Any, tiles: Any, t: Any, x: Any, r0: Any, rows: Any, acc: Any) -> Any:
         for name, arr, ndim, dtype in (
@@ -250,7 +305,7 @@ def _tile_product(dot: bool = BF16_DOT) -> Any:
                 case = builder.append_basic_block(f"tile.rows{rows}")
                 switch.add_case(ir.Constant(_I64, rows), case)
                 builder.position_at_end(case)
-                _TileLoop(builder, rows, dot).emit(w, pairs, x0, x_stride, acc_arr.data)
+                _TileLoop(builder, rows, operands).emit(w, pairs, x0, x_stride, acc_arr.data)
                 builder.branch(end)
             builder.position_at_end(end)
             return context.get_dummy_value()
@@ -260,7 +315,8 @@ def _tile_product(dot: bool = BF16_DOT) -> Any:
     return intrinsic(typer)
 
 
-_PRODUCT = _tile_product()
+_PRODUCT = _tile_product(BF16_OPERANDS)
+_PRODUCT_F32 = _tile_product(Operands.FLOAT32)
 
 
 # Uncached, as matmul: they inline `bf16_bits`, which their file's stamp does not cover
@@ -285,20 +341,74 @@ def matmul(tiles: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     pairs = tiles.shape[1]
     if n_in < 1 or pairs != (n_in + 1) // 2 or tiles.shape[2] != 2 * TILE:
         raise ValueError("matmul: x's features do not match the packed weight's")
-    n_out = out.shape[1]
-    if out.shape[0] != rows or n_out > tiles.shape[0] * TILE:
+    _check_out(tiles, rows, out)
+    _stream(tiles, _as_bf16_pairs(x, pairs), out, 0, tiles.shape[0], False)
+
+
+@numba.njit(nogil=True)
+def matmul_f32(tiles: np.ndarray, x: np.ndarray, out: np.ndarray, t0: int, t1: int) -> None:
+    """out[r, cols of tiles t0..t1-1] = W @ x[r] for the float32 weight `tiles` (from
+    `pack_f32`), `x` [rows, 2 * n_in] (float32 rows viewed as uint16) and float32 `out`
+    [rows, n_out]. Threads may each take a range of tiles of one call: the ranges write
+    disjoint columns and do not change any output's sum. Raises ValueError on shapes
+    that disagree."""
+    rows = x.shape[0]
+    if x.shape[1] < 2 or tiles.shape[1] != x.shape[1] // 2 or tiles.shape[2] != 2 * TILE:
+        raise ValueError("matmul_f32: x's features do not match the packed weight's")
+    if not 0 <= t0 <= t1 <= tiles.shape[0]:
+        raise ValueError("matmul_f32: the tile range is outside the packed weight")
+    _check_out(tiles, rows, out)
+    _stream(tiles, x, out, t0, t1, True)
+
+
+@numba.njit(nogil=True)
+def _panels(xb: np.ndarray, per_pass: int) -> np.ndarray:
+    """float32 rows (viewed as uint16 [rows, 2 * n]) as one panel per pass of
+    `per_pass` rows: line p * n + k holds feature k of the pass's rows, side by side
+    (uint16 [passes * n, 2 * per_pass]; a short last pass leaves its columns zero)."""
+    x = xb.view(np.float32)
+    rows, n = x.shape
+    passes = -(-rows // per_pass)
+    panels = np.zeros((passes * n, per_pass), dtype=np.float32)
+    # Written in panel order (reading a pass's rows side by side): written in row order,
+    # each store lands on another line of a panel that outgrows the cache.
+    for p in range(passes):
+        count = min(per_pass, rows - p * per_pass)
+        for k in range(n):
+            line = panels[p * n + k]
+            for c in range(count):
+                line[c] = x[p * per_pass + c, k]
+    return panels.view(np.uint16)
+
+
+@numba.njit(nogil=True)
+def _check_out(tiles: np.ndarray, rows: int, out: np.ndarray) -> None:
+    if out.shape[0] != rows or out.shape[1] > tiles.shape[0] * TILE:
         raise ValueError("matmul: out's shape does not match x and the packed weight")
-    xb = _as_bf16_pairs(x, pairs)
+
+
+@numba.njit(nogil=True)
+def _stream(
+    tiles: np.ndarray, xb: np.ndarray, out: np.ndarray, t0: int, t1: int, f32: bool
+) -> None:
+    """Tiles t0..t1-1 times every row of `xb` into `out`, in passes of equal row counts
+    (16 rows as 8 + 8). Every pass over a tile before the next tile: the tile (36 KiB
+    of bfloat16 at 576 features) is then read from memory once and from cache by the
+    later passes."""
+    rows, n_out = xb.shape[0], out.shape[1]
     acc = np.empty((PASS_ROWS, TILE), dtype=np.float32)
     passes = -(-rows // PASS_ROWS)
-    per_pass = max(-(-rows // max(passes, 1)), 1)  # equal passes: 16 rows as 8 + 8
-    # Every pass over a tile before the next tile: the tile (36 KiB at 576 features) is
-    # then read from memory once and from cache by the later passes.
-    for t in range(tiles.shape[0]):
+    per_pass = max(-(-rows // max(passes, 1)), 1)
+    panels = _panels(xb, per_pass) if f32 else xb
+    features = tiles.shape[1]
+    for t in range(t0, t1):
         o0 = t * TILE
         for r0 in range(0, rows, per_pass):
             count = min(per_pass, rows - r0)
-            _PRODUCT(tiles, t, xb, r0, count, acc)
+            if f32:
+                _PRODUCT_F32(tiles, t, panels, r0 // per_pass * features, count, acc)
+            else:
+                _PRODUCT(tiles, t, xb, r0, count, acc)
             for r in range(count):
                 for c in range(min(TILE, n_out - o0)):
                     out[r0 + r, o0 + c] = acc[r, c]

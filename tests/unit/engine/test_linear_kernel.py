@@ -1,5 +1,6 @@
-"""The linear kernels: oneDNN's pre-packed product equals F.linear (fp32 and bf16), int8
-stays within its quantization error, and the pick rules."""
+"""The linear kernels: oneDNN's pre-packed product equals F.linear (fp32 and bf16), the
+tiled one too and the same bits on any thread split, int8 stays within its quantization
+error, and the pick rules."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from engine import linear_kernel
 from engine.config import EngineConfig
 from engine.linear_kernel import (
     ONEDNN_MAX_ROWS,
+    TILED_SPLIT_WORK,
     Int8Linear,
     OneDnnLinear,
+    TiledLinear,
     TorchLinear,
     pick_linear_kernel,
 )
@@ -132,6 +135,29 @@ def test_auto_packs_only_x86_cpu() -> None:
     assert pick_linear_kernel("torch", CPU, torch.float32).name == "torch"
     int8 = pick_linear_kernel("auto", CPU, torch.bfloat16, WeightQuant.INT8)
     assert int8.name == "int8" and int8.folds_norms
+
+
+@pytest.mark.parametrize("rows", [0, 1, 13, 300])
+def test_tiled_matches_torch_and_a_thread_split_changes_no_bit(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(700, 96, generator=gen), torch.randn(700, generator=gen)
+    x = torch.randn(rows, 96, generator=gen)
+    one, two = TiledLinear(threads=1), TiledLinear(threads=2)
+    got = one.apply(x, one.prepare(weight), bias)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    split = two.apply(x, two.prepare(weight), bias)  # 300 rows: past TILED_SPLIT_WORK
+    assert rows * 700 * 96 < TILED_SPLIT_WORK or rows == 300
+    assert torch.equal(split, got)
+
+
+def test_tiled_is_picked_by_name_and_refuses_other_dtypes() -> None:
+    assert pick_linear_kernel("tiled", CPU, torch.float32).name == "tiled"
+    with pytest.raises(ValueError, match="tiled needs device cpu and dtype float32"):
+        pick_linear_kernel("tiled", CPU, torch.bfloat16)
+    with pytest.raises(ValueError, match="tiled multiplies float32 weights"):
+        TiledLinear().prepare(torch.ones(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="int8 has its own kernel"):
+        pick_linear_kernel("tiled", CPU, torch.float32, WeightQuant.INT8)
 
 
 def test_unusable_or_unknown_kernel_is_refused_by_name() -> None:

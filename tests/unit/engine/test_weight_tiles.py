@@ -64,7 +64,7 @@ def test_no_rows_is_no_work() -> None:
 def _fallback(rows: int) -> Any:
     """matmul's tile loop for `rows` rows with the float32 instructions, compiled here
     (the module compiles only the one its host runs)."""
-    product = weight_tiles._tile_product(dot=False)
+    product = weight_tiles._tile_product(weight_tiles.Operands.BF16_WIDENED)
 
     @numba.njit(cache=False)
     def run(tiles: np.ndarray, x: np.ndarray, acc: np.ndarray) -> None:
