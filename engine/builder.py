@@ -22,6 +22,7 @@ from engine.block_pool import BlockPool
 from engine.config import DecodeKernel, EngineConfig, SpecMode
 from engine.draft_model import DraftModel
 from engine.fused_decode import fused_decode_wanted
+from engine.invariance import invariant_kernel
 from engine.kv_cache import KvCache
 from engine.kv_layout import QMAX, KvLayout, blocks_for_budget, kernel_family
 from engine.kv_offload import OffloadTier
@@ -123,7 +124,7 @@ def _model(config: EngineConfig, progress: bool) -> ModelParts:
     quant = config.quantization
     spec = ModelSpec.from_dir(model_dir).with_weights(quant.value)
     device, dtype = config.torch_device, config.torch_dtype
-    kernel = pick_linear_kernel(config.linear_kernel, device, dtype, quant)
+    kernel = pick_linear_kernel(invariant_kernel(config).linear_kernel, device, dtype, quant)
     log.info("linear layers: %s kernel (%s, %s, weights %s)", kernel.name, device, dtype, quant)
     kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)
     fused = fused_decode_wanted(config.decode_kernel, device, dtype, quant, kv_dtype)
@@ -150,6 +151,7 @@ def _draft_model(config: EngineConfig, tokenizer: Tokenizer) -> DraftModel | Non
         resolve_model_dir(config.spec_draft_model, cache, progress=False),
         tokenizer, dtype=config.torch_dtype, device=config.torch_device,
         block_size=config.block_size, kv_cache_bytes=config.spec_draft_kv_cache_bytes,
+        linear_kernel=invariant_kernel(config).linear_kernel,
     )  # fmt: skip
 
 

@@ -35,6 +35,16 @@ class LinearKernelName(enum.StrEnum):
     AUTO = "auto"  # oneDNN on x86 CPUs in float32 or bfloat16, torch elsewhere
     ONEDNN = "onednn"
     TORCH = "torch"
+    TILED = "tiled"  # float32 on CPU, each row's bits independent of its batch
+
+
+class BatchInvariance(enum.StrEnum):
+    """`--batch-invariant`: whether a request's bits may depend on what shares its steps
+    (`engine.invariance`)."""
+
+    AUTO = "auto"  # on where this engine has invariant kernels (float32 on CPU), else off
+    ON = "on"  # the same, and refuse to start where it has none
+    OFF = "off"  # the fastest kernels, whatever their order of summation
 
 
 class DecodeKernel(enum.StrEnum):
@@ -138,7 +148,19 @@ class EngineConfig:
     )
     linear_kernel: LinearKernelName = field(
         default=LinearKernelName.AUTO,
-        metadata={"help": "auto (onednn on x86 CPUs in float32, else torch), onednn or torch"},
+        metadata={
+            "help": "auto (tiled where batch_invariant is on, else onednn on x86 CPUs in "
+            "float32 or bfloat16, else torch), onednn, torch or tiled (float32 on CPU: "
+            "each row's bits independent of its batch)"
+        },
+    )
+    batch_invariant: BatchInvariance = field(
+        default=BatchInvariance.AUTO,
+        metadata={
+            "help": "auto (a request's tokens and logprobs do not depend on what else runs, "
+            "where this engine has the kernels for it: float32 on CPU, unquantized "
+            "weights), on (the same, refusing to start elsewhere) or off"
+        },
     )
     decode_kernel: DecodeKernel = field(
         default=DecodeKernel.AUTO,
@@ -221,6 +243,11 @@ class EngineConfig:
         )
         object.__setattr__(
             self, "linear_kernel", _member(LinearKernelName, "linear_kernel", self.linear_kernel)
+        )
+        object.__setattr__(
+            self,
+            "batch_invariant",
+            _member(BatchInvariance, "batch_invariant", self.batch_invariant),
         )
         object.__setattr__(
             self,

@@ -59,6 +59,7 @@ class DraftModel:
         device: torch.device,
         block_size: int,
         kv_cache_bytes: int,
+        linear_kernel: LinearKernelName = LinearKernelName.AUTO,
     ) -> None:
         spec = ModelSpec.from_dir(model_dir)
         if not tokenizer.same_vocabulary(Tokenizer(model_dir)):
@@ -66,7 +67,9 @@ class DraftModel:
                 f"spec_draft_model: its vocabulary ({model_dir}) must be the served model's "
                 "(every token the same id): a draft proposes tokens in the same vocabulary"
             )
-        kernel = pick_linear_kernel(LinearKernelName.AUTO, device, dtype, WeightQuant.NONE)
+        # The target's kernel: under batch invariance a draft's proposals (which seeded
+        # sampling's acceptance reads) must not depend on the batch either.
+        kernel = pick_linear_kernel(linear_kernel, device, dtype, WeightQuant.NONE)
         self.model = LlamaModel(spec, dtype, device, kernel)
         self.model.load_weights(model_dir, progress=False)
         layout = KvLayout.from_spec(spec, dtype, block_size, device)
