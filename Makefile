@@ -69,6 +69,9 @@ bench: model
 	$(BIN)/python -m loadtest.engine.roofline_bench --out bench-results/roofline.json
 	# which linear kernels give a row the same bits alone and in a batch (about 1 minute)
 	$(BIN)/python -m loadtest.engine.invariance_probe --out bench-results/invariance.json
+	# float32 engine throughput with the batch-invariant tiled kernel over oneDNN, at
+	# batch 1, 8 and 32, and a request's log-probabilities alone vs batched (about 25 minutes)
+	$(BIN)/python -m loadtest.engine.tiled_bench --out bench-results/tiled.json
 	# bf16, int8 and 8-bit KV against float32, and transformers' own bf16 against its
 	# float32 as the yardstick: perplexity and agreement (about 2.5 minutes)
 	$(BIN)/python -m loadtest.engine.accuracy --out bench-results/accuracy.json

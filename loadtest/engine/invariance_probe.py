@@ -9,8 +9,9 @@ by the shape, so a row computed beside others can differ in its last bits from t
 row alone, and in bfloat16 one bit decides a greedy token now and then.
 
 What it measures, for each dtype (float32, bfloat16), kernel (`F.linear` on the plain
-weight; oneDNN on the pre-packed weight, `engine.linear_kernel.OneDnnLinear`) and the
-model's projections (`machine_roof.projections`: q/k/v fused, o, gate/up fused, down,
+weight; oneDNN on the pre-packed weight, `engine.linear_kernel.OneDnnLinear`; in float32
+also the tiled kernel, `TiledLinear`, which batch invariance runs) and the model's
+projections (`machine_roof.projections`: q/k/v fused, o, gate/up fused, down,
 LM head):
 - **differing rows**: a random set of `batch` rows multiplied together, against each
   row multiplied alone: how many differ in any bit, for each batch size;
@@ -26,7 +27,6 @@ The JSON (`--out`) carries the commit, time and host.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -37,17 +37,16 @@ from pathlib import Path
 import torch
 
 from engine.config import DEFAULT_MODEL_CACHE
-from engine.linear_kernel import OneDnnLinear, TorchLinear
+from engine.linear_kernel import LinearKernel, OneDnnLinear, TiledLinear, TorchLinear
 from engine.model_spec import ModelSpec
 from engine.model_store import prepare_default_model
 from engine.precision import cpu_has_native_bf16
 from loadtest.engine.machine_roof import Projection, projections
-from loadtest.reports.provenance import collect_provenance
-from loadtest.reports.result_file import write_result
+from loadtest.reports.bench_cli import BenchCli, bench_main
 
 SCHEMA = "pdserve.invariance_probe/1"
 DTYPES = (torch.float32, torch.bfloat16)
-KERNELS = ("torch", "onednn")
+KERNELS = ("torch", "onednn", "tiled")
 COST_ROWS = (1, 8, 32, 256)
 Product = Callable[[torch.Tensor], torch.Tensor]
 
@@ -55,10 +54,10 @@ Product = Callable[[torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class ProbeConfig:
     batch_sizes: tuple[int, ...] = (2, 4, 8, 32, 128)
-    tile_rows: int = 16
-    threads: int = 1
-    rounds: int = 5
-    seed: int = 0
+    tile_rows: int = field(default=16, metadata={"help": "rows of the fixed tile probed"})
+    threads: int = field(default=1, metadata={"help": "torch threads"})
+    rounds: int = field(default=5, metadata={"help": "paired rounds of each cost"})
+    seed: int = field(default=0, metadata={"help": "the weights' and rows' seed"})
 
 
 @dataclass(frozen=True)
@@ -93,10 +92,17 @@ class ProbeReport:
 
 def product(kernel: str, weight: torch.Tensor) -> Product:
     """The engine's own linear kernel of that name (oneDNN always packed, whatever the
-    row count), so the probe measures exactly what a step runs."""
-    linear = TorchLinear() if kernel == "torch" else OneDnnLinear(max_rows=None)
+    row count; tiled on one thread), so the probe measures exactly what a step runs."""
+    linear: LinearKernel = {"torch": TorchLinear, "tiled": TiledLinear}.get(
+        kernel, lambda: OneDnnLinear(max_rows=None)
+    )()
     prepared = linear.prepare(weight)
     return lambda x: linear.apply(x, prepared)
+
+
+def kernels(dtype: torch.dtype) -> tuple[str, ...]:
+    """The kernels probed in `dtype`: the tiled one multiplies float32 only."""
+    return KERNELS if dtype == torch.float32 else tuple(k for k in KERNELS if k != "tiled")
 
 
 def tiled(run: Product, tile: int) -> Product:
@@ -133,7 +139,7 @@ def probe_differing(cfg: ProbeConfig, shapes: Sequence[Projection]) -> list[Diff
             gen = torch.Generator().manual_seed(cfg.seed)
             weight = (torch.randn(shape.rows_out, shape.rows_in, generator=gen) * 0.05).to(dtype)
             x = torch.randn(rows, shape.rows_in, generator=gen).to(dtype)
-            for kernel in KERNELS:
+            for kernel in kernels(dtype):
                 plain = product(kernel, weight)
                 for tile in (False, True):
                     run = tiled(plain, cfg.tile_rows) if tile else plain
@@ -159,7 +165,7 @@ def probe_costs(cfg: ProbeConfig, shapes: Sequence[Projection]) -> list[TileCost
     for dtype in DTYPES:
         weights = [(torch.randn(s.rows_out, s.rows_in, generator=gen) * 0.05).to(dtype)
                    for s in shapes]  # fmt: skip
-        for kernel in KERNELS:
+        for kernel in kernels(dtype):
             plain = [product(kernel, w) for w in weights]
             tile = [tiled(p, cfg.tile_rows) for p in plain]
             for rows in COST_ROWS:
@@ -202,18 +208,15 @@ def format_table(report: ProbeReport) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("bench-results/invariance.json"))
-    parser.add_argument("--tile-rows", type=int, default=ProbeConfig.tile_rows)
-    parser.add_argument("--threads", type=int, default=ProbeConfig.threads)
-    parser.add_argument("--rounds", type=int, default=ProbeConfig.rounds)
-    args = parser.parse_args(argv)
-    provenance = collect_provenance(sys.argv)
-    cfg = ProbeConfig(tile_rows=args.tile_rows, threads=args.threads, rounds=args.rounds)
-    report = run(cfg)
-    write_result(args.out, report, provenance)
-    print(format_table(report))
-    return 0
+    cli = BenchCli(
+        __doc__ or "",
+        ProbeConfig,
+        Path("bench-results/invariance.json"),
+        run,
+        format_table,
+        ("batch_sizes",),
+    )
+    return bench_main(cli, argv)
 
 
 if __name__ == "__main__":

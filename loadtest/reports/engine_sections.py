@@ -9,6 +9,8 @@ its lines. A renderer only reads the file.
 
 from __future__ import annotations
 
+import statistics
+
 from loadtest.reports.markdown import Json, dicts, fmt, mapping, num, table
 
 
@@ -241,3 +243,44 @@ def invariance(data: Json) -> list[str]:
         "",
         *table(["dtype", "kernel", "rows", "plain ms", "tiled ms", "tiled / plain"], costs),
     ]
+
+
+PHASE_HEADER = ("batch", "requests", "off tok/s (median)", "on tok/s (median)",
+                "on, per round", "on / off (median of rounds)", "best / best")  # fmt: skip
+
+
+PHASE_HEADER = ("batch", "requests", "off tok/s (median)", "on tok/s (median)",
+                "on, per round", "on / off (median of rounds)", "best / best")  # fmt: skip
+
+
+def tiled(data: Json) -> list[str]:
+    """The engine's throughput with batch invariance on over off, and whether a request's
+    log-probabilities change with its batch under each."""
+    phases = [
+        [str(p.get("batch_size")), str(p.get("requests")),
+         fmt(_median(p.get("default_tps")), ".1f"), fmt(_median(p.get("tiled_tps")), ".1f"),
+         ", ".join(fmt(num(t), ".1f") for t in p.get("tiled_tps") or []),
+         fmt(num(p.get("ratio_median")), ".2f", "x"), fmt(num(p.get("ratio_best")), ".2f", "x")]
+        for p in dicts(data.get("phases"))
+    ]  # fmt: skip
+    checks = [
+        [str(i.get("side")), str(i.get("logprobs")), str(i.get("differing"))]
+        for i in dicts(data.get("invariance"))
+    ]
+    return [
+        "float32 engines with `--batch-invariant off` (oneDNN) and on (the tiled linear "
+        "kernel), on the engine benchmark's seeded workload; output tokens per second.",
+        "",
+        *table(PHASE_HEADER, phases),
+        "",
+        "Each request of the batch-8 phase alone against beside the phase's others: its "
+        "token log-probabilities that differ in any bit:",
+        "",
+        *table(["batch_invariant", "log-probabilities", "differing"], checks),
+    ]
+
+
+def _median(values: object) -> float | None:
+    listed = values if isinstance(values, list) else []
+    got = [v for v in (num(x) for x in listed) if v is not None]
+    return statistics.median(got) if got else None

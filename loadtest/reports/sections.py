@@ -37,6 +37,7 @@ from loadtest.reports.engine_sections import (
     roofline,
     speculation,
     structured,
+    tiled,
 )
 from loadtest.reports.markdown import Json, fmt, num, provenance_line, table, targets_table
 from loadtest.reports.stale import StaleResult
@@ -75,6 +76,7 @@ SECTIONS: dict[str, tuple[str, Renderer]] = {
     "structured_bench/v1": ("Structured output and logit processing: cost per step", structured),
     "pdserve.lora_bench/1": ("Multi-LoRA: a batch mixing adapters against the base model", lora),
     "pdserve.invariance_probe/1": ("Batch invariance of the linear kernels", invariance),
+    "pdserve.tiled_bench/1": ("Batch invariance: the tiled linear kernel end to end", tiled),
 }
 
 

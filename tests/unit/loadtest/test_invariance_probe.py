@@ -25,3 +25,12 @@ def test_rows_that_depend_on_their_batch_are_counted() -> None:
     # Each row shifted by its batch's size: alone (size 1) it differs from any batch.
     batch_dependent = lambda rows: rows + rows.shape[0]  # noqa: E731
     assert differing_rows(batch_dependent, x, [2, 8], seed=0) == {2: 2, 8: 8}
+
+
+def test_the_tiled_kernel_is_probed_in_float32_only_and_changes_no_row() -> None:
+    from loadtest.engine.invariance_probe import kernels
+
+    assert "tiled" in kernels(torch.float32) and "tiled" not in kernels(torch.bfloat16)
+    x = torch.randn(40, 96)
+    run = product("tiled", torch.randn(70, 96))
+    assert differing_rows(run, x, [2, 13, 40], seed=1) == {2: 0, 13: 0, 40: 0}
