@@ -120,13 +120,16 @@ class TorchAttention(AttentionBackend):
     name = "torch"
     GROUP_SPREAD = 1.5
 
-    def __init__(self, compiled_decode: bool = False) -> None:
+    def __init__(self, compiled_decode: bool = False, *, invariant: bool = False) -> None:
         """`compiled_decode`: decode rows over an unquantized bfloat16 cache on the CPU
         attend through `engine.decode_kernel.decode_attention`, which reads K and V in
         place in the pool, instead of gathering their blocks (copies) for two matmuls,
         which at long contexts are a large share of the step (docs/engine.md
-        "Kernels")."""
+        "Kernels"). `invariant`: each decode row attends alone, over its own blocks, so
+        its bits do not depend on the other rows (a group pads every row to its longest
+        context, and the padded length changes the products' order of summation)."""
         self.compiled_decode = compiled_decode
+        self.invariant = invariant
         self._pools: dict[int, np.ndarray] = {}  # the pool's bits by storage address
 
     def plan(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> _TorchPlan:
@@ -146,6 +149,8 @@ class TorchAttention(AttentionBackend):
         return _TorchPlan(groups, prefills)
 
     def _buckets(self, lens: list[int]) -> list[list[int]]:
+        if self.invariant:
+            return [[row] for row in range(len(lens))]
         order = sorted(range(len(lens)), key=lens.__getitem__)
         buckets: list[list[int]] = []
         for row in order:
@@ -387,9 +392,10 @@ def select_backend(
     *,
     quantized_kv: bool = False,
     compiled_decode: bool = False,
+    invariant: bool = False,
 ) -> AttentionBackend:
     """`auto` takes flash on CUDA with fp16/bf16 and an unquantized cache when it
-    imports, torch otherwise. `compiled_decode` goes to `TorchAttention`."""
+    imports, torch otherwise. `compiled_decode` and `invariant` go to `TorchAttention`."""
     name = AttentionBackendName(choice)
     if name is AttentionBackendName.FLASH and quantized_kv:
         raise ValueError("attention backend 'flash' needs kv_cache_dtype auto (no 8-bit KV)")
@@ -404,6 +410,6 @@ def select_backend(
             raise RuntimeError("attention backend 'flash' needs CUDA and vllm-flash-attn")
         backend: AttentionBackend = FlashAttention()
     else:
-        backend = TorchAttention(compiled_decode)
+        backend = TorchAttention(compiled_decode, invariant=invariant)
     log.info("attention backend: %s on %s (%s)", backend.name, device, dtype)
     return backend

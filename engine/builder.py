@@ -22,7 +22,7 @@ from engine.block_pool import BlockPool
 from engine.config import DecodeKernel, EngineConfig, SpecMode
 from engine.draft_model import DraftModel
 from engine.fused_decode import fused_decode_wanted
-from engine.invariance import invariant_kernel
+from engine.invariance import InvariantChoice, invariant_kernel
 from engine.kv_cache import KvCache
 from engine.kv_layout import QMAX, KvLayout, blocks_for_budget, kernel_family
 from engine.kv_offload import OffloadTier
@@ -73,13 +73,15 @@ class EngineParts:
 def build_parts(config: EngineConfig, *, progress: bool = False) -> EngineParts:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    models = _model(config, progress)
+    invariance = invariant_kernel(config)
+    models = _model(config, invariance, progress)
     kv_dtype = kv_storage_dtype(config.kv_cache_dtype, config.torch_dtype)
     backend = select_backend(
         config.attention_backend, config.torch_device, config.torch_dtype,
         quantized_kv=kv_dtype in QMAX,
         # Where the fused decode runs, larger decode steps use its attention too.
         compiled_decode=models.model.fused is not None,
+        invariant=invariance.invariant,
     )  # fmt: skip
     fused = models.model.fused
     layout = KvLayout.from_spec(
@@ -110,13 +112,15 @@ def build_parts(config: EngineConfig, *, progress: bool = False) -> EngineParts:
         runner=ModelRunner(models.model, kv_cache, backend, config.block_size),
         stop_checker=StopChecker(models.tokenizer, eos, models.max_model_len),
         eos_ids=frozenset(eos),
-        speculator=Speculator(config.spec_config, _draft_model(config, models.tokenizer)),
+        speculator=Speculator(
+            config.spec_config, _draft_model(config, invariance, models.tokenizer)
+        ),
     )  # fmt: skip
     _log_pool(config, parts)
     return parts
 
 
-def _model(config: EngineConfig, progress: bool) -> ModelParts:
+def _model(config: EngineConfig, invariance: InvariantChoice, progress: bool) -> ModelParts:
     """The model of `config`, its weights loaded with the kernels chosen for them."""
     model_dir = resolve_model_dir(
         config.model, config.model_cache_dir.expanduser(), progress=progress
@@ -124,7 +128,7 @@ def _model(config: EngineConfig, progress: bool) -> ModelParts:
     quant = config.quantization
     spec = ModelSpec.from_dir(model_dir).with_weights(quant.value)
     device, dtype = config.torch_device, config.torch_dtype
-    kernel = pick_linear_kernel(invariant_kernel(config).linear_kernel, device, dtype, quant)
+    kernel = pick_linear_kernel(invariance.linear_kernel, device, dtype, quant)
     log.info("linear layers: %s kernel (%s, %s, weights %s)", kernel.name, device, dtype, quant)
     kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)
     fused = fused_decode_wanted(config.decode_kernel, device, dtype, quant, kv_dtype)
@@ -142,7 +146,9 @@ def _model(config: EngineConfig, progress: bool) -> ModelParts:
     return ModelParts(model_dir, spec, Tokenizer(model_dir), model, max_model_len)
 
 
-def _draft_model(config: EngineConfig, tokenizer: Tokenizer) -> DraftModel | None:
+def _draft_model(
+    config: EngineConfig, invariance: InvariantChoice, tokenizer: Tokenizer
+) -> DraftModel | None:
     """The draft model speculation asks, when one is named and speculation is on."""
     if config.spec_draft_model is None or config.speculative_decoding is SpecMode.OFF:
         return None
@@ -151,7 +157,7 @@ def _draft_model(config: EngineConfig, tokenizer: Tokenizer) -> DraftModel | Non
         resolve_model_dir(config.spec_draft_model, cache, progress=False),
         tokenizer, dtype=config.torch_dtype, device=config.torch_device,
         block_size=config.block_size, kv_cache_bytes=config.spec_draft_kv_cache_bytes,
-        linear_kernel=invariant_kernel(config).linear_kernel,
+        invariance=invariance,
     )  # fmt: skip
 
 

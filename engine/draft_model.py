@@ -31,7 +31,8 @@ import torch
 
 from engine.attention import select_backend
 from engine.block_pool import BlockPool
-from engine.config import AttentionBackendName, LinearKernelName
+from engine.config import AttentionBackendName
+from engine.invariance import NOT_INVARIANT, InvariantChoice
 from engine.kv_cache import KvCache
 from engine.kv_layout import KvLayout, blocks_for_budget
 from engine.linear_kernel import pick_linear_kernel
@@ -59,7 +60,7 @@ class DraftModel:
         device: torch.device,
         block_size: int,
         kv_cache_bytes: int,
-        linear_kernel: LinearKernelName = LinearKernelName.AUTO,
+        invariance: InvariantChoice = NOT_INVARIANT,
     ) -> None:
         spec = ModelSpec.from_dir(model_dir)
         if not tokenizer.same_vocabulary(Tokenizer(model_dir)):
@@ -67,15 +68,17 @@ class DraftModel:
                 f"spec_draft_model: its vocabulary ({model_dir}) must be the served model's "
                 "(every token the same id): a draft proposes tokens in the same vocabulary"
             )
-        # The target's kernel: under batch invariance a draft's proposals (which seeded
+        # The target's kernels: under batch invariance a draft's proposals (which seeded
         # sampling's acceptance reads) must not depend on the batch either.
-        kernel = pick_linear_kernel(linear_kernel, device, dtype, WeightQuant.NONE)
+        kernel = pick_linear_kernel(invariance.linear_kernel, device, dtype, WeightQuant.NONE)
         self.model = LlamaModel(spec, dtype, device, kernel)
         self.model.load_weights(model_dir, progress=False)
         layout = KvLayout.from_spec(spec, dtype, block_size, device)
         num_blocks = blocks_for_budget(layout, kv_cache_bytes)
         self.pool = BlockPool(num_blocks)
-        backend = select_backend(AttentionBackendName.AUTO, device, dtype, quantized_kv=False)
+        backend = select_backend(
+            AttentionBackendName.AUTO, device, dtype, invariant=invariance.invariant
+        )
         self.runner = ModelRunner(self.model, KvCache(layout, num_blocks, device), backend,
                                   block_size)  # fmt: skip
         self.block_size = block_size

@@ -8,11 +8,19 @@ logged and fixed for the engine's life. Nothing here holds state.
 What "covered" means: float32 on the CPU with unquantized weights and `linear_kernel`
 auto or tiled. There every projection and the LM head run `engine.weight_tiles`'
 float32 tiles (`linear_kernel tiled`), which sum each output of each row in one fixed
-order; the rest of a float32 step on the CPU is row-wise or per sequence (norms,
-rotary, torch's attention over one sequence's cache, sampling from per-request random
+order, and each decode row attends alone (`TorchAttention(invariant=True)`: grouped
+decode rows share one product padded to the group's longest context, whose length
+changes the order of the sums). The rest of a float32 step on the CPU is row-wise or per
+sequence (norms, rotary, a prefill chunk's attention, sampling from per-request random
 streams). Tests hold the result, not the argument: a request's log-probabilities are
-the same floats alone, batched, in other prefill chunks and from a prefix-cache hit
-(`tests/unit/engine/test_batch_invariance.py`, `tests/integration/test_determinism.py`).
+the same floats alone and batched (`tests/unit/engine/test_batch_invariance.py`,
+`tests/integration/test_determinism.py`).
+
+The gap left inside a covered engine: a prompt cut at other chunk boundaries (another
+step budget, other prompts sharing it, a prefix-cache hit that starts the prefill
+mid-prompt) computes its rows in SDPA calls of other shapes, and SDPA's blocking, so the
+order of its sums, follows the shape; those rows can differ in their last bits. The cure
+is chunks cut at fixed positions (and cache hits rounded down to them), not yet built.
 
 Not covered, so `auto` is off there and `on` refuses to start: bfloat16 (the fused
 decode step and the torch step round differently, and the torch path's bf16 products
@@ -42,6 +50,10 @@ class InvariantChoice:
 
     linear_kernel: LinearKernelName
     invariant: bool
+
+
+#: An engine's choice with invariance off and every kernel left to `auto`.
+NOT_INVARIANT = InvariantChoice(LinearKernelName.AUTO, invariant=False)
 
 
 def uncovered_reason(
