@@ -25,6 +25,7 @@ The JSON (`--out`) carries the commit, time and host.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import time
@@ -44,6 +45,7 @@ from loadtest.reports.bench_cli import BenchCli, bench_main
 
 SCHEMA = "pdserve.tiled_bench/1"
 SIDES = (BatchInvariance.OFF, BatchInvariance.ON)
+_RUNS = itertools.count()
 #: The issue's floor: tiled throughput over the default's at each batch size.
 TARGET = 0.9
 
@@ -150,10 +152,13 @@ def phase_speed(cfg: TiledBenchConfig, plan: PhasePlan, vocab: int) -> PhaseSpee
 
 
 def logprobs(eng: LLMEngine, requests: Sequence[EngineRequest]) -> list[list[float]]:
-    """Each request's token log-probabilities, the requests run together."""
+    """Each request's token log-probabilities, the requests run together under a cache
+    salt of their own: a prefix-cache hit on an earlier run would reuse that run's KV
+    and hide a difference in the prefill."""
+    salt = f"run-{next(_RUNS)}"
     ids = [
         eng.add_request(RequestSpec(list(r.prompt), SamplingParams(
-            max_tokens=r.max_tokens, ignore_eos=True, logprobs=0)))
+            max_tokens=r.max_tokens, ignore_eos=True, logprobs=0), cache_salt=salt))
         for r in requests
     ]  # fmt: skip
     got: dict[str, list[float]] = {i: [] for i in ids}
