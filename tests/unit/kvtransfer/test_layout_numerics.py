@@ -24,9 +24,10 @@ from tests.tiny_models import write_tiny_model
 TCP = TransferConfig(kv_backend="tcp", kv_transfer_timeout_s=10.0)
 
 
-def _engine(model: Path, dtype: str, linear: str = "auto") -> LLMEngine:
+def _engine(model: Path, dtype: str, linear: str = "auto", invariant: str = "auto") -> LLMEngine:
     cfg = EngineConfig(model=str(model), dtype=dtype, kv_cache_dtype="int8",  # type: ignore[arg-type]
-                       linear_kernel=linear, num_kv_blocks=16)  # type: ignore[arg-type]  # fmt: skip
+                       linear_kernel=linear, num_kv_blocks=16,  # type: ignore[arg-type]
+                       batch_invariant=invariant)  # type: ignore[arg-type]  # fmt: skip
     return LLMEngine(cfg)
 
 
@@ -61,8 +62,12 @@ def test_the_kernels_that_computed_a_block_are_in_its_layout(tmp_path: Path) -> 
     plain = _engine(model, "float32", linear="torch")
     assert plain.layout.kernels == "linear=torch decode=torch attention=torch"
     assert "computed in float32 by linear=torch" in plain.layout.describe()
-    auto = _engine(model, "float32")
+    # float32 on the CPU is batch-invariant by default: the tiled kernel.
+    invariant = _engine(model, "float32")
+    assert invariant.layout.kernels.startswith("linear=tiled")
+    assert invariant.layout.fingerprint() != plain.layout.fingerprint()
+    auto = _engine(model, "float32", invariant="off")
     if auto.model.kernel.name == "torch":
         pytest.skip("this CPU has no oneDNN linear kernel: auto picks torch too")
     assert auto.layout.kernels.startswith("linear=onednn")
-    assert auto.layout.fingerprint() != plain.layout.fingerprint()
+    assert len({auto.layout.fingerprint(), invariant.layout.fingerprint()}) == 2
