@@ -345,7 +345,9 @@ def matmul(tiles: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     _stream(tiles, _as_bf16_pairs(x, pairs), out, 0, tiles.shape[0], False)
 
 
-@numba.njit(nogil=True)
+# Cached on disk (compiling it takes about 10 s, which every engine process would pay at
+# start): everything it compiles in is in this file, whose stamp the cache checks.
+@numba.njit(nogil=True, cache=True)
 def matmul_f32(tiles: np.ndarray, x: np.ndarray, out: np.ndarray, t0: int, t1: int) -> None:
     """out[r, cols of tiles t0..t1-1] = W @ x[r] for the float32 weight `tiles` (from
     `pack_f32`), `x` [rows, 2 * n_in] (float32 rows viewed as uint16) and float32 `out`
