@@ -192,15 +192,15 @@ class TiledLinear:
         n_tiles = tiles.shape[0]
         work = rows * n_out * x.shape[1]
         parts = min(self.threads, n_tiles, max(work // TILED_SPLIT_WORK, 1))
-        if rows and parts > 1 and self._pool is not None:
+        if rows:
+            # The first range on this thread, the others (none when parts is 1) on the pool.
             per = -(-n_tiles // parts)
             ranges = [(t, min(t + per, n_tiles)) for t in range(0, n_tiles, per)]
-            pending = [self._pool.submit(matmul_f32, tiles, xb, out, *r) for r in ranges[1:]]
+            pool = self._pool
+            pending = [pool.submit(matmul_f32, tiles, xb, out, *r) for r in ranges[1:] if pool]
             matmul_f32(tiles, xb, out, *ranges[0])
             for done in pending:
                 done.result()
-        elif rows:
-            matmul_f32(tiles, xb, out, 0, n_tiles)
         result = torch.from_numpy(out)
         if bias is not None:
             result += bias
