@@ -72,6 +72,9 @@ bench: model
 	# float32 engine throughput with the batch-invariant tiled kernel over oneDNN, at
 	# batch 1, 8 and 32, and a request's log-probabilities alone vs batched (about 25 minutes)
 	$(BIN)/python -m loadtest.engine.tiled_bench --out bench-results/tiled.json
+	# attention by rows (batch invariance) against SDPA per layer call, and which rows
+	# change their bits with the batch or the chunking under each (about 2 minutes)
+	$(BIN)/python -m loadtest.engine.row_attention_bench --out bench-results/row_attention.json
 	# bf16, int8 and 8-bit KV against float32, and transformers' own bf16 against its
 	# float32 as the yardstick: perplexity and agreement (about 2.5 minutes)
 	$(BIN)/python -m loadtest.engine.accuracy --out bench-results/accuracy.json

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from engine.config import AttentionBackendName
 from engine.kv_cache import LayerKv, lift_for
+from engine.row_attention import RowAttention, RowPlan
 from engine.tiled_attention import MIN_QUERIES, tiled_causal_attention
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ class _TorchPlan:
     # counts ([rows, longest], [rows]): built at the step's first layer, shared by all.
     bases: np.ndarray | None = None
     lens: np.ndarray | None = None
+    # The row kernel's offsets (invariant float32 steps), built at the first layer.
+    rows: RowPlan | None = None
 
 
 class TorchAttention(AttentionBackend):
@@ -120,19 +123,31 @@ class TorchAttention(AttentionBackend):
     name = "torch"
     GROUP_SPREAD = 1.5
 
-    def __init__(self, compiled_decode: bool = False, *, invariant: bool = False) -> None:
+    def __init__(
+        self,
+        compiled_decode: bool = False,
+        *,
+        invariant: bool = False,
+        rows: RowAttention | None = None,
+    ) -> None:
         """`compiled_decode`: decode rows over an unquantized bfloat16 cache on the CPU
         attend through `engine.decode_kernel.decode_attention`, which reads K and V in
         place in the pool, instead of gathering their blocks (copies) for two matmuls,
         which at long contexts are a large share of the step (docs/engine.md
         "Kernels"). `invariant`: each decode row attends alone, over its own blocks, so
         its bits do not depend on the other rows (a group pads every row to its longest
-        context, and the padded length changes the products' order of summation)."""
+        context, and the padded length changes the products' order of summation).
+        `rows`: every row of every step, decode or prefill, attends through this
+        (`engine.row_attention`: a row's bits depend on its tokens alone); given for an
+        invariant float32 engine on the CPU with an unquantized cache."""
         self.compiled_decode = compiled_decode
         self.invariant = invariant
+        self.rows = rows
         self._pools: dict[int, np.ndarray] = {}  # the pool's bits by storage address
 
     def plan(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> _TorchPlan:
+        if self.rows is not None:  # the row kernel's plan needs the pool: first layer
+            return _TorchPlan([], [])
         nd = meta.num_decodes
         groups = [
             self._group(meta, rows, block_size, device)
@@ -175,6 +190,11 @@ class TorchAttention(AttentionBackend):
     def attend(self, q: torch.Tensor, cache: LayerKv, meta: AttentionMetadata) -> torch.Tensor:
         plan = meta.plan
         assert isinstance(plan, _TorchPlan), "ModelRunner must call plan() once per step"
+        if self.rows is not None:
+            if plan.rows is None:
+                lens = (meta.query_lens_host, meta.seq_lens_host)
+                plan.rows = self.rows.plan(cache.kv, meta.block_table, *lens)
+            return self.rows.attend(q, cache.kv, plan.rows)
         out = torch.empty_like(q)
         if self._compiles(q, cache) and meta.num_decodes:
             nd = meta.num_decodes
@@ -395,7 +415,9 @@ def select_backend(
     invariant: bool = False,
 ) -> AttentionBackend:
     """`auto` takes flash on CUDA with fp16/bf16 and an unquantized cache when it
-    imports, torch otherwise. `compiled_decode` and `invariant` go to `TorchAttention`."""
+    imports, torch otherwise. `compiled_decode` and `invariant` go to `TorchAttention`;
+    an invariant float32 engine on the CPU with an unquantized cache attends by rows
+    (`engine.row_attention`)."""
     name = AttentionBackendName(choice)
     if name is AttentionBackendName.FLASH and quantized_kv:
         raise ValueError("attention backend 'flash' needs kv_cache_dtype auto (no 8-bit KV)")
@@ -410,6 +432,9 @@ def select_backend(
             raise RuntimeError("attention backend 'flash' needs CUDA and vllm-flash-attn")
         backend: AttentionBackend = FlashAttention()
     else:
-        backend = TorchAttention(compiled_decode, invariant=invariant)
+        # Rows alone where their kernel covers the cache: float32 on the CPU, unscaled.
+        by_row = invariant and dtype == torch.float32 and device.type == "cpu" and not quantized_kv
+        rows = RowAttention(torch.get_num_threads()) if by_row else None
+        backend = TorchAttention(compiled_decode, invariant=invariant, rows=rows)
     log.info("attention backend: %s on %s (%s)", backend.name, device, dtype)
     return backend

@@ -8,25 +8,25 @@ logged and fixed for the engine's life. Nothing here holds state.
 What "covered" means: float32 on the CPU with unquantized weights and `linear_kernel`
 auto or tiled. There every projection and the LM head run `engine.weight_tiles`'
 float32 tiles (`linear_kernel tiled`), which sum each output of each row in one fixed
-order, and each decode row attends alone (`TorchAttention(invariant=True)`: grouped
-decode rows share one product padded to the group's longest context, whose length
-changes the order of the sums). The rest of a float32 step on the CPU is row-wise or per
-sequence (norms, rotary, a prefill chunk's attention, sampling from per-request random
-streams). Tests hold the result, not the argument: a request's log-probabilities are
-the same floats alone and batched (`tests/unit/engine/test_batch_invariance.py`,
-`tests/integration/test_determinism.py`).
+order, and every row of every step attends alone through `engine.row_attention`, over
+its own positions in position order, whether it is a decode row, a row of a prefill
+chunk or a verification row. So a token's bits are a function of the tokens up to it:
+not of its batch, of how its prompt was cut into chunks, of whether its prefix came
+from the cache or another worker, or of whether its KV was computed by a decode step or
+again as a prompt (a migrated or preempted stream). The rest of a float32 step on the
+CPU is row-wise (norms, rotary, sampling from per-request random streams). Tests hold
+the result, not the argument: a request's log-probabilities are the same floats alone
+and batched, cut differently, from a cache hit and recomputed
+(`tests/unit/engine/test_batch_invariance.py`, `tests/integration/test_determinism.py`).
 
-The gap left inside a covered engine: a prompt cut at other chunk boundaries (another
-step budget, other prompts sharing it, a prefix-cache hit that starts the prefill
-mid-prompt) computes its rows in SDPA calls of other shapes, and SDPA's blocking, so the
-order of its sums, follows the shape; those rows can differ in their last bits. The cure
-is chunks cut at fixed positions (and cache hits rounded down to them), not yet built.
+The gap left inside a covered engine: an 8-bit KV cache (its rows keep torch's
+attention, whose order follows the call's shape) and rows with a LoRA adapter (their
+low-rank product is torch's), neither measured.
 
 Not covered, so `auto` is off there and `on` refuses to start: bfloat16 (the fused
 decode step and the torch step round differently, and the torch path's bf16 products
 are oneDNN's), float16, GPUs, int8 weights (their outlier product is a float sum over
-a batch-dependent column set). Within a covered engine, rows with a LoRA adapter and
-an 8-bit KV cache were not measured. What it never covers: another host, dtype, model
+a batch-dependent column set). What it never covers: another host, dtype, model
 or engine version (docs/engine.md "Batch invariance").
 """
 

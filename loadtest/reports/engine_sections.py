@@ -280,6 +280,33 @@ def tiled(data: Json) -> list[str]:
     ]
 
 
+def row_attention(data: Json) -> list[str]:
+    """Attention by rows (batch invariance, float32) against SDPA per layer call, and the
+    rows whose bits change with the batch or the chunking under each."""
+    cases = [
+        [str(c.get("kind")), f"{c.get('rows')} x {c.get('context')}",
+         fmt(_median(c.get("sdpa_ms")), ".2f"), fmt(_median(c.get("rows_ms")), ".2f"),
+         fmt(num(c.get("ratio_median")), ".2f", "x"),
+         f"{c.get('sdpa_differing')} / {c.get('rows_differing')} of {c.get('rows')}"]
+        for c in dicts(data.get("cases"))
+    ]  # fmt: skip
+    cfg = mapping(data.get("config"))
+    return [
+        "One layer's attention in float32 over a pool laid out as the engine's (SmolLM2's "
+        "9 query and 3 KV heads, 16-token blocks), through the engine's own backend: SDPA "
+        "(`--batch-invariant off`; decode rows grouped and padded) against rows "
+        f"(`engine.row_attention`), {cfg.get('threads')} thread(s), median of "
+        f"{cfg.get('rounds')} paired rounds. Decode: rows x context; prefill: one chunk's "
+        "queries x the keys its last query sees. Differing rows: decode rows together "
+        "against each alone, a prefill chunk in one call against in three.",
+        "",
+        *table(
+            ["step", "shape", "SDPA ms", "rows ms", "rows / SDPA", "differing rows (SDPA / rows)"],
+            cases,
+        ),
+    ]
+
+
 def _median(values: object) -> float | None:
     listed = values if isinstance(values, list) else []
     got = [v for v in (num(x) for x in listed) if v is not None]

@@ -35,6 +35,7 @@ from loadtest.reports.engine_sections import (
     kv_memory,
     lora,
     roofline,
+    row_attention,
     speculation,
     structured,
     tiled,
@@ -77,6 +78,7 @@ SECTIONS: dict[str, tuple[str, Renderer]] = {
     "pdserve.lora_bench/1": ("Multi-LoRA: a batch mixing adapters against the base model", lora),
     "pdserve.invariance_probe/1": ("Batch invariance of the linear kernels", invariance),
     "pdserve.tiled_bench/1": ("Batch invariance: the tiled linear kernel end to end", tiled),
+    "pdserve.row_attention_bench/1": ("Batch invariance: attention by rows", row_attention),
 }
 
 
