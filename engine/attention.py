@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,8 +23,10 @@ import torch.nn.functional as F
 
 from engine.config import AttentionBackendName
 from engine.kv_cache import LayerKv, lift_for
-from engine.row_attention import RowAttention, RowPlan
 from engine.tiled_attention import MIN_QUERIES, tiled_causal_attention
+
+if TYPE_CHECKING:  # numba loads only where a kernel runs: see select_backend
+    from engine.row_attention import RowAttention, RowPlan
 
 log = logging.getLogger(__name__)
 
@@ -237,22 +240,12 @@ class TorchAttention(AttentionBackend):
 
     @staticmethod
     def _bases(kv: torch.Tensor, meta: AttentionMetadata, nd: int) -> tuple[np.ndarray, np.ndarray]:
-        """Offsets of the decode rows' cached tokens, after checking that their blocks
-        are in the pool and cover their lengths (the kernel has no bounds checks; the
-        gather it replaces raised on a bad block id)."""
-        from engine import decode_kernel
+        """Offsets of the decode rows' cached tokens (IndexError for blocks outside the
+        pool, `engine.row_attention.token_offsets`) and their counts."""
+        from engine.row_attention import token_offsets
 
-        tables = meta.block_table[:nd].numpy()
-        lens = np.asarray(meta.seq_lens_host[:nd], dtype=np.int64)
-        block_size = kv.shape[2]
-        if (
-            tables.min(initial=0) < 0
-            or tables.max(initial=0) >= kv.shape[0]
-            or lens.max(initial=0) > tables.shape[1] * block_size
-        ):
-            raise IndexError("decode attention over blocks outside the KV pool")
-        bases = decode_kernel.row_bases(tables, lens, block_size, kv.stride(0), kv.stride(2))
-        return bases, lens
+        lens = meta.seq_lens_host[:nd]
+        return token_offsets(kv, meta.block_table[:nd].numpy(), lens), np.asarray(lens, np.int64)
 
     def _pool(self, kv: torch.Tensor) -> np.ndarray:
         """The whole pool under `kv`, as uint16 bits (one view per pool, kept)."""
@@ -434,7 +427,11 @@ def select_backend(
     else:
         # Rows alone where their kernel covers the cache: float32 on the CPU, unscaled.
         by_row = invariant and dtype == torch.float32 and device.type == "cpu" and not quantized_kv
-        rows = RowAttention(torch.get_num_threads()) if by_row else None
+        rows = None
+        if by_row:
+            from engine.row_attention import RowAttention
+
+            rows = RowAttention(torch.get_num_threads())
         backend = TorchAttention(compiled_decode, invariant=invariant, rows=rows)
     log.info("attention backend: %s on %s (%s)", backend.name, device, dtype)
     return backend

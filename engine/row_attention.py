@@ -141,6 +141,25 @@ def row_kernel(heads: int, kv_heads: int, hd: int) -> Any:
     return attend
 
 
+def token_offsets(kv: torch.Tensor, tables: np.ndarray, seq_lens: list[int]) -> np.ndarray:
+    """[sequences, longest] element offsets of each sequence's tokens within one layer's
+    K rows of `kv` ([blocks, 2, block_size, kv_heads, head_dim], a strided view of the
+    pool), after checking that `tables` ([sequences, >= blocks] block ids) stay in the
+    pool and cover `seq_lens`: the compiled kernels that read them have no bounds
+    checks (the gathers they replace raised on a bad block id), so IndexError here."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    block_size = kv.shape[2]
+    if (
+        tables.min(initial=0) < 0
+        or tables.max(initial=0) >= kv.shape[0]
+        or lens.max(initial=0) > tables.shape[1] * block_size
+    ):
+        raise IndexError("attention over blocks outside the KV pool")
+    if not len(lens):
+        return np.zeros((0, 1), dtype=np.int64)
+    return row_bases(tables, lens, block_size, kv.stride(0), kv.stride(2))
+
+
 @dataclass
 class RowPlan:
     """A step's rows for `RowAttention.attend`, shared by its layers."""
@@ -174,18 +193,9 @@ class RowAttention:
         head_dim], strided): sequence i has `query_lens[i]` new rows, the last of them
         at position `seq_lens[i] - 1`. Raises IndexError for a table that points outside
         the pool or does not cover its sequence (the kernel has no bounds checks)."""
-        block_table = tables[: len(seq_lens)].numpy()
-        seq_len = np.asarray(seq_lens, dtype=np.int64)
-        block_size = kv.shape[2]
-        if (
-            block_table.min(initial=0) < 0
-            or block_table.max(initial=0) >= kv.shape[0]
-            or seq_len.max(initial=0) > block_table.shape[1] * block_size
-        ):
-            raise IndexError("attention over blocks outside the KV pool")
+        bases = token_offsets(kv, tables[: len(seq_lens)].numpy(), seq_lens)
         if not len(seq_lens):
-            return RowPlan(np.zeros((0, 1), dtype=np.int64), np.zeros((0, 4), np.int64), [])
-        bases = row_bases(block_table, seq_len, block_size, kv.stride(0), kv.stride(2))
+            return RowPlan(bases, np.zeros((0, 4), np.int64), [])
         blocks = self._blocks(query_lens, seq_lens)
         return RowPlan(bases, blocks, self._ranges(blocks))
 

@@ -1,6 +1,6 @@
 """Batch invariance's cost and effect end to end in float32: the engine with it on (the
-tiled linear kernel) against it off (oneDNN): `python -m loadtest.engine.tiled_bench`
-(about 20 minutes on two cores).
+tiled linear kernel, attention by rows) against it off (oneDNN, SDPA): `python -m
+loadtest.engine.tiled_bench` (about 20 minutes on two cores).
 
 Why: `batch_invariant` on makes a request's bits independent of its batch (issue 42,
 `engine.invariance`); the issue's target is throughput with it at least 0.9x of the
@@ -9,8 +9,9 @@ property it buys on the same engines.
 
 What it runs, per phase of the engine benchmark's preset (`loadtest.engine.workload`:
 batch 1, 8 and 32, seeded requests with log-uniform prompt and output lengths, greedy,
-EOS ignored): a float32 engine with `batch_invariant off` (oneDNN's packed products, the
-fastest) and one with `batch_invariant on` (the tiled kernel), each warmed up, then
+EOS ignored): a float32 engine with `batch_invariant off` (oneDNN's packed products and
+SDPA, the fastest) and one with `batch_invariant on` (the tiled kernel and
+`engine.row_attention`), each warmed up, then
 `--rounds` paired rounds (the two back to back, in alternating order, since this
 machine is shared and noisy). It
 reports each side's output tokens per second (median over rounds, and best) and the

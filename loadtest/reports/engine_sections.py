@@ -268,8 +268,9 @@ def tiled(data: Json) -> list[str]:
         for i in dicts(data.get("invariance"))
     ]
     return [
-        "float32 engines with `--batch-invariant off` (oneDNN) and on (the tiled linear "
-        "kernel), on the engine benchmark's seeded workload; output tokens per second.",
+        "float32 engines with `--batch-invariant off` (oneDNN, SDPA) and on (the tiled linear "
+        "kernel, attention by rows), on the engine benchmark's seeded workload; output tokens "
+        "per second.",
         "",
         *table(PHASE_HEADER, phases),
         "",

@@ -77,7 +77,7 @@ SECTIONS: dict[str, tuple[str, Renderer]] = {
     "structured_bench/v1": ("Structured output and logit processing: cost per step", structured),
     "pdserve.lora_bench/1": ("Multi-LoRA: a batch mixing adapters against the base model", lora),
     "pdserve.invariance_probe/1": ("Batch invariance of the linear kernels", invariance),
-    "pdserve.tiled_bench/1": ("Batch invariance: the tiled linear kernel end to end", tiled),
+    "pdserve.tiled_bench/1": ("Batch invariance end to end", tiled),
     "pdserve.row_attention_bench/1": ("Batch invariance: attention by rows", row_attention),
 }
 

@@ -36,8 +36,6 @@ _CALIBRATION_REASON = (
     "taken before workers measured their prefill speed before registering, which changes "
     "admission at the start of a run (refusals, first bursts); not re-run"
 )
-# Decode rows attend alone under batch invariance (per-row SDPA calls).
-_DECODE_ALONE = "344f1fab4fdee6026a48b14350b54a3526fad15b"
 _FLOW_REASON = (
     "measured on 2026-11-23 in fp32, before 14 admission commits, conditional "
     "disaggregation and the bf16 default"
@@ -94,14 +92,6 @@ STALE: tuple[StaleResult, ...] = (
         "router",
         _PLACEMENT_53,
         "before 53 new lines of the placement script (pd route p99 0.974 ms against 1 ms)",
-    ),
-    StaleResult(
-        "tiled",
-        _DECODE_ALONE,
-        "measured before decode rows attended alone under batch invariance (one SDPA call "
-        "per row instead of per group), which changes the invariant side's decode steps (a "
-        "diagnostic run of the same check then found none of its 37 differing "
-        "log-probabilities left); not re-run",
     ),
     StaleResult("shifting", _CALIBRATION, _CALIBRATION_REASON),
     StaleResult("peer", _CALIBRATION, _CALIBRATION_REASON),
