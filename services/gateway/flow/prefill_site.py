@@ -40,7 +40,9 @@ transfer (`PREFILL_WORKER / DECODE_LOADED`). It does when
   `MIN_DECODE_STREAMS`.
 So on chat traffic the two workers act as two mixed ones, about evenly loaded, and on a
 long-prompt mix the prefill worker keeps to prefill. Every stream placed is counted
-(`LoadView.placed`), so a burst inside one signal interval still splits.
+(`LoadView.placed`), so a burst inside one signal interval still splits; a prefill
+attempt that fails takes its count back (`SitePolicy.withdraw`) before the stream is
+placed again, so a retried stream counts once.
 
 The choice is a span attribute and a metric (`StreamTelemetry.disaggregation`). Mixed
 pools have no choice to make and are not counted.
@@ -80,6 +82,9 @@ class SiteChoice:
     site: PrefillSite
     reason: SiteReason
     uncached_tokens: int
+    # Where `choose` counted the stream, and the count's mark (None: nothing counted).
+    placed_on: str = ""
+    placed_mark: float | None = None
 
 
 @dataclass(frozen=True)
@@ -103,11 +108,17 @@ class SitePolicy:
             choice = SiteChoice(
                 PrefillSite.PREFILL_WORKER, SiteReason.DECODE_LOADED, choice.uncached_tokens
             )
-        whole = choice.site is PrefillSite.PREFILL_WORKER
-        self.loads.placed(prefill_worker if whole else decode_worker)
+        on = prefill_worker if choice.site is PrefillSite.PREFILL_WORKER else decode_worker
+        mark = self.loads.placed(on)
         if choice.reason is SiteReason.LONG_PROMPT:
             self.loads.long_prompt_sent(prefill_worker)
-        return choice
+        return SiteChoice(choice.site, choice.reason, choice.uncached_tokens, on, mark)
+
+    def withdraw(self, choice: SiteChoice) -> None:
+        """Take back the stream `choose` counted for `choice`: its prefill failed, and it
+        is placed again (counted anew) or ends."""
+        if choice.placed_mark is not None:
+            self.loads.withdraw(choice.placed_on, choice.placed_mark)
 
     def prefill_site(
         self, prompt_tokens: int, cached_tokens: int, prefill_worker: str, decode_worker: str

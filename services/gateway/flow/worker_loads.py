@@ -2,7 +2,9 @@
 
 Lifecycle: `Capacity` owns one `WorkerLoads` and hands it every tick's signals
 (`update`); the gateway's `SitePolicy` reads it per request (`queue_s`, `streams`,
-`long_prompt_lately`) and tells it what it sent where (`placed`, `long_prompt_sent`).
+`long_prompt_lately`) and tells it what it sent where (`placed`, `long_prompt_sent`), and
+what it took back (`withdraw`: a prefill attempt that failed, whose stream is placed
+again or ends).
 
 - `queue_s`: seconds of prefill waiting on the worker at its last signal (its queued
   prompt tokens over its measured prefill speed; 0 while it has measured none).
@@ -39,7 +41,15 @@ class LoadView(Protocol):
 
     def long_prompt_lately(self, worker_id: str) -> bool: ...
 
-    def placed(self, worker_id: str) -> None: ...
+    def placed(self, worker_id: str) -> float | None:
+        """Count a stream placed on `worker_id`; returns the mark `withdraw` takes (None
+        for a worker without a signal, where nothing is counted)."""
+        ...
+
+    def withdraw(self, worker_id: str, mark: float) -> None:
+        """Uncount the stream `placed` counted as `mark` (nothing if a signal taken
+        since already counts it, or the worker is gone)."""
+        ...
 
     def long_prompt_sent(self, worker_id: str) -> None: ...
 
@@ -56,7 +66,10 @@ class NoLoads:
     def long_prompt_lately(self, worker_id: str) -> bool:
         return False
 
-    def placed(self, worker_id: str) -> None:
+    def placed(self, worker_id: str) -> float | None:
+        return None
+
+    def withdraw(self, worker_id: str, mark: float) -> None:
         return None
 
     def long_prompt_sent(self, worker_id: str) -> None:
@@ -105,10 +118,17 @@ class WorkerLoads:
         now = time.monotonic() if now is None else now
         return sent is not None and now - sent < self.window_s
 
-    def placed(self, worker_id: str, now: float | None = None) -> None:
+    def placed(self, worker_id: str, now: float | None = None) -> float | None:
         w = self._workers.get(worker_id)
-        if w is not None:
-            w.placed.append(time.monotonic() if now is None else now)
+        if w is None:
+            return None
+        w.placed.append(time.monotonic() if now is None else now)
+        return w.placed[-1]
+
+    def withdraw(self, worker_id: str, mark: float) -> None:
+        w = self._workers.get(worker_id)
+        if w is not None and mark in w.placed:
+            w.placed.remove(mark)
 
     def long_prompt_sent(self, worker_id: str, now: float | None = None) -> None:
         self._long_sent[worker_id] = time.monotonic() if now is None else now

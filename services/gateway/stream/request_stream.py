@@ -47,7 +47,7 @@ from services.common.detokenizer import IncrementalDetokenizer
 from services.common.log_format import log_context
 from services.common.status import NoWorkerError
 from services.gateway.config import GatewayConfig
-from services.gateway.flow.prefill_site import PrefillSite, SitePolicy
+from services.gateway.flow.prefill_site import PrefillSite, SiteChoice, SitePolicy
 from services.gateway.stream.decode_retry import REFUSALS
 from services.gateway.stream.errors import (
     Deadline,
@@ -151,14 +151,15 @@ class RequestStream:
             decision = await self.tel.route(self.record.route(failed), attempt)
             if decision.prefill is None:
                 return decision, None
-            site = self._prefill_site(decision)
-            if site is PrefillSite.LOCAL:
+            choice = self._prefill_site(decision)
+            if choice.site is PrefillSite.LOCAL:
                 return self.record.skip_prefill(decision), None
-            if site is PrefillSite.PREFILL_WORKER:
+            if choice.site is PrefillSite.PREFILL_WORKER:
                 return self.record.serve_on_prefill(decision), None
             try:
                 return decision, await self._prefill(decision)
             except grpc.aio.AioRpcError as exc:
+                self.sites.withdraw(choice)  # placed again below, or the stream ends
                 if self.deadline.passed():  # no time left to retry in
                     raise self.deadline.error() from exc
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
@@ -168,9 +169,12 @@ class RequestStream:
                         exc.code(), f"prefill worker {decision.prefill.worker_id}: {exc.details()}"
                     ) from exc
                 failed.append(decision.prefill.worker_id)
+            except BaseException:  # cancelled or out of time: the stream ends here
+                self.sites.withdraw(choice)
+                raise
         raise AssertionError("unreachable")
 
-    def _prefill_site(self, decision: RouteDecision) -> PrefillSite:
+    def _prefill_site(self, decision: RouteDecision) -> SiteChoice:
         """Conditional disaggregation and elastic roles (`prefill_site`): whether the
         prompt takes the hop, is prefilled by the decode worker, or the prefill worker
         runs the request whole; the choice is traced and counted."""
@@ -180,7 +184,7 @@ class RequestStream:
             decision.prefill.worker_id, decision.decode.worker_id,
         )  # fmt: skip
         self.tel.disaggregation(choice)
-        return choice.site
+        return choice
 
     async def _prefill(self, decision: RouteDecision) -> worker_pb2.PrefillResponse:
         response = await self._prefill_call(decision, self.req.spec)

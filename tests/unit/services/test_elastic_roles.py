@@ -139,6 +139,48 @@ def test_placements_after_a_signal_was_taken_still_count() -> None:
     assert loads.streams("d") == 3
 
 
+def test_a_failed_prefill_takes_its_count_back_so_a_retry_counts_once() -> None:
+    loads = _loads(d_running=2)
+    policy = SitePolicy(512, 1.0, loads)
+    first = policy.choose(4 * 512 + 1, 0, "p", "d")  # a long prompt: it takes the hop
+    assert (first.site, first.placed_on, loads.streams("d")) == (PrefillSite.DISAGGREGATED, "d", 3)
+    policy.withdraw(first)  # its prefill failed; the gateway places it again
+    retry = policy.choose(4 * 512 + 1, 0, "p", "d")
+    assert loads.streams("d") == 3
+    # A signal taken after the placement counts the stream itself: nothing more to take.
+    assert retry.placed_mark is not None
+    loads.update([_signal(Role.PREFILL, "p"), _signal(Role.DECODE, "d", running=3)],
+                 now=retry.placed_mark + 1.0)  # fmt: skip
+    policy.withdraw(retry)
+    assert loads.streams("d") == 3
+    ghost = policy.choose(4 * 512 + 1, 0, "p", "gone")  # no signal: nothing counted
+    assert ghost.placed_mark is None
+    policy.withdraw(ghost)
+    assert loads.streams("gone") == 0
+
+
+def test_a_stream_whose_prefill_was_retried_is_counted_once_on_its_decode_worker(
+    client: redis.Redis, namespace: str, model_dir: Path
+) -> None:
+    async def scenario() -> None:
+        gw = build_gateway(client, namespace, model_dir, prefill_workers=2)
+        capacity = gw.service.models.primary.admission.capacity
+        capacity.update([_signal(Role.PREFILL, "p0"), _signal(Role.PREFILL, "p1"),
+                         _signal(Role.DECODE, "d0")])  # fmt: skip
+        gw.cluster.unreachable_first = True  # the first Prefill call fails: retried
+        gw.cluster.gates["next_token"].hold()
+        task = asyncio.create_task(Client(gw).run())
+        await asyncio.wait_for(gw.cluster.gates["next_token"].arrived.wait(), 10)
+        assert len(gw.cluster.prefills) == 2  # both attempts placed the stream on d0
+        assert capacity.loads.streams("d0") == 1
+        record = only_record(gw)
+        gw.cluster.gates["next_token"].proceed.set()
+        await task
+        await assert_nothing_held(gw, record)
+
+    asyncio.run(scenario())
+
+
 def test_the_gateway_sends_the_request_whole_to_the_prefill_worker(
     client: redis.Redis, namespace: str, model_dir: Path
 ) -> None:
