@@ -47,7 +47,7 @@ from engine.weight_tiles import matmul
 _F32 = np.float32
 
 
-def _digest(*modules: ModuleType) -> int:
+def source_digest(*modules: ModuleType) -> int:
     """A 63-bit digest of these modules' source files."""
     text = b"".join(Path(m.__file__ or "").read_bytes() for m in modules)
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
@@ -60,9 +60,9 @@ def _digest(*modules: ModuleType) -> int:
 #: point instead of loading a stale one. The helpers between (`_attend`, `_rms_norm`,
 #: `_silu_mul`, `weight_tiles.matmul`) are not cached on their own for the same reason:
 #: they compile into the entry point that calls them, and are cached only inside it.
-_INLINED_DIGEST = _digest(bf16_bits, weight_tiles)
+_INLINED_DIGEST = source_digest(bf16_bits, weight_tiles)
 #: LLVM fast-math flags: reassociate sums (vector lanes) and fuse multiply-adds.
-_FAST = {"reassoc", "contract", "arcp", "nsz"}
+FAST_MATH = {"reassoc", "contract", "arcp", "nsz"}
 
 
 _LOG2E = _F32(1.4426950408889634)
@@ -75,11 +75,11 @@ _C4, _C3, _C2 = _F32(1 / 24), _F32(1 / 6), _F32(0.5)
 #: or NaN), and that check per element keeps LLVM from vectorizing a loop that divides.
 #: No division in the step can be by zero (a softmax's total holds its top weight 1, a
 #: norm adds eps, a SiLU divides by 1 + e**-g), so the functions that divide use those.
-_NUMPY_ERRORS: Final = "numpy"
+NUMPY_ERRORS: Final = "numpy"
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _exp(x: np.float32) -> np.float32:
+def exp_f32(x: np.float32) -> np.float32:
     """e**x in float32 as arithmetic that LLVM can vectorize (libm's expf is a call per
     element, which it cannot): e**x = 2**n * e**r with n = round(x / ln 2) and |r| <=
     ln(2)/2, e**r by its Taylor series, 2**n by placing n in the exponent's bits, so the
@@ -104,7 +104,7 @@ def _exp(x: np.float32) -> np.float32:
     return e if x == x else x
 
 
-@numba.njit(nogil=True, error_model=_NUMPY_ERRORS)  # uncached: see _INLINED_DIGEST
+@numba.njit(nogil=True, error_model=NUMPY_ERRORS)  # uncached: see _INLINED_DIGEST
 def _silu_mul(gate_up: np.ndarray, out: np.ndarray) -> None:
     """out[r] = silu(gate) * up for each row's halves [gate | up] of `gate_up`. Through
     slices: a computed index (`gate_up[r, inter + j]`) that numba cannot prove
@@ -114,10 +114,10 @@ def _silu_mul(gate_up: np.ndarray, out: np.ndarray) -> None:
         gate, up, row = gate_up[r, :inter], gate_up[r, inter:], out[r]
         for j in range(inter):
             g = gate[j]
-            row[j] = g / (_F32(1.0) + _exp(-g)) * up[j]
+            row[j] = g / (_F32(1.0) + exp_f32(-g)) * up[j]
 
 
-@numba.njit(nogil=True, fastmath=_FAST, error_model=_NUMPY_ERRORS)  # uncached, as _silu_mul
+@numba.njit(nogil=True, fastmath=FAST_MATH, error_model=NUMPY_ERRORS)  # uncached, as _silu_mul
 def _rms_norm(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray) -> None:
     """out[r] = x[r] / rms(x[r]) * gain, in float32 (`gain` bfloat16 bits)."""
     n = x.shape[1]
@@ -130,7 +130,7 @@ def _rms_norm(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray) -> N
             out[r, j] = x[r, j] * inv * widen(gain[j])
 
 
-@numba.njit(nogil=True, fastmath=_FAST, error_model=_NUMPY_ERRORS)  # uncached, as _silu_mul
+@numba.njit(nogil=True, fastmath=FAST_MATH, error_model=NUMPY_ERRORS)  # uncached, as _silu_mul
 def _attend(
     q: np.ndarray, pool: np.ndarray, base: np.ndarray, k_off: int, v_off: int, seq_len: int,
     out: np.ndarray, heads: int, kv_heads: int, hd: int,
@@ -170,7 +170,7 @@ def _attend(
             top = max(top, head[p])
         total = _F32(0.0)
         for p in range(seq_len):
-            weight = _exp(head[p] - top)
+            weight = exp_f32(head[p] - top)
             head[p] = weight
             total += weight
         for p in range(seq_len):
@@ -207,7 +207,7 @@ def _add_bias(y: np.ndarray, bias: np.ndarray) -> None:
             y[r, j] += bias[j]
 
 
-def _check_heads(heads: int, kv_heads: int, hd: int) -> None:
+def check_heads(heads: int, kv_heads: int, hd: int) -> None:
     """The attention dimensions the kernels divide by (compiled under numpy's error
     model, an integer division by zero would not raise there)."""
     if kv_heads <= 0 or hd <= 0 or heads % kv_heads:
@@ -231,7 +231,7 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
     `FusedDecoder` tuple (projections packed by `engine.weight_tiles.pack`); `pool` the
     KV pool as uint16, `block_elems` elements a block; `logits` [rows, vocab] receives
     the result."""
-    _check_heads(heads, kv_heads, hd)
+    check_heads(heads, kv_heads, hd)
     digest = _INLINED_DIGEST
 
     @numba.njit(cache=True, nogil=True)
@@ -294,7 +294,7 @@ def decode_attention(heads: int, kv_heads: int, hd: int) -> Any:
     `attend(q, pool, bases, seq_lens, k_off, v_off, out)` attends each row of `q`
     ([rows, heads * hd] float32) over its sequence's `seq_lens[r]` cached tokens, token
     p's K row at element `bases[r, p] + k_off` of `pool` and its V row at `+ v_off`."""
-    _check_heads(heads, kv_heads, hd)
+    check_heads(heads, kv_heads, hd)
     digest = _INLINED_DIGEST
 
     @numba.njit(cache=True, nogil=True)

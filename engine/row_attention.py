@@ -20,7 +20,7 @@ a softmax per head, one pass over its values in position order. So a token's bit
 depend only on the tokens up to it, whichever path computed it (decode, prefill chunk,
 verification) and whatever else the step holds.
 
-Numerics: float32 throughout; e**x by `engine.decode_kernel._exp` (within 1.5 ulp).
+Numerics: float32 throughout; e**x by `engine.decode_kernel.exp_f32` (within 1.5 ulp).
 Sums are compiled with reassociation, so LLVM vectorizes them, and the lanes it splits
 a sum into follow from the loop alone (head_dim is a compile-time constant; a row's key
 count is its own): the same row gives the same bits in any call. What it costs against
@@ -41,16 +41,23 @@ import numpy as np
 import torch
 
 from engine import decode_kernel
-from engine.decode_kernel import _FAST, _NUMPY_ERRORS, _check_heads, _digest, _exp, row_bases
+from engine.decode_kernel import (
+    FAST_MATH,
+    NUMPY_ERRORS,
+    check_heads,
+    exp_f32,
+    row_bases,
+    source_digest,
+)
 
 _F32 = np.float32
 
-#: `_exp` compiles into the entry point from another file, which numba's disk cache does
+#: `exp_f32` compiles into the entry point from another file, which numba's disk cache does
 #: not stamp: the digest rides in the entry point's closure (as in `engine.decode_kernel`).
-_INLINED_DIGEST = _digest(decode_kernel)
+_INLINED_DIGEST = source_digest(decode_kernel)
 
 
-@numba.njit(nogil=True, fastmath=_FAST, error_model=_NUMPY_ERRORS)  # uncached: see digest
+@numba.njit(nogil=True, fastmath=FAST_MATH, error_model=NUMPY_ERRORS)  # uncached: see digest
 def _attend_block(
     q: np.ndarray, out: np.ndarray, pool: np.ndarray, base: np.ndarray, k_off: int,
     v_off: int, len0: int, scores: np.ndarray, heads: int, kv_heads: int, hd: int,
@@ -95,7 +102,7 @@ def _attend_block(
                     acc[qh + d] += w * v[vh + d]
 
 
-@numba.njit(nogil=True, fastmath=_FAST, error_model=_NUMPY_ERRORS)  # uncached: see digest
+@numba.njit(nogil=True, fastmath=FAST_MATH, error_model=NUMPY_ERRORS)  # uncached: see digest
 def _softmax(x: np.ndarray) -> None:
     """In place, in float32: e**(x - max) over its total."""
     top = x[0]
@@ -103,7 +110,7 @@ def _softmax(x: np.ndarray) -> None:
         top = max(top, x[p])
     total = _F32(0.0)
     for p in range(x.shape[0]):
-        weight = _exp(x[p] - top)
+        weight = exp_f32(x[p] - top)
         x[p] = weight
         total += weight
     for p in range(x.shape[0]):
@@ -119,7 +126,7 @@ def row_kernel(heads: int, kv_heads: int, hd: int) -> Any:
     its first row sees) of `q` ([rows, heads * hd] float32) into `out`; sequence s's
     token p has its K row at element `bases[s, p] + k_off` of `pool` and its V row at
     `+ v_off`."""
-    _check_heads(heads, kv_heads, hd)
+    check_heads(heads, kv_heads, hd)
     digest = _INLINED_DIGEST
 
     @numba.njit(cache=True, nogil=True)
