@@ -52,6 +52,7 @@ for lookups).
 
 from __future__ import annotations
 
+import functools
 import platform
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ import torch.nn.functional as F
 
 from engine.config import LinearKernelName
 from engine.precision import WeightQuant
+from engine.range_split import run_ranges
 
 ONEDNN_MAX_ROWS = 48  # in fp32, past this many rows MKL's sgemm is as fast (see above)
 #: Symmetric int8 range of a weight channel.
@@ -193,14 +195,9 @@ class TiledLinear:
         work = rows * n_out * x.shape[1]
         parts = min(self.threads, n_tiles, max(work // TILED_SPLIT_WORK, 1))
         if rows:
-            # The first range on this thread, the others (none when parts is 1) on the pool.
             per = -(-n_tiles // parts)
             ranges = [(t, min(t + per, n_tiles)) for t in range(0, n_tiles, per)]
-            pool = self._pool
-            pending = [pool.submit(matmul_f32, tiles, xb, out, *r) for r in ranges[1:] if pool]
-            matmul_f32(tiles, xb, out, *ranges[0])
-            for done in pending:
-                done.result()
+            run_ranges(self._pool, functools.partial(matmul_f32, tiles, xb, out), ranges)
         result = torch.from_numpy(out)
         if bias is not None:
             result += bias

@@ -49,6 +49,7 @@ from engine.decode_kernel import (
     row_bases,
     source_digest,
 )
+from engine.range_split import run_ranges
 
 _F32 = np.float32
 
@@ -243,13 +244,7 @@ class RowAttention:
         k_off = kv.storage_offset()
         args: tuple[Any, ...] = (qf, self._flat_pool(kv), plan.bases, plan.blocks, k_off,
                                  k_off + kv.stride(1), out)  # fmt: skip
-        pool = self._pool
-        pending = [
-            pool.submit(functools.partial(attend, *args, a, b)) for a, b in plan.ranges[1:] if pool
-        ]
-        attend(*args, *plan.ranges[0])
-        for done in pending:
-            done.result()
+        run_ranges(self._pool, functools.partial(attend, *args), plan.ranges)
         return torch.from_numpy(out).view(rows, heads, hd)
 
     def _flat_pool(self, kv: torch.Tensor) -> np.ndarray:
