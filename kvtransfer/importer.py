@@ -1,19 +1,20 @@
 """The decode side of KV transfer: pull a request's blocks from a prefill engine.
 
 The importer sees its engine only through `ImportPort` (kvtransfer/engine_port.py).
-Lifecycle of one `import_kv(handle, spec)`: check the handle against this
-engine's layout and the prompt; make sure the exporter's current incarnation has been
-handshaken (once per incarnation: a restarted exporter's stale NIXL metadata is dropped
-and the handshake redone); reserve blocks in the engine (WAITING_FOR_REMOTE_KV), reusing
-blocks already in its prefix cache so only the missing ones are read; read them with one
-batched transfer before the deadline; release the exporter's lease, whose answer says
-whether the lease was held for the whole read (`LeaseReleaser`: a one-sided read cannot
-be checked by the exporter, and a lease that ended mid-read may have let the engine
-reuse the blocks for another request); only then commit the request to the engine's
-batch (or learn why its first token already ended it: the result's `finish_reason`).
-A lease found ended discards the bytes read (LeaseExpiredError: the gateway prefills the
-request again). Any failure cancels the reservation (nothing leaks here) and raises a
-typed TransferError; the exporter's lease expiry covers its side.
+Lifecycle of one `import_kv(handle, spec)`: check the handle against this engine's
+layout and the prompt; make sure the exporter's current incarnation has been handshaken
+(once per incarnation, however many imports arrive together: a restarted exporter's
+stale NIXL metadata is dropped and the handshake redone); reserve blocks in the engine
+(WAITING_FOR_REMOTE_KV), reusing blocks already in its prefix cache so only the missing
+ones are read; read them with one batched transfer before the deadline; release the
+exporter's lease, whose answer says whether the lease was held for the whole read
+(`LeaseReleaser`: a one-sided read cannot be checked by the exporter, and a lease that
+ended mid-read may have let the engine reuse the blocks for another request); only then
+commit the request to the engine's batch (or learn why its first token already ended
+it: the result's `finish_reason`). A lease found ended discards the bytes read
+(LeaseExpiredError: the gateway prefills the request again). Any failure cancels the
+reservation (nothing leaks here) and raises a typed TransferError; the exporter's lease
+expiry covers its side.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ class KvImporter:
         self._lock = threading.Lock()
         self._peer_by_address: dict[str, str] = {}  # address -> "address|incarnation"
         self._peer_blocks: dict[str, int] = {}  # peer key -> blocks in its pool
+        self._handshaking: dict[str, threading.Lock] = {}  # address -> its handshake's lock
         self.handshakes = 0
 
     def import_kv(
@@ -205,6 +207,24 @@ class KvImporter:
         with self._lock:
             if self._peer_by_address.get(address) == key:
                 return key
+            handshaking = self._handshaking.setdefault(address, threading.Lock())
+        # One handshake per address at a time: imports that arrive together at a new
+        # exporter wait for the first one's. Two handshakes would each connect the key,
+        # and the second connect closes the channel the first import is already using.
+        with handshaking:
+            with self._lock:
+                if self._peer_by_address.get(address) == key:
+                    return key
+            return self._handshake(address, key, handle, deadline, metadata)
+
+    def _handshake(
+        self,
+        address: str,
+        key: str,
+        handle: common_pb2.KvHandle,
+        deadline: float,
+        metadata: Sequence[tuple[str, str]],
+    ) -> str:
         offer = handshake_offer(self.engine.layout, self.agent_name)
         response = handshake(address, offer, deadline, metadata, self.security)
         if response.incarnation != handle.incarnation:
