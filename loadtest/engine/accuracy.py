@@ -52,6 +52,18 @@ from loadtest.workloads.parity_prompts import CHAT, SHORT, long_prompt
 from loadtest.workloads.reference_text import REFERENCE_TEXT
 from services.common.config import parse_bool
 
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (
+    "engine",
+    "loadtest/engine/accuracy.py",
+    "loadtest/engine/accuracy_reference.py",
+    "loadtest/engine/sides.py",
+    "loadtest/engine/workload.py",
+    "loadtest/workloads/parity_prompts.py",
+    "loadtest/workloads/reference_text.py",
+)
+
 SCHEMA = "accuracy_gate/v1"
 CONTINUATION_TOKENS = 32
 
@@ -315,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reference", type=parse_bool, default=True,
                         help="also score transformers' bf16 against its fp32 (true)")  # fmt: skip
     args = parser.parse_args(argv)
-    provenance = collect_provenance(sys.argv)
+    provenance = collect_provenance(sys.argv, MEASURES)
     modes = [m for m in MODES if not args.modes or m.name in args.modes]
     base = EngineConfig(kv_cache_bytes=256 << 20, max_num_batched_tokens=512)
     report = measure(

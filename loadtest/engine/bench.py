@@ -60,6 +60,17 @@ from loadtest.harness.bench_main import Alias, BenchSpec, Progress, run_main
 from loadtest.harness.bench_main import parse_args as parse_bench_args
 from loadtest.harness.settings import RunSettings
 
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (
+    "engine",
+    "loadtest/engine/bench.py",
+    "loadtest/engine/bench_config.py",
+    "loadtest/engine/bench_report.py",
+    "loadtest/engine/sides.py",
+    "loadtest/engine/workload.py",
+)
+
 progress = Progress("engine_bench")
 
 
@@ -188,6 +199,7 @@ SPEC = BenchSpec(
         Alias("--smoke", "preset", "smoke", "= --preset smoke: tiny workload for tests"),
         Alias("--no-warmup", "warmup", False, "= --warmup false: skip the untimed warm-ups"),
     ),
+    measures=MEASURES,
 )
 
 

@@ -44,6 +44,18 @@ from engine.precision import cpu_has_native_bf16
 from loadtest.engine.machine_roof import Projection, projections
 from loadtest.reports.bench_cli import BenchCli, bench_main
 
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (
+    "engine/linear_kernel.py",
+    "engine/weight_tiles.py",
+    "engine/range_split.py",
+    "engine/bf16_bits.py",
+    "engine/precision.py",
+    "loadtest/engine/invariance_probe.py",
+    "loadtest/engine/machine_roof.py",
+)
+
 SCHEMA = "pdserve.invariance_probe/1"
 DTYPES = (torch.float32, torch.bfloat16)
 KERNELS = ("torch", "onednn", "tiled")
@@ -215,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run,
         format_table,
         ("batch_sizes",),
+        measures=MEASURES,
     )
     return bench_main(cli, argv)
 

@@ -52,6 +52,15 @@ from loadtest.harness.target import TargetResult, target_rows
 from loadtest.reports.provenance import collect_provenance
 from loadtest.reports.result_file import write_result
 
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (
+    "engine",
+    "loadtest/engine/kv_bench.py",
+    "loadtest/engine/sides.py",
+    "loadtest/engine/workload.py",
+)
+
 SCHEMA = "pdserve.kv_bench/1"
 CPU = torch.device("cpu")
 BLOCK_SIZE = EngineConfig().block_size  # the engines' default
@@ -339,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--parts", default="capacity,throughput,offload",
                         help="comma-separated subset of capacity,throughput,offload")  # fmt: skip
     args = parser.parse_args(argv)
-    provenance = collect_provenance(sys.argv)
+    provenance = collect_provenance(sys.argv, MEASURES)
     report = run(args.threads, args.reps, args.seed, args.capacity_bytes, args.parts.split(","))
     write_result(args.out, report, provenance)
     print(format_table(report))

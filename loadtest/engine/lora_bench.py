@@ -44,6 +44,14 @@ from loadtest.reports.provenance import collect_provenance
 from loadtest.reports.result_file import write_result
 from loadtest.workloads.parity_prompts import CHAT, SHORT
 
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (
+    "engine",
+    "loadtest/engine/lora_bench.py",
+    "loadtest/workloads/parity_prompts.py",
+)
+
 SCHEMA = "pdserve.lora_bench/1"
 TARGET = 0.8
 MODULES = {
@@ -216,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     args = parser.parse_args(argv)
-    provenance = collect_provenance(sys.argv)
+    provenance = collect_provenance(sys.argv, MEASURES)
     report = measure(args.batch, args.max_tokens, args.reps, args.threads)
     write_result(args.out, report, provenance)
     print(format_table(report))

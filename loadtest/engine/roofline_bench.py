@@ -44,6 +44,14 @@ from loadtest.engine.machine_roof import bandwidth, gemm_roof, linear_flops, lin
 from loadtest.reports.provenance import collect_provenance
 from loadtest.reports.result_file import write_result
 
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (
+    "engine",
+    "loadtest/engine/roofline_bench.py",
+    "loadtest/engine/machine_roof.py",
+)
+
 SCHEMA = "roofline_bench/v1"
 PREFILL_LENGTHS = (256, 1024)
 CHUNK = 256
@@ -256,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="comma-separated subset of float32,bfloat16,int8",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    provenance = collect_provenance(sys.argv)
+    provenance = collect_provenance(sys.argv, MEASURES)
     report = run(args.threads, args.seed, args.precisions.split(","))
     write_result(args.out, report, provenance)
     print(format_table(report))

@@ -40,6 +40,18 @@ from engine.config import AttentionBackendName
 from engine.kv_cache import LayerKv
 from loadtest.reports.bench_cli import BenchCli, bench_main
 
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (
+    "engine/row_attention.py",
+    "engine/range_split.py",
+    "engine/decode_kernel.py",
+    "engine/attention.py",
+    "engine/tiled_attention.py",
+    "engine/kv_cache.py",
+    "loadtest/engine/row_attention_bench.py",
+)
+
 SCHEMA = "pdserve.row_attention_bench/1"
 BLOCK = 16
 #: SmolLM2-135M's attention: query heads, KV heads, head dimension.
@@ -198,7 +210,12 @@ def format_table(report: RowBenchReport) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cli = BenchCli(
-        __doc__ or "", RowBenchConfig, Path("bench-results/row_attention.json"), run, format_table
+        __doc__ or "",
+        RowBenchConfig,
+        Path("bench-results/row_attention.json"),
+        run,
+        format_table,
+        measures=MEASURES,
     )
     return bench_main(cli, argv)
 

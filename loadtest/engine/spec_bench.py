@@ -41,6 +41,15 @@ from loadtest.reports.result_file import write_result
 from loadtest.workloads.parity_prompts import CHAT
 from loadtest.workloads.reference_text import REFERENCE_TEXT
 
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (
+    "engine",
+    "loadtest/engine/spec_bench.py",
+    "loadtest/workloads/parity_prompts.py",
+    "loadtest/workloads/reference_text.py",
+)
+
 SCHEMA = "pdserve.spec_bench/1"
 TARGETS = {"repetitive": 1.8, "chat": 0.95}
 MODES = (SpecMode.OFF, SpecMode.AUTO)
@@ -178,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--model", default=None, help="HF-layout dir (default model if unset)")
     args = parser.parse_args(argv)
-    provenance = collect_provenance(sys.argv)
+    provenance = collect_provenance(sys.argv, MEASURES)
     model = str(resolve_model_dir(args.model, EngineConfig().model_cache_dir.expanduser()))
     report = measure(model, args.threads, args.reps, args.max_tokens)
     write_result(args.out, report, provenance)

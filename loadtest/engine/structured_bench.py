@@ -29,6 +29,13 @@ from engine.sampling_params import GuidedKind, GuidedSpec, SamplingParams
 from loadtest.reports.provenance import collect_provenance
 from loadtest.reports.result_file import write_result
 
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (
+    "engine",
+    "loadtest/engine/structured_bench.py",
+)
+
 BATCH = 16
 STEPS = 12  # timed decode steps per round
 SCHEMA = {
@@ -129,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results/structured.json"))
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args(argv)
-    provenance = collect_provenance(sys.argv)
+    provenance = collect_provenance(sys.argv, MEASURES)
     report = run(args.rounds)
     write_result(args.out, report, provenance)
     for b in report.batches:

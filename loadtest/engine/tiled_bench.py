@@ -44,6 +44,15 @@ from loadtest.engine.sides import drive_engine
 from loadtest.engine.workload import PRESETS, EngineRequest, PhasePlan, make_workload
 from loadtest.reports.bench_cli import BenchCli, bench_main
 
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (
+    "engine",
+    "loadtest/engine/tiled_bench.py",
+    "loadtest/engine/sides.py",
+    "loadtest/engine/workload.py",
+)
+
 SCHEMA = "pdserve.tiled_bench/1"
 SIDES = (BatchInvariance.OFF, BatchInvariance.ON)
 _RUNS = itertools.count()
@@ -212,7 +221,13 @@ def format_table(report: TiledBenchReport) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cli = BenchCli(
-        __doc__ or "", TiledBenchConfig, Path("bench-results/tiled.json"), run, format_table, ()
+        __doc__ or "",
+        TiledBenchConfig,
+        Path("bench-results/tiled.json"),
+        run,
+        format_table,
+        (),
+        measures=MEASURES,
     )
     return bench_main(cli, argv)
 

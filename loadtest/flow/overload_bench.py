@@ -50,7 +50,12 @@ from loadtest.harness.bench_main import BenchSpec, Progress, run_main
 from loadtest.harness.capacity_search import SearchResult
 from loadtest.harness.settings import RunSettings
 from loadtest.harness.target import TargetResult
+from loadtest.reports.sources import SERVING_STACK
 from loadtest.workloads.prompt_text import TextSynth
+
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (*SERVING_STACK, "loadtest/flow", "loadtest/harness", "loadtest/workloads")
 
 SCHEMA = "pdserve.overload_bench/1"
 TENANTS = {p: Tenant(f"tenant-{p.label}", default_class=p) for p in Priority}
@@ -177,6 +182,7 @@ SPEC = BenchSpec(
     run=run,
     table=format_table,
     settings=("out", "model", "model_cache_dir"),
+    measures=MEASURES,
 )
 
 

@@ -29,7 +29,12 @@ from loadtest.harness.traffic import TrafficConfig, make_requests
 from loadtest.reports.plots import cdf_plot, curve_plot
 from loadtest.reports.provenance import collect_provenance
 from loadtest.reports.result_file import ResultFile
+from loadtest.reports.sources import SERVING_STACK
 from loadtest.workloads.prompt_text import TextSynth
+
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (*SERVING_STACK, "loadtest/harness", "loadtest/workloads")
 
 
 def now_iso() -> str:
@@ -166,7 +171,7 @@ def plot_points(out_dir: Path, points: list[PointResult], cfg: BenchConfig) -> d
 
 def run_bench(cfg: BenchConfig, traffic: TrafficConfig, settings: RunSettings) -> BenchResults:
     """The whole `pdserve-bench` run; writes results.json, summary.md and the PNGs."""
-    result_file = ResultFile(cfg.out_dir / "results.json", collect_provenance())
+    result_file = ResultFile(cfg.out_dir / "results.json", collect_provenance(measures=MEASURES))
     synth = load_synth(settings)
     results = BenchResults(created=now_iso(), bench=cfg, traffic=traffic, slo=cfg.slo)
 

@@ -70,6 +70,7 @@ class BenchSpec(Generic[C, R]):
     table: Callable[[R], str]
     settings: tuple[str, ...] = ("out", "seed")  # the RunSettings fields it takes as flags
     aliases: tuple[Alias, ...] = ()
+    measures: tuple[str, ...] = ()  # the source paths its numbers describe (`MEASURES`)
 
     @property
     def prog(self) -> str:
@@ -159,7 +160,7 @@ def run_main(spec: BenchSpec[C, R], argv: Sequence[str] | None = None) -> int:
     the report says, and a benchmark that cannot measure raises."""
     args = list(sys.argv[1:] if argv is None else argv)
     settings, cfg = parse_args(spec, args)
-    provenance = collect_provenance([*spec.prog.split(), *args])
+    provenance = collect_provenance([*spec.prog.split(), *args], spec.measures)
     with sigterm_unwinds():
         report = spec.run(settings, cfg)
     write_result(settings.out_path, report, provenance)

@@ -47,8 +47,13 @@ from loadtest.headline.config import HeadlineConfig
 from loadtest.headline.deployment import Deployment, cluster_config, clusters_up, turns
 from loadtest.headline.report import HeadlineResults, SystemResult, as_probe, write_outputs
 from loadtest.reports.provenance import Provenance, collect_provenance
+from loadtest.reports.sources import SERVING_STACK
 from loadtest.workloads.prompt_text import TextSynth
 from services.common.config import add_config_args, config_from_args
+
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (*SERVING_STACK, "loadtest/headline", "loadtest/harness", "loadtest/workloads")
 
 SYSTEMS = ("disaggregated", "colocated")  # the default deployments (`--systems`)
 SHORT_STREAM = 10_000  # request stream of the short-only point (apart from the sweep's)
@@ -167,7 +172,7 @@ async def _sweep(
 def run_headline(cfg: HeadlineConfig, traffic: TrafficConfig, model: RunSettings) -> Path:
     """Every deployment up at once, rate points interleaved, then the report; returns the
     markdown path."""
-    provenance = collect_provenance()
+    provenance = collect_provenance(measures=MEASURES)
     synth = load_synth(model)
     mix = replace(traffic, workload="long_mix")
     results = HeadlineResults(

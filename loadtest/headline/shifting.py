@@ -40,8 +40,13 @@ from loadtest.headline.shifting_config import ShiftingConfig, unloaded_step_ms
 from loadtest.headline.shifting_report import write_outputs
 from loadtest.headline.shifting_results import ShiftingResults, ShiftRun, SystemShift
 from loadtest.reports.provenance import Provenance, collect_provenance
+from loadtest.reports.sources import SERVING_STACK
 from loadtest.workloads.prompt_text import TextSynth
 from services.common.config import add_config_args, config_from_args
+
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (*SERVING_STACK, "loadtest/headline", "loadtest/harness", "loadtest/workloads")
 
 SHIFT_STREAM = 20_000  # request stream of the first point's first phase
 #: TrafficConfig fields the phases set or this benchmark does not use.
@@ -125,7 +130,7 @@ async def _run(deployments: list[_Deployment], bench: _Bench) -> None:
 def run_shifting(cfg: ShiftingConfig, traffic: TrafficConfig, model: RunSettings) -> Path:
     """Every deployment up at once, the points in turn, then the report; returns the
     markdown's path."""
-    provenance = collect_provenance()
+    provenance = collect_provenance(measures=MEASURES)
     synth = load_synth(model)
     mix = replace(traffic, workload="long_mix")
     results = ShiftingResults(now_iso(), cfg, mix, cfg.phase_list, len(os.sched_getaffinity(0)))

@@ -41,6 +41,15 @@ from services.cluster.local_cluster import LocalCluster
 from services.common import request_codec
 from services.gateway.client import GatewayClient, RequestOptions, build_request
 
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (
+    "services/gateway",
+    "services/router",
+    "services/common",
+    "loadtest/overhead/gateway_bench.py",
+)
+
 SCHEMA = "pdserve.gateway_bench/1"
 PLACEMENTS = ("redis", "static")
 TARGET_MS = 3.0
@@ -192,6 +201,7 @@ SPEC = BenchSpec(
     run=run,
     table=format_table,
     settings=("out", "model", "model_cache_dir"),
+    measures=MEASURES,
 )
 
 

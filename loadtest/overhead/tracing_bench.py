@@ -30,10 +30,15 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from loadtest.harness.bench_main import BenchSpec, Progress, run_main
 from loadtest.harness.settings import RunSettings
+from loadtest.reports.sources import SERVING_STACK
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
 from services.common.telemetry_config import TelemetryConfig
 from services.gateway.client import GatewayClient, RequestOptions, build_request
+
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (*SERVING_STACK, "loadtest/overhead/tracing_bench.py")
 
 SCHEMA = "pdserve.tracing_bench/1"
 TARGET_COST = 0.05
@@ -255,6 +260,7 @@ SPEC = BenchSpec(
     run=run,
     table=format_table,
     settings=("out", "model", "model_cache_dir"),
+    measures=MEASURES,
 )
 
 

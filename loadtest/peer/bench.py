@@ -55,10 +55,15 @@ from loadtest.peer.report import (
 from loadtest.peer.step_probe import StepProbe, decode_step_ms
 from loadtest.peer.workload import peer_requests
 from loadtest.reports.provenance import Provenance, collect_provenance
+from loadtest.reports.sources import SERVING_STACK
 from loadtest.workloads.prompt_text import TextSynth
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
 from services.common.config import add_config_args, config_from_args
+
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (*SERVING_STACK, "loadtest/peer", "loadtest/harness", "loadtest/workloads")
 
 WARMUP_STREAM = 10_000  # request stream of the warm-up prompts (apart from the rounds')
 GRPC_STREAM = 5_000  # offset of the gRPC breakdown's prompts (no cache hit on the HTTP run's)
@@ -203,7 +208,7 @@ def run_peer(
     cfg: PeerBenchConfig, spec: LlamaServerSpec, settings: RunSettings, version: str
 ) -> Path:
     """Both servers up, the rounds, the report; returns the markdown's path."""
-    provenance = collect_provenance()
+    provenance = collect_provenance(measures=MEASURES)
     llama = LlamaServer(spec, cfg.out_dir / "llama-server.log")
     cluster = LocalCluster(cluster_config(settings, cfg))
     results = PeerResults(created=now_iso(), config=cfg, llama_server=[],

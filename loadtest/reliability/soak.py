@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import time
 from collections import Counter
@@ -36,6 +35,9 @@ from pathlib import Path
 import grpc
 
 from loadtest.reliability.leak_probe import LeakProbe, Leaks, ProbeTarget
+from loadtest.reports.provenance import collect_provenance
+from loadtest.reports.result_file import write_result
+from loadtest.reports.sources import SERVING_STACK
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
 from services.common.metrics import scrape
@@ -50,6 +52,11 @@ _OPENINGS = (
     "Continue the list below with one more item of the same kind and nothing else.",
 )
 _TOPICS = ("tides", "compilers", "bread", "glaciers", "chess", "rivers", "lamps", "owls")
+
+SCHEMA = "pdserve.soak/1"
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (*SERVING_STACK, "loadtest/reliability")
 
 
 @dataclass(frozen=True)
@@ -242,6 +249,16 @@ def summary(report: SoakReport) -> str:
     )
 
 
+@dataclass(frozen=True)
+class SoakResult:
+    """The result file: the verdict, the report's counts and the run's config."""
+
+    schema: str
+    passed: bool
+    report: dict[str, object]  # `SoakReport.to_json`
+    config: dict[str, object]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     defaults = SoakConfig()
@@ -256,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         requests=args.requests, concurrency=args.concurrency, cancel_ratio=args.cancel_ratio,
         max_tokens=args.max_tokens, seed=args.seed,
     )  # fmt: skip
+    provenance = collect_provenance(measures=MEASURES)
     cluster = LocalCluster(soak_cluster_config())
     try:
         cluster.start()
@@ -263,9 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cluster.stop()
     print(summary(report))
-    result = {**report.to_json(), "config": asdict(cfg), "finished_unix": time.time()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    result = SoakResult(SCHEMA, report.passed, report.to_json(), asdict(cfg))
+    write_result(args.out, result, provenance)
     return 0 if report.passed else 1
 
 

@@ -29,6 +29,7 @@ class BenchCli:
     run: Callable[[Any], object]  # config -> report (a dataclass)
     table: Callable[[Any], str]  # report -> the printed table
     exclude: tuple[str, ...] = ()  # fields that are not flags (tuples, say)
+    measures: tuple[str, ...] = ()  # the source paths its numbers describe (`MEASURES`)
 
 
 def bench_main(cli: BenchCli, argv: Sequence[str] | None = None) -> int:
@@ -36,7 +37,7 @@ def bench_main(cli: BenchCli, argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=cli.default_out)
     add_config_args(parser, cli.config, exclude=cli.exclude)
     args = parser.parse_args(argv)
-    provenance = collect_provenance(sys.argv)
+    provenance = collect_provenance(sys.argv, cli.measures)
     report = cli.run(config_from_args(cli.config, args))
     write_result(args.out, report, provenance)
     print(cli.table(report))

@@ -20,16 +20,21 @@ import os
 import platform
 import shlex
 import socket
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-#: The checkout the loadtest package was imported from: the code that is measured.
-SOURCE_ROOT = Path(__file__).resolve().parents[2]
+from loadtest.reports.sources import SOURCE_ROOT, SourceRecord, Tree, git_output, record
+
 CPUINFO = Path("/proc/cpuinfo")
+MEMINFO = Path("/proc/meminfo")
+#: The instruction-set flags the engine's kernels (oneDNN's, numba's) choose by.
+FLAGS_OF_INTEREST = (
+    "avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
+    "amx_tile", "amx_bf16", "amx_int8",
+)  # fmt: skip
 GIT_TIMEOUT_S = 10.0
 
 
@@ -43,6 +48,12 @@ class Host:
     usable_cpus: int  # of those, the ones this process may run on (affinity)
     python: str
     platform: str
+    # The flags of /proc/cpuinfo that decide which kernels run (`FLAGS_OF_INTEREST`):
+    # two hosts with one model string can differ in them (half-width AVX-512 units do
+    # not show there, so the kernel string and the roofs still matter).
+    cpu_flags: tuple[str, ...] = ()
+    memory_bytes: int = 0  # MemTotal of /proc/meminfo; 0 if unknown
+    kernel: str = ""  # `platform.release()`
 
 
 @dataclass(frozen=True)
@@ -52,20 +63,16 @@ class Provenance:
     taken_at: str  # UTC, ISO 8601, when the run started
     command: str  # the command line that produced the result
     host: Host
+    # The digests of the paths the benchmark measures (its `MEASURES`), from the tree
+    # the run started on; `loadtest.reports.results` calls the result stale once they
+    # change. None: the benchmark declared none.
+    sources: SourceRecord | None = None
 
 
 def _git(*args: str) -> str | None:
     """stdout of a read-only git command in SOURCE_ROOT, or None if git cannot answer."""
-    # GIT_OPTIONAL_LOCKS=0: `git status` must not refresh (and so rewrite) the index.
-    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
-    try:
-        done = subprocess.run(
-            ["git", *args], cwd=SOURCE_ROOT, env=env, capture_output=True, text=True,
-            timeout=GIT_TIMEOUT_S, check=False,
-        )  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
+    out = git_output(SOURCE_ROOT, *args)
+    return None if out is None else out.decode()
 
 
 def cpu_model(cpuinfo: Path = CPUINFO) -> str:
@@ -80,6 +87,30 @@ def cpu_model(cpuinfo: Path = CPUINFO) -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def cpu_flags(cpuinfo: Path = CPUINFO) -> tuple[str, ...]:
+    """Those of `FLAGS_OF_INTEREST` the first CPU of /proc/cpuinfo lists, in that order."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                present = set(value.split())
+                return tuple(f for f in FLAGS_OF_INTEREST if f in present)
+    except OSError:
+        pass
+    return ()
+
+
+def memory_bytes(meminfo: Path = MEMINFO) -> int:
+    """The machine's memory (MemTotal), or 0 when it cannot be read."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024  # the file counts kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def host_info() -> Host:
     return Host(
         hostname=socket.gethostname(),
@@ -88,6 +119,9 @@ def host_info() -> Host:
         usable_cpus=len(os.sched_getaffinity(0)),
         python=platform.python_version(),
         platform=platform.platform(),
+        cpu_flags=cpu_flags(),
+        memory_bytes=memory_bytes(),
+        kernel=platform.release(),
     )
 
 
@@ -96,9 +130,11 @@ def host_info() -> Host:
 _MEASURED = (":(top)", ":(top,exclude)docs/results", ":(top,exclude)docs/benchmarks.md")
 
 
-def collect_provenance(command: Sequence[str] | None = None) -> Provenance:
-    """Commit, dirty flag, UTC start time, command line (default: this process's argv)
-    and host, as of now."""
+def collect_provenance(
+    command: Sequence[str] | None = None, measures: Sequence[str] = ()
+) -> Provenance:
+    """Commit, dirty flag, UTC start time, command line (default: this process's argv),
+    host and the digests of the paths the benchmark `measures`, as of now."""
     head = _git("rev-parse", "HEAD")
     status = (
         _git("status", "--porcelain", "--untracked-files=no", "--", *_MEASURED) if head else None
@@ -109,6 +145,7 @@ def collect_provenance(command: Sequence[str] | None = None) -> Provenance:
         taken_at=datetime.now(UTC).isoformat(timespec="seconds"),
         command=shlex.join(sys.argv if command is None else command),
         host=host_info(),
+        sources=record(measures, Tree(SOURCE_ROOT)) if measures else None,
     )
 
 

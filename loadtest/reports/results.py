@@ -7,11 +7,14 @@ docs/results/<name>.json`) and commits it. This command then reads every `*.json
 and the few files below it that `EXTRA_RESULTS` lists (`result_paths`; a file without
 provenance is an error: the docs quote nothing whose commit, time and host they cannot
 name), renders one section per file (`sections`: headline first, then the component
-benchmarks), marks each result registered in `stale` as not current (its section says
-since which commit and why, and the count of met targets at the top leaves it out), and
-rewrites the markdown. The page depends only on the files and the registry, never on
-the clock, so regenerating it without new results changes nothing; `--check true` exits
-1 instead of writing when the page is out of date (for CI).
+benchmarks), marks each result that is not current (`freshness`: its measured sources
+changed since the run, or `stale` registers it; its section says since which commit and
+why, and the count of met targets at the top leaves it out), and rewrites the markdown.
+The page depends only on the files, the registry and the committed tree, never on the
+clock, so regenerating it without new results or commits changes nothing; `--check
+true` exits 1 instead of writing when the page is out of date (for CI: a commit that
+changes a measured file fails `make lint` until the page says the result is stale), and
+also when a doc quotes a result that is not current without saying so (`quotes`).
 """
 
 from __future__ import annotations
@@ -23,9 +26,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtest.reports.freshness import findings, rendered_tree
 from loadtest.reports.markdown import Json, dicts
+from loadtest.reports.quotes import (
+    QuotedResult,
+    StaleQuote,
+    pages,
+    ratio_quotes,
+    unmarked_quotes,
+)
 from loadtest.reports.result_file import read_result
-from loadtest.reports.sections import section, sort_key
+from loadtest.reports.sections import section, sort_key, title
+from loadtest.reports.sources import Tree
 from loadtest.reports.stale import StaleResult, by_result
 from services.common.config import add_config_args, config_from_args
 
@@ -39,8 +51,10 @@ hosts are shared and noisy); absolute numbers are context.
 
 To add or refresh a result: run the benchmark with `--out docs/results/<name>.json`
 (`make bench` writes to bench-results/ instead), commit the file, run `make bench-docs`.
-A result that main has moved past is registered in `loadtest/reports/stale.py` until it
-is re-run: it keeps its numbers, its section says since which commit it is stale and
+Each benchmark declares the source paths it measures; its result records their digests.
+A result whose measured sources changed since its run, or that main has moved past in
+a way no digest shows (registered in `loadtest/reports/stale.py`), is not current until
+it is re-run: it keeps its numbers, its section says since which commit it is stale and
 why, and its targets read "not current" and are not counted as met.
 """
 
@@ -59,6 +73,10 @@ class ResultsConfig:
     )
     markdown: Path = field(
         default=Path("docs/benchmarks.md"), metadata={"help": "the page to (re)write"}
+    )
+    readme: Path = field(
+        default=Path("README.md"),
+        metadata={"help": "checked with the pages beside the page for unmarked stale quotes"},
     )
     check: bool = field(
         default=False, metadata={"help": "exit 1 if the page is out of date; write nothing"}
@@ -89,7 +107,9 @@ def result_paths(results_dir: Path, extra: Sequence[Path] = EXTRA_RESULTS) -> li
     return paths
 
 
-def targets_summary(loaded: Sequence[tuple[Path, Json]], stale: Mapping[str, StaleResult]) -> str:
+def targets_summary(
+    loaded: Sequence[tuple[Path, Json]], stale: Mapping[str, Sequence[StaleResult]]
+) -> str:
     """One line: how many targets the current results meet, and which results are not
     current (their targets are not counted)."""
     current = [data for path, data in loaded if path.stem not in stale]
@@ -105,15 +125,42 @@ def targets_summary(loaded: Sequence[tuple[Path, Json]], stale: Mapping[str, Sta
     return line
 
 
-def render(
-    results_dir: Path, page_dir: Path, stale: Mapping[str, StaleResult] | None = None
-) -> str:
-    """The whole page, linking each file relative to `page_dir` (where the page lives)
-    and marking the results `stale` names (by file stem; default: the registry);
-    ValueError naming the file if one is not a result with provenance."""
-    stale = by_result() if stale is None else stale
+def load(results_dir: Path) -> list[tuple[Path, Json]]:
+    """The result files the page quotes, read, in the page's order; ValueError naming
+    the file if one is not a result with provenance."""
     loaded = [(path, read_result(path)) for path in result_paths(results_dir)]
     loaded.sort(key=lambda item: sort_key(str(item[1].get("schema")), item[0]))
+    return loaded
+
+
+def render(
+    results_dir: Path,
+    page_dir: Path,
+    registry: Mapping[str, StaleResult] | None = None,
+    tree: Tree | None = None,
+) -> str:
+    """The whole page, linking each file relative to `page_dir` (where the page lives)
+    and marking the results that are not current in `tree` (default: HEAD's) or that
+    `registry` names (by file stem; default: `stale`'s)."""
+    loaded = load(results_dir)
+    return page_text(loaded, not_current(loaded, registry, tree), results_dir, page_dir)
+
+
+def not_current(
+    loaded: Sequence[tuple[Path, Json]],
+    registry: Mapping[str, StaleResult] | None = None,
+    tree: Tree | None = None,
+) -> dict[str, list[StaleResult]]:
+    """`freshness.findings` with the defaults: HEAD's tree and the committed registry."""
+    return findings(loaded, tree or rendered_tree(), by_result() if registry is None else registry)
+
+
+def page_text(
+    loaded: Sequence[tuple[Path, Json]],
+    stale: Mapping[str, Sequence[StaleResult]],
+    results_dir: Path,
+    page_dir: Path,
+) -> str:
     lines = [HEADER]
     if not loaded:
         lines.append(f"No results committed yet under {results_dir}.\n")
@@ -121,8 +168,27 @@ def render(
         lines += [targets_summary(loaded, stale), ""]
     for path, data in loaded:
         link = Path(os.path.relpath(path, page_dir)).as_posix()
-        lines += section(data, link, stale.get(path.stem))
+        lines += section(data, link, stale.get(path.stem, ()))
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def stale_quotes(
+    loaded: Sequence[tuple[Path, Json]],
+    stale: Mapping[str, Sequence[StaleResult]],
+    cfg: ResultsConfig,
+) -> list[StaleQuote]:
+    """The paragraphs of README and the docs that quote a stale result unmarked."""
+    quoted = [
+        QuotedResult(
+            path.stem,
+            path.relative_to(cfg.results_dir).as_posix(),
+            title(data),
+            ratio_quotes(dicts(data.get("targets"))),
+        )
+        for path, data in loaded
+        if path.stem in stale
+    ]
+    return unmarked_quotes(quoted, pages(cfg.readme, cfg.markdown.parent))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -132,16 +198,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_config_args(parser, ResultsConfig)
     cfg = config_from_args(ResultsConfig, parser.parse_args(argv))
     try:
-        page = render(cfg.results_dir, cfg.markdown.parent)
+        loaded = load(cfg.results_dir)
     except ValueError as exc:
         print(f"loadtest.reports.results: {exc}", file=sys.stderr)
         return 2
+    stale = not_current(loaded)
+    page = page_text(loaded, stale, cfg.results_dir, cfg.markdown.parent)
     current = cfg.markdown.read_text(encoding="utf-8") if cfg.markdown.exists() else None
     if cfg.check:
+        quotes = stale_quotes(loaded, stale, cfg)
+        for quote in quotes:
+            print(quote, file=sys.stderr)
         if current != page:
             print(f"{cfg.markdown} is out of date: run `make bench-docs`", file=sys.stderr)
-            return 1
-        return 0
+        return 1 if quotes or current != page else 0
     if current != page:
         cfg.markdown.parent.mkdir(parents=True, exist_ok=True)
         cfg.markdown.write_text(page, encoding="utf-8")

@@ -2,8 +2,9 @@
 page's order, and what every section has around its renderer's tables.
 
 Lifecycle: `loadtest.reports.results` reads each committed result file and calls
-`section` on it, with the file's `StaleResult` when `stale` registers one. `section`
-writes the heading; for a stale result the line "Stale since <commit>: <reason>"; the
+`section` on it, with the file's `StaleResult`s when it is not current (`freshness`).
+`section` writes the heading; for a stale result a line "Stale since <commit>: <reason>"
+per finding; the
 provenance line (when, on which commit and host, with which command); the renderer's
 tables (`engine_sections`, `cluster_sections`, `elastic_sections`); then the targets,
 which read "not current" instead of met or not met when the result is stale. A renderer
@@ -14,7 +15,7 @@ so a new benchmark's results are quoted before anyone writes a table for them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from loadtest.reports.cluster_sections import (
@@ -87,19 +88,25 @@ def sort_key(schema: str, file: Path) -> tuple[int, str]:
     return (order.index(schema) if schema in order else len(order), file.name)
 
 
-def section(data: Json, file: str, stale: StaleResult | None = None) -> list[str]:
-    """The heading, the stale line when `stale` is given, the provenance line, the
-    schema's tables and the targets (each "not current" when stale)."""
+def title(data: Json) -> str:
+    """The heading of the result's section."""
     schema = str(data.get("schema", "unknown"))
-    title, render = SECTIONS.get(schema, (f"`{schema}`", generic))
-    marked = [f"**Not current.** {stale.line}", ""] if stale is not None else []
+    return SECTIONS.get(schema, (f"`{schema}`", generic))[0]
+
+
+def section(data: Json, file: str, stale: Sequence[StaleResult] = ()) -> list[str]:
+    """The heading, a line per finding in `stale`, the provenance line, the schema's
+    tables and the targets (each "not current" when stale)."""
+    schema = str(data.get("schema", "unknown"))
+    heading, render = SECTIONS.get(schema, (f"`{schema}`", generic))
+    marked = [f"**Not current.** {' '.join(s.line for s in stale)}", ""] if stale else []
     return [
-        f"## {title}",
+        f"## {heading}",
         "",
         *marked,
         provenance_line(data, file),
         "",
         *render(data),
-        *targets_table(data, current=stale is None),
+        *targets_table(data, current=not stale),
         "",
     ]

@@ -1,9 +1,12 @@
-"""Committed results that no longer describe main: which, since which commit, and why.
+"""Committed results that no longer describe main in ways no digest shows: which, since
+which commit, and why.
 
-Lifecycle: when main changes under a committed result (a kernel, admission, a default)
-so that its numbers no longer hold, an entry goes into `STALE` in the same commit as
-the finding, naming the result (its file's stem: `spec` for docs/results/spec.json,
-`peer` for docs/results/peer/peer.json, one of the files below the top that
+Lifecycle: a result is stale by itself once a path its benchmark declares (`MEASURES`)
+changes (`freshness`). This registry is for the rest: when main changes under a
+committed result outside those paths (a default flipped in the CLI, a dependency of
+another package, the host), an entry goes into `STALE` in the same commit as the
+finding, naming the result (its file's stem: `spec` for docs/results/spec.json, `peer`
+for docs/results/peer/peer.json, one of the files below the top that
 `results.EXTRA_RESULTS` lists), the commit that made it stale and, in the reason, what
 changed and what a re-run measured if one was made. `results` reads the registry when
 it renders docs/benchmarks.md: a stale result keeps its numbers, its section says "stale
@@ -47,13 +50,15 @@ class StaleResult:
     """One committed result that main has moved past."""
 
     result: str  # the result file's stem: "spec" for docs/results/spec.json
-    since: str  # the full hash of the commit from which the result no longer holds
+    # The full hash of the commit from which the result no longer holds; None only for
+    # a finding of `freshness` that git cannot date.
+    since: str | None
     reason: str  # what changed, and what a re-run measured; one sentence, no final stop
 
     def __post_init__(self) -> None:
         if not self.result or "/" in self.result or self.result.endswith(".json"):
             raise ValueError(f"result must be a file stem like 'spec', got {self.result!r}")
-        if not _COMMIT.fullmatch(self.since):
+        if self.since is not None and not _COMMIT.fullmatch(self.since):
             raise ValueError(f"{self.result}: since must be a full commit hash, got {self.since!r}")
         if not self.reason.strip():
             raise ValueError(f"{self.result}: a stale result needs its reason")
@@ -61,7 +66,8 @@ class StaleResult:
     @property
     def line(self) -> str:
         """The sentence the page shows beside the result's section."""
-        return f"Stale since `{self.since[:12]}`: {self.reason}."
+        since = "" if self.since is None else f" since `{self.since[:12]}`"
+        return f"Stale{since}: {self.reason}."
 
 
 STALE: tuple[StaleResult, ...] = (

@@ -46,6 +46,15 @@ from loadtest.workloads.prefix import HitRateResult, Workload, make_workload
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.redis_client import connect
 
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (
+    "services/router",
+    "engine/prefix_hash.py",
+    "loadtest/router",
+    "loadtest/workloads/prefix.py",
+)
+
 progress = Progress("router_bench")
 
 
@@ -107,6 +116,7 @@ SPEC = BenchSpec(
     run=run,
     table=format_table,
     settings=("out", "seed"),
+    measures=MEASURES,
 )
 
 

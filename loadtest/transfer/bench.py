@@ -56,6 +56,15 @@ from loadtest.transfer.report import (
     machine_info,
 )
 
+#: The source paths these numbers describe (`loadtest.reports.sources`): a change to
+#: any of them marks a committed result of this benchmark stale.
+MEASURES = (
+    "kvtransfer",
+    "engine/kv_layout.py",
+    "engine/kv_handoff.py",
+    "loadtest/transfer",
+)
+
 
 def _run_measurements(
     settings: RunSettings, cfg: TransferBenchConfig, layout: KvLayout, model_dir: Path
@@ -124,6 +133,7 @@ SPEC = BenchSpec(
     run=run,
     table=format_table,
     settings=("out", "seed", "model_cache_dir"),
+    measures=MEASURES,
 )
 
 

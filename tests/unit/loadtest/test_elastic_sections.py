@@ -14,6 +14,7 @@ import pytest
 from loadtest.reports.elastic_sections import peer, shifting
 from loadtest.reports.results import EXTRA_RESULTS, render, result_paths
 from loadtest.reports.stale import StaleResult
+from tests.unit.loadtest.measured_tree import SOURCES, measured_tree
 
 RESULTS = Path(__file__).resolve().parents[3] / "docs" / "results"
 SHIFTING = Path("elastic/issue41/shifting/shifting.json")
@@ -25,6 +26,7 @@ PROVENANCE = {
     "command": "python -m loadtest.headline.shifting",
     "host": {"hostname": "bench-host", "cpu_model": "Example CPU", "cpu_count": 2,
              "usable_cpus": 2},
+    "sources": SOURCES.to_json(),
 }  # fmt: skip
 
 
@@ -147,7 +149,7 @@ def test_peer_prints_each_round_and_the_median_of_the_paired_ratios() -> None:
 def test_both_are_found_below_the_results_and_marked_when_stale(tmp_path: Path) -> None:
     _write(tmp_path, SHIFTING, _shifting_data())
     _write(tmp_path, PEER, _peer_data())
-    fresh = render(tmp_path, tmp_path.parent, {})
+    fresh = render(tmp_path, tmp_path.parent, {}, measured_tree(tmp_path / "src"))
     shift = _section(fresh, "Shifting workload: elastic roles vs static and colocated")
     link = f"{tmp_path.name}/elastic/issue41/shifting/shifting.json"
     assert f"File [{link}]({link})" in shift
@@ -162,7 +164,7 @@ def test_both_are_found_below_the_results_and_marked_when_stale(tmp_path: Path) 
         "shifting": StaleResult("shifting", "ab" * 20, old),
         "peer": StaleResult("peer", "ab" * 20, old),
     }
-    page = render(tmp_path, tmp_path.parent, stale)
+    page = render(tmp_path, tmp_path.parent, stale, measured_tree(tmp_path / "src"))
     for title in ("Shifting workload: elastic roles vs static and colocated",
                   "Peer: pdserve against llama.cpp's llama-server"):  # fmt: skip
         section = _section(page, title)

@@ -14,6 +14,7 @@ from loadtest.reports.provenance import Host, Provenance
 from loadtest.reports.result_file import write_result
 from loadtest.reports.results import render, result_paths
 from loadtest.reports.stale import STALE, StaleResult, by_result
+from tests.unit.loadtest.measured_tree import SOURCES, measured_tree
 
 RESULTS = Path(__file__).resolve().parents[3] / "docs" / "results"
 PROVENANCE = Provenance(
@@ -22,6 +23,7 @@ PROVENANCE = Provenance(
     taken_at="2026-01-02T03:04:05+00:00",
     command="python -m loadtest.engine.spec_bench --out docs/results/spec.json",
     host=Host("bench-host", "Example CPU @ 2.0GHz", 2, 2, "3.11.9", "Linux"),
+    sources=SOURCES,
 )
 OLD = StaleResult("spec", "ab" * 20, "measured before the fast kernel; re-run: 1.01x")
 
@@ -48,7 +50,7 @@ def _section(page: str, title: str) -> str:
 
 def test_a_stale_result_is_marked_and_not_counted_as_met(tmp_path: Path) -> None:
     _write(tmp_path)
-    page = render(tmp_path, tmp_path.parent, {"spec": OLD})
+    page = render(tmp_path, tmp_path.parent, {"spec": OLD}, measured_tree(tmp_path / "src"))
     spec = _section(page, "Speculative decoding")
     assert "Stale since `abababababab`: measured before the fast kernel; re-run: 1.01x." in spec
     assert "| spec / off | 1.900 | >= 1.8 | not current |" in spec
@@ -62,7 +64,7 @@ def test_a_stale_result_is_marked_and_not_counted_as_met(tmp_path: Path) -> None
 
 def test_without_the_entry_the_same_result_is_current(tmp_path: Path) -> None:
     _write(tmp_path)
-    page = render(tmp_path, tmp_path.parent, {})
+    page = render(tmp_path, tmp_path.parent, {}, measured_tree(tmp_path / "src"))
     assert "Stale since" not in page and "| not current |" not in page
     assert "Targets met in the current results: 3 of 3." in page
     assert "| spec / off | 1.900 | >= 1.8 | met |" in _section(page, "Speculative decoding")
