@@ -216,29 +216,43 @@ def test_chat_logprobs_and_top_logprobs_equal_hf(
 
 
 # -- several choices -----------------------------------------------------------------------
-def test_n_choices_and_best_of(client: openai.OpenAI, model: str) -> None:
+def test_n_choices_and_best_of(client: openai.OpenAI, model: str, tokenizer: Tokenizer) -> None:
+    # Usage as OpenAI counts it: the prompt once, the completion tokens of every fork run
+    # (best_of's discarded ones too). ignore_eos makes each fork exactly max_tokens long.
+    prompt_tokens = len(tokenizer.encode(PROMPT))
+    fixed = {"ignore_eos": True}
     reply = client.completions.create(
-        model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11, n=4
-    )
+        model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11, n=4,
+        extra_body=fixed,
+    )  # fmt: skip
     assert sorted(c.index for c in reply.choices) == [0, 1, 2, 3]
     assert len({c.text for c in reply.choices}) > 1  # each fork samples its own stream
+    assert {c.finish_reason for c in reply.choices} == {"length"}
     assert reply.usage is not None
-    assert reply.usage.completion_tokens == 4 * 8 or reply.usage.completion_tokens <= 32
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (prompt_tokens, 4 * 8)
+    assert reply.usage.total_tokens == prompt_tokens + 4 * 8
     again = client.completions.create(
-        model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11, n=4
-    )
+        model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11, n=4,
+        extra_body=fixed,
+    )  # fmt: skip
     assert [c.text for c in again.choices] == [c.text for c in reply.choices]
     greedy = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=8,
-        temperature=0, n=2,
+        temperature=0, n=2, extra_body=fixed,
     )  # fmt: skip
     assert greedy.choices[0].message.content == greedy.choices[1].message.content
+    chat_prompt_tokens = len(tokenizer.encode_chat([ChatMessage("user", QUESTION)]))
+    usage = greedy.usage
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (chat_prompt_tokens, 2 * 8)
     best = client.completions.create(
         model=model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3, n=1, best_of=3,
-        extra_body={"ignore_eos": True},
+        extra_body=fixed,
     )  # fmt: skip
     assert len(best.choices) == 1 and best.choices[0].logprobs is None
-    assert best.usage is not None and best.usage.completion_tokens == 3 * 6
+    assert best.usage is not None
+    assert (best.usage.prompt_tokens, best.usage.completion_tokens) == (prompt_tokens, 3 * 6)
+    assert best.usage.total_tokens == prompt_tokens + 3 * 6
 
 
 def test_streamed_n_choices_each_end(client: openai.OpenAI, model: str) -> None:

@@ -4,7 +4,8 @@ version v2 (`--served-model-name smol --model-version v2`), and version v3 has n
 at all. Through the admin API (`GatewayClient.rollout`):
 - v3 at 50%: its requests fail (no worker), and a gateway rolls it back automatically
   within the window; the stable version then takes everything;
-- v2 at 10%: about a tenth of the requests go to `smol-v2-0` (binomial bounds);
+- v2 at 10%: about a tenth of the requests go to `smol-v2-0` (exact binomial bounds
+  that a split of 0% fails);
 - promote v2 while streams run on `smol-0`: they finish, every new request goes to v2,
   and `smol-0` is draining in the registry.
 Ends with the leak probe on every worker."""
@@ -12,7 +13,6 @@ Ends with the leak probe on every worker."""
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +27,8 @@ from services.router.keyspace import Keyspace, pool_namespace
 from services.router.load import LoadLedger
 from services.router.redis_client import connect
 from services.router.registry import Registry
+from tests import binomial
+from tests.binomial import ALPHA
 from tests.conftest import MODEL_CACHE
 from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.integration.test_cluster import _cluster
@@ -149,11 +151,18 @@ def test_a_canary_takes_its_share_and_promote_drains_the_old_version(
     cluster: LocalCluster,
 ) -> None:
     probe = start_probe(cluster)
-    n, weight = 120, 0.1
+    # Exact binomial bounds at 10%: (1, 35) of 144. A right split falls outside them with
+    # probability 4.5e-7; a split of 0% never lands inside. Telling 10% from 20% takes
+    # about 1200 requests (0.92 of 20% splits land inside these bounds): the unit tests
+    # do that (tests/unit/services/test_rollouts.py, test_rollout_follower.py).
+    n, weight = 144, 0.1
+    within = binomial.bounds(n, weight)
+    assert binomial.accepts(n, 0.0, within) < ALPHA
 
     async def scenario() -> tuple[Ends, Ends, Ends]:
         async with GatewayClient(cluster.gateway_address) as client:
-            await _act(client, Action.ROLLOUT_ACTION_START, "v2", weight)
+            status = await _act(client, Action.ROLLOUT_ACTION_START, "v2", weight)
+            assert (status.phase, status.canary, status.weight) == ("running", "v2", weight)
             split = await _many(client, n)
             # Streams on the stable version (no rollout runs) when v2 is promoted.
             await _act(client, Action.ROLLOUT_ACTION_ABORT)
@@ -171,7 +180,7 @@ def test_a_canary_takes_its_share_and_promote_drains_the_old_version(
     assert {code for _, code in split + running + after} == {grpc.StatusCode.OK}
     canary = sum(1 for w, _ in split if w == "smol-v2-0")
     assert {w for w, _ in split} <= {"smol-0", "smol-v2-0"}
-    assert abs(canary - weight * n) < 4.5 * math.sqrt(n * weight * (1 - weight)), canary
+    assert within[0] <= canary <= within[1], (canary, within)
     assert {w for w, _ in running} == {"smol-0"}  # finished where they started
     assert {w for w, _ in after} == {"smol-v2-0"}
     assert cluster.redis is not None

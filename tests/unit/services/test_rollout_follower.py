@@ -1,16 +1,17 @@
 """The rollback verdict (`RollbackPolicy`), the split (`RolloutFollower.pick`: the share
-within binomial bounds, sticky tenants), and a follower's tick on real Redis: outcomes
-sent, the canary's backend made before any request goes there, a bad canary rolled
-back once although two gateways judge it."""
+within exact binomial bounds that a split of 0% or of twice the share fails, sticky
+tenants), and a follower's tick on real Redis: outcomes sent, the canary's backend made
+before any request goes there, a bad canary rolled back once although two gateways judge
+it."""
 
 from __future__ import annotations
-
-import math
 
 import redis
 
 from services.gateway.models.rollout_follower import RollbackPolicy, RolloutFollower
 from services.router.rollout_store import Outcome, RolloutPhase, RolloutStore, now_ms
+from tests import binomial
+from tests.binomial import ALPHA
 
 POLICY = RollbackPolicy(window_s=60.0, min_requests=20, error_margin=0.05, latency_margin=0.5)
 
@@ -51,18 +52,25 @@ def test_the_split_holds_its_share_and_sticky_tenants_stay(
     store.start("m", "v2", 0.1)
     follower.tick()
     assert sorted(made) == ["", "", "v2"]  # the canary's backend, before its first request
-    n = 4000
+    # Exact binomial bounds at 10%: (138, 269) of 2000. A right split falls outside
+    # them with probability 8.4e-7; a split of 20% lands inside with 1.1e-14, one of 0%
+    # never does.
+    n = 2000
+    within = binomial.bounds(n, 0.1)
+    assert binomial.accepts(n, 0.0, within) < ALPHA and binomial.accepts(n, 0.2, within) < ALPHA
     canary = sum(follower.pick("t") == "v2" for _ in range(n))
-    sd = math.sqrt(n * 0.1 * 0.9)
-    assert abs(canary - 0.1 * n) < 4.5 * sd, canary  # about 1 in 150,000 to fail by chance
+    assert within[0] <= canary <= within[1], (canary, within)
     store.abort("m")
     store.start("m", "v3", 0.3, sticky=True)
     follower.tick()
     tenants = [f"tenant-{i}" for i in range(2000)]
     first = {t: follower.pick(t) for t in tenants}
     assert all(follower.pick(t) == v for t, v in first.items())  # each stays where it went
-    share = sum(v == "v3" for v in first.values()) / len(tenants)
-    assert abs(share - 0.3) < 4.5 * math.sqrt(0.3 * 0.7 / len(tenants))
+    # By hash, so the count is fixed; the bounds, (501, 702), still tell 30% from 0 or 60%.
+    within = binomial.bounds(len(tenants), 0.3)
+    assert binomial.accepts(len(tenants), 0.6, within) < ALPHA
+    sticky = sum(v == "v3" for v in first.values())
+    assert within[0] <= sticky <= within[1], (sticky, within)
 
 
 def test_a_bad_canary_is_rolled_back_once(client: redis.Redis, namespace: str) -> None:

@@ -8,7 +8,6 @@ refuses what it cannot do. Nothing is held afterwards in any version's pools."""
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +34,8 @@ from services.router.registry import Registry, WorkerInfo
 from services.router.rollout_store import RolloutPhase, RolloutStore
 from services.router.router import Router
 from services.router.router_config import RouterConfig
+from tests import binomial
+from tests.binomial import ALPHA
 from tests.unit.services.gateway_fakes import PROMPT, Gateway, build_gateway, until
 
 MODEL = "m"  # what build_gateway names its model
@@ -117,13 +118,19 @@ def rollouts(client: redis.Redis, namespace: str, model_dir: Path) -> Iterator[R
 
 def test_a_canary_takes_its_share_on_its_own_workers(rollouts: Rollouts) -> None:
     async def scenario() -> None:
-        status = await rollouts.act(Action.ROLLOUT_ACTION_START, "v2", 0.2)
-        assert (status.phase, status.canary, status.weight) == ("running", "v2", 0.2)
-        n = 300
+        status = await rollouts.act(Action.ROLLOUT_ACTION_START, "v2", 0.1)
+        assert (status.phase, status.canary, status.weight) == ("running", "v2", 0.1)
+        # Exact binomial bounds at 10%: (72, 174) of 1200. A right split falls outside
+        # them with probability 6.5e-7; a split of 20% lands inside with 4.7e-7, one of
+        # 0% never does.
+        n = 1200
+        within = binomial.bounds(n, 0.1)
+        assert binomial.accepts(n, 0.0, within) < ALPHA
+        assert binomial.accepts(n, 0.2, within) < ALPHA
         went = await rollouts.run(n)
         assert set(went) == {"p0:1", "v2p0:1"}
         canary = went.count("v2p0:1")
-        assert abs(canary - 0.2 * n) < 4.5 * math.sqrt(n * 0.2 * 0.8), canary
+        assert within[0] <= canary <= within[1], (canary, within)
         await asyncio.to_thread(rollouts.follower.tick)  # the outcomes go to Redis
         status = await rollouts.act(Action.ROLLOUT_ACTION_STATUS)
         assert status.canary_window.requests == canary and status.canary_window.errors == 0
