@@ -90,6 +90,8 @@ def test_value_sets_cover_every_custom_resource() -> None:
         (("spec", "triggers", 0, "metadata", "threshold"), 0.5),  # metadata is string -> string
         (("spec", "advanced", "horizontalPodAutoscalerConfig", "behavior", "scaleDown",
           "stabilizationWindowSeconds"), 7200),  # over the HPA's 3600 s
+        (("spec", "minReplicaCount"), 101),  # over the default maximum (the CRD's CEL rule)
+        (("spec", "pollingInterval"), 2**31),  # int32 in the CRD (format int32)
     ],
 )  # fmt: skip
 def test_custom_resource_schemas_refuse_what_the_api_would(
@@ -294,3 +296,22 @@ def test_notes_explain_how_to_reach_and_scale() -> None:
     text = notes(None)
     assert "port-forward svc/rel-pdserve-gateway 8470:8470" in text
     assert "deployment/rel-pdserve-decode" in text and "deployment/rel-pdserve-prefill" in text
+
+
+def test_the_crds_are_the_pinned_files_with_every_cel_rule_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert crd_schemas.SCHEMAS["ScaledObject"]["properties"]["apiVersion"] == {
+        "const": "keda.sh/v1alpha1"
+    }
+    for pin in crd_schemas.PINNED.values():
+        (tmp_path / pin.file).write_bytes((crd_schemas.CRDS / pin.file).read_bytes())
+    monkeypatch.setattr(crd_schemas, "CRDS", tmp_path)
+    crd_schemas.load("ServiceMonitor")
+    edited = tmp_path / crd_schemas.PINNED["ServiceMonitor"].file
+    edited.write_text(edited.read_text() + "\n")
+    with pytest.raises(ValueError, match="not the pinned file"):
+        crd_schemas.load("ServiceMonitor")
+    monkeypatch.setattr(crd_schemas, "CHECKS", ())  # as if a new CEL rule had appeared
+    with pytest.raises(ValueError, match="CEL rules without a check"):
+        crd_schemas.load("ScaledObject")
