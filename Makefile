@@ -2,6 +2,7 @@
 #   make demo   install, start a local cluster, stream a completion, stop it
 #   make test   install, lint, type-check and run the test suite
 #   make bench  install and run the benchmarks (results in bench-results/)
+#   make perf-gate  the performance gate alone (make test runs it first)
 #   make bench-docs  regenerate docs/benchmarks.md from the results committed in docs/results/
 
 PYTHON ?= python3
@@ -10,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 DEMO_PROMPT ?= Explain in two sentences why splitting prefill from decode helps LLM serving.
 
-.PHONY: install model promtool demo test lint bench bench-docs clean
+.PHONY: install model promtool demo test lint bench perf-gate bench-docs clean
 
 # Also points git at .githooks (the commit-msg style check); a no-op outside a checkout.
 install: $(STAMP)
@@ -46,22 +47,26 @@ lint: install
 	$(BIN)/lint-imports
 	$(BIN)/python -m loadtest.reports.results --check true
 
-# Two phases. First the unit tests, on one process per core (pytest-xdist; a test file
-# stays in one process, with its module fixtures). Then the tests marked serial, one at a
-# time: every integration test (each starts a cluster of several processes, and some
-# hold deadlines or fair shares) and the unit tests that measure time or reuse a port.
-# The second phase runs even when the first fails, so one CI run reports every failure;
-# make fails if either did (an interrupted first phase, pytest's exit 2, stops it).
+# Three phases. First the performance gate (`loadtest/perf_gate.py`: a few ratios held to
+# floors far below their results), while the machine is quiet. Then the unit tests, on
+# one process per core (pytest-xdist; a test file stays in one process, with its module
+# fixtures). Then the tests marked serial, one at a time: every integration test (each
+# starts a cluster of several processes, and some hold deadlines or fair shares) and the
+# unit tests that measure time or reuse a port. Every phase runs even when an earlier
+# one fails, so one CI run reports every failure; make fails if any did (an interrupted
+# unit phase, pytest's exit 2, stops it).
 # Bytecode is cached even where the environment says not to (PYTHONDONTWRITEBYTECODE):
 # the suite starts a few hundred Python processes.
 test: model lint promtool
+	$(BIN)/python -m loadtest.perf_gate --out bench-results/perf_gate.json; \
+	gate=$$?; \
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n auto --dist loadfile -m "not serial"; \
 	unit=$$?; \
 	if [ $$unit -eq 2 ]; then exit 2; fi; \
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -m serial; \
 	serial=$$?; \
-	echo "make test: parallel phase exit $$unit, serial phase exit $$serial"; \
-	[ $$unit -eq 0 ] && [ $$serial -eq 0 ]
+	echo "make test: gate exit $$gate, parallel phase exit $$unit, serial phase exit $$serial"; \
+	[ $$gate -eq 0 ] && [ $$unit -eq 0 ] && [ $$serial -eq 0 ]
 
 bench: model
 	$(BIN)/python -m loadtest.engine.bench --out bench-results/engine.json
@@ -105,6 +110,9 @@ bench: model
 
 # The docs quote only committed results: copy (or write, with --out) a result JSON into
 # docs/results/, commit it, then run this. `make lint` fails while the page is stale.
+perf-gate: model
+	$(BIN)/python -m loadtest.perf_gate --out bench-results/perf_gate.json
+
 bench-docs: install
 	$(BIN)/python -m loadtest.reports.results
 

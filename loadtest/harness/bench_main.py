@@ -71,6 +71,9 @@ class BenchSpec(Generic[C, R]):
     settings: tuple[str, ...] = ("out", "seed")  # the RunSettings fields it takes as flags
     aliases: tuple[Alias, ...] = ()
     measures: tuple[str, ...] = ()  # the source paths its numbers describe (`MEASURES`)
+    # A gate's pass/fail (`loadtest.perf_gate`): False makes the command exit 1. None:
+    # the command exits 0 whatever the targets say (the report says).
+    verdict: Callable[[R], bool] | None = None
 
     @property
     def prog(self) -> str:
@@ -156,8 +159,9 @@ def sigterm_unwinds() -> Iterator[None]:
 
 
 def run_main(spec: BenchSpec[C, R], argv: Sequence[str] | None = None) -> int:
-    """Parse, run, write the JSON, print the table. Exit 0 whether targets are met or not:
-    the report says, and a benchmark that cannot measure raises."""
+    """Parse, run, write the JSON, print the table. Exit 0 whether targets are met or not
+    (the report says, and a benchmark that cannot measure raises), unless the spec has a
+    `verdict` and the report fails it: then 1."""
     args = list(sys.argv[1:] if argv is None else argv)
     settings, cfg = parse_args(spec, args)
     provenance = collect_provenance([*spec.prog.split(), *args], spec.measures)
@@ -167,4 +171,4 @@ def run_main(spec: BenchSpec[C, R], argv: Sequence[str] | None = None) -> int:
     print(spec.table(report))
     print(describe(provenance))
     print(f"wrote {settings.out_path}")
-    return 0
+    return 0 if spec.verdict is None or spec.verdict(report) else 1

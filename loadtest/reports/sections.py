@@ -80,6 +80,7 @@ SECTIONS: dict[str, tuple[str, Renderer]] = {
     "pdserve.invariance_probe/1": ("Batch invariance of the linear kernels", invariance),
     "pdserve.tiled_bench/1": ("Batch invariance end to end", tiled),
     "pdserve.row_attention_bench/1": ("Batch invariance: attention by rows", row_attention),
+    "pdserve.perf_gate/1": ("Performance gate", generic),
 }
 
 
