@@ -6,10 +6,11 @@ that may quote them: README.md and docs/*.md, but not docs/benchmarks.md (genera
 it marks them itself) nor docs/history.md (a record of past runs, dated). A quote is a
 link to a result's section of benchmarks.md (`benchmarks.md#<anchor>`) or a mention of
 its file (`results/<name>.json`) or one of its targets' ratios as the docs write them
-("1.91x": `ratio_quotes`). A paragraph (lines between blank lines) that quotes a
-stale result must say "stale" or "not current" in it; otherwise the check names the
-file, line and result, and lint fails until the result is re-run or the text says what
-it quotes is old.
+("1.91x": `ratio_quotes`), unless a current result the same paragraph links to has
+that ratio too (the number is then taken to be that result's). A paragraph (lines
+between blank lines) that quotes a stale result must say "stale" or "not current" in
+it; otherwise the check names the file, line and result, and lint fails until the
+result is re-run or the text says what it quotes is old.
 """
 
 from __future__ import annotations
@@ -54,11 +55,13 @@ class QuotedResult:
     file: str  # the path below the results directory: "spec.json", "peer/peer.json"
     title: str  # its section's heading on benchmarks.md
     ratios: frozenset[str] = frozenset()  # its targets' ratios as quoted: "1.91x"
+    current: bool = False
 
-    def quoted_in(self, text: str) -> bool:
-        if f"results/{self.file}" in text or f"benchmarks.md#{anchor(self.title)}" in text:
-            return True
-        return any(re.search(rf"(?<![\d.]){re.escape(r)}", text) for r in self.ratios)
+    def linked_in(self, text: str) -> bool:
+        return f"results/{self.file}" in text or f"benchmarks.md#{anchor(self.title)}" in text
+
+    def ratios_in(self, text: str) -> set[str]:
+        return {r for r in self.ratios if re.search(rf"(?<![\d.]){re.escape(r)}", text)}
 
 
 def ratio_quotes(targets: Iterable[Mapping[str, object]]) -> frozenset[str]:
@@ -89,12 +92,23 @@ def _paragraphs(text: str) -> Iterator[tuple[int, str]]:
             start, block = 0, []
 
 
-def unmarked_quotes(stale: Sequence[QuotedResult], paths: Iterable[Path]) -> list[StaleQuote]:
-    """Every paragraph of `paths` that quotes one of `stale` and does not say so."""
+def _quoted(paragraph: str, results: Sequence[QuotedResult]) -> list[str]:
+    """The stale results `paragraph` quotes: linked, or by a ratio that no current result
+    it links to accounts for."""
+    linked = [r for r in results if r.linked_in(paragraph)]
+    explained = set().union(*(r.ratios_in(paragraph) for r in linked if r.current))
+    return [
+        r.stem
+        for r in results
+        if not r.current and (r in linked or r.ratios_in(paragraph) - explained)
+    ]
+
+
+def unmarked_quotes(results: Sequence[QuotedResult], paths: Iterable[Path]) -> list[StaleQuote]:
+    """Every paragraph of `paths` that quotes a stale one of `results` without saying so."""
     found = []
     for page in paths:
         for line, paragraph in _paragraphs(page.read_text(encoding="utf-8")):
-            if _MARKED.search(paragraph):
-                continue
-            found += [StaleQuote(page, line, r.stem) for r in stale if r.quoted_in(paragraph)]
+            if not _MARKED.search(paragraph):
+                found += [StaleQuote(page, line, stem) for stem in _quoted(paragraph, results)]
     return found

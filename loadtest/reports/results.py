@@ -184,9 +184,9 @@ def stale_quotes(
             path.relative_to(cfg.results_dir).as_posix(),
             title(data),
             ratio_quotes(dicts(data.get("targets"))),
+            current=path.stem not in stale,
         )
         for path, data in loaded
-        if path.stem in stale
     ]
     return unmarked_quotes(quoted, pages(cfg.readme, cfg.markdown.parent))
 

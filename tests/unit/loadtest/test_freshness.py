@@ -149,6 +149,17 @@ def test_a_paragraph_quoting_a_stale_result_must_say_so(tmp_path: Path, quote: s
     assert unmarked_quotes([SPEC], [page]) == []
 
 
+def test_a_ratio_of_a_current_result_the_paragraph_links_is_not_a_stale_quote(
+    tmp_path: Path,
+) -> None:
+    fresh = QuotedResult("kv", "kv.json", "KV memory", frozenset({"1.91x"}), current=True)
+    page = tmp_path / "guide.md"
+    page.write_text("The cache holds 1.91x the blocks ([kv](benchmarks.md#kv-memory)).\n")
+    assert unmarked_quotes([SPEC, fresh], [page]) == []
+    page.write_text("The cache holds 1.91x the blocks.\n")  # no link: it could be either
+    assert [q.result for q in unmarked_quotes([SPEC, fresh], [page])] == ["spec"]
+
+
 def test_what_is_not_a_quote(tmp_path: Path) -> None:
     page = tmp_path / "guide.md"
     page.write_text("It ran at 11.91x, 1.912x and 21.91x here (other runs).\n")
