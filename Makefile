@@ -108,11 +108,12 @@ bench: model
 	$(BIN)/python -m loadtest.flow.overload_bench --out bench-results/overload.json --duration-s 120
 	$(BIN)/python -m loadtest.flow.fairness_bench --out bench-results/fairness.json --phase-s 40
 
-# The docs quote only committed results: copy (or write, with --out) a result JSON into
-# docs/results/, commit it, then run this. `make lint` fails while the page is stale.
+# The performance gate alone (make test runs it first): ratios held to floors.
 perf-gate: model
 	$(BIN)/python -m loadtest.perf_gate --out bench-results/perf_gate.json
 
+# The docs quote only committed results: copy (or write, with --out) a result JSON into
+# docs/results/, commit it, then run this. `make lint` fails while the page is stale.
 bench-docs: install
 	$(BIN)/python -m loadtest.reports.results
 
