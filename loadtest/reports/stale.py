@@ -27,11 +27,8 @@ from dataclasses import dataclass
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _FUSED_DECODE = "0f07b397ab8c8a8eb869662946cf2ecddf837328"  # the fused bf16 decode kernel
-_BF16_DEFAULT = "7db916db5706fe6349f7f11a6548e6c82c040c28"  # dtype auto = bf16 where native
 # The first of the 14 admission commits after 48ceba9, where overload and fairness ran.
 _FIRST_ADMISSION = "8f23f52b4dbbf9480afafb755851c6f38edae9de"
-# The commit that added 53 lines to bounded_load.lua, the placement script routed by.
-_PLACEMENT_53 = "cfe15b5309b1b182498fcce26bbaf721aa0637de"
 # Workers measure their prefill speed before they register (admission is no longer blind
 # at start).
 _CALIBRATION = "1b68e711d8ea7f5f50625acb67dfffb472846891"
@@ -72,19 +69,6 @@ class StaleResult:
 
 STALE: tuple[StaleResult, ...] = (
     StaleResult(
-        "spec",
-        _FUSED_DECODE,
-        "measured before the fused bf16 decode kernel, which now runs only its baseline; "
-        "re-run on the current main: speculation on the repetitive workload 1.01x "
-        "(target 1.8x)",
-    ),
-    StaleResult(
-        "lora",
-        _FUSED_DECODE,
-        "measured before the fused decode kernel; re-run: four q,v rank-8 adapters 0.72x "
-        "(target 0.8x)",
-    ),
-    StaleResult(
         "kv",
         _FUSED_DECODE,
         "measured before the fused decode kernel; re-run: int8 KV 0.61x and fp8 KV 0.60x "
@@ -92,13 +76,6 @@ STALE: tuple[StaleResult, ...] = (
     ),
     StaleResult("overload", _FIRST_ADMISSION, _FLOW_REASON),
     StaleResult("fairness", _FIRST_ADMISSION, _FLOW_REASON),
-    # Of its two causes the bf16 default came first (the fused kernel a day later).
-    StaleResult("structured", _BF16_DEFAULT, "fp32, before the fused decode kernel"),
-    StaleResult(
-        "router",
-        _PLACEMENT_53,
-        "before 53 new lines of the placement script (pd route p99 0.974 ms against 1 ms)",
-    ),
     StaleResult("shifting", _CALIBRATION, _CALIBRATION_REASON),
     StaleResult("peer", _CALIBRATION, _CALIBRATION_REASON),
 )
