@@ -15,12 +15,23 @@ depends only on the files and the tree.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from loadtest.reports.markdown import Json
 from loadtest.reports.sources import SourceRecord, Tree, changed, first_change
 from loadtest.reports.stale import StaleResult
+
+#: A finding's text before its reason, dated or not (`undated`).
+_DATED = re.compile(r"Stale since `[0-9a-f]{12}`: (its measured sources changed)")
+
+
+def undated(page: str) -> str:
+    """`page` with the commits that date its source findings taken out: what a shallow
+    clone, which cannot date them, can still compare."""
+    return _DATED.sub(r"Stale: \1", page)
+
 
 NO_SOURCES = (
     "the result records no measured sources, so no change to its code can be seen: re-run "

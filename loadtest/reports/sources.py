@@ -180,6 +180,12 @@ def first_change(
     return lines[0] if lines else None
 
 
+def is_shallow(root: Path = SOURCE_ROOT) -> bool:
+    """Whether `root` is a shallow clone (history cut off: `first_change` cannot see far
+    enough back to date a change)."""
+    return git_output(root, "rev-parse", "--is-shallow-repository") == b"true\n"
+
+
 def git_output(root: Path, *args: str, stdin: bytes | None = None) -> bytes | None:
     """stdout of a read-only git command in `root`, or None if git cannot answer."""
     # GIT_OPTIONAL_LOCKS=0: `git status` must not refresh (and so rewrite) the index.

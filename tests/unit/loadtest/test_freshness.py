@@ -16,11 +16,18 @@ import pytest
 
 from loadtest.harness.target import TargetResult
 from loadtest.reports import provenance, results
-from loadtest.reports.freshness import NO_SOURCES
+from loadtest.reports.freshness import NO_SOURCES, undated
 from loadtest.reports.provenance import Host, Provenance, cpu_flags, memory_bytes
 from loadtest.reports.quotes import QuotedResult, anchor, pages, ratio_quotes, unmarked_quotes
 from loadtest.reports.result_file import read_result, write_result
-from loadtest.reports.sources import SourceOrigin, Tree, changed, check_paths, record
+from loadtest.reports.sources import (
+    SourceOrigin,
+    Tree,
+    changed,
+    check_paths,
+    is_shallow,
+    record,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 HOST = Host("bench-host", "Example CPU", 2, 2, "3.11.9", "Linux")
@@ -119,6 +126,19 @@ def test_a_result_is_stale_since_the_first_commit_that_changed_its_sources(
         "the run: `kernel.py`." in page
     )
     assert "| not current |" in page and "Targets met in the current results: 0 of 0." in page
+
+
+def test_a_shallow_clone_compares_the_page_without_the_dates(tmp_path: Path) -> None:
+    repo = Repo(tmp_path / "repo")
+    repo.commit({"a.py": "1\n"}, "one")
+    repo.commit({"a.py": "2\n"}, "two")
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{repo.root}",
+                    str(tmp_path / "shallow")], check=True)  # fmt: skip
+    assert is_shallow(tmp_path / "shallow") and not is_shallow(repo.root)
+    dated = "**Not current.** Stale since `0123456789ab`: its measured sources changed since"
+    assert undated(dated) == "**Not current.** Stale: its measured sources changed since"
+    by_hand = "Stale since `0123456789ab`: measured before the fused kernel"
+    assert undated(by_hand) == by_hand  # the registry's dates are in the files: kept
 
 
 def test_a_result_without_sources_is_not_current(tmp_path: Path) -> None:
