@@ -9,9 +9,10 @@ rank 16); one engine on the default model (its default compute dtype) gets that
 (the parity chat prompts, greedy, `--max-tokens` each, EOS ignored) on the base model,
 and spread over the four adapters of each shape in turn (each step's batch mixes all
 four, their rows interleaved). Each side's tokens/s is output tokens over the round's
-wall time (prefill and decode); the best round of each is kept, and the median decode
-step time while the whole batch decodes. The adapters are loaded before the first round
-(loading is not what is measured).
+wall time (prefill and decode); the best round of each is kept, beside the median over
+rounds of each round's ratio to the base side (the rounds interleave the sides, so each
+is a pair), and the median decode step time while the whole batch decodes. The adapters
+are loaded before the first round (loading is not what is measured).
 
 The target (issue 24): mixed / base tokens/s >= 0.8 for each shape, both in this run.
 """
@@ -82,6 +83,9 @@ class Side:
     tokens_per_s: float = 0.0  # best round
     step_ms: float = 0.0  # median decode step while the whole batch decodes
     ratio: float = 1.0  # tokens_per_s / the base side's, same run
+    # The median over rounds of this side's tokens/s over the base side's in the same
+    # round (the rounds interleave the sides, so each round is a pair).
+    paired_ratio: float = 1.0
     rounds: list[float] = field(default_factory=list)
 
 
@@ -188,6 +192,8 @@ def measure(batch: int, max_tokens: int, reps: int, threads: int) -> LoraBenchRe
         side.tokens_per_s = max(side.rounds)
         side.step_ms = statistics.median(steps[name]) if steps[name] else float("nan")
         side.ratio = side.tokens_per_s / sides["base"].tokens_per_s
+        pairs = zip(side.rounds, sides["base"].rounds, strict=True)
+        side.paired_ratio = statistics.median(mine / base for mine, base in pairs)
     report = LoraBenchReport(SCHEMA, dtype, batch, max_tokens, PER_SHAPE, reps,
                              list(sides.values()))  # fmt: skip
     base = sides["base"].tokens_per_s
@@ -210,7 +216,8 @@ def format_table(report: LoraBenchReport) -> str:
     for s in report.sides:
         lines.append(
             f"{s.name:>15}: {s.tokens_per_s:6.1f} tok/s (best of {len(s.rounds)}) = "
-            f"{s.ratio:.2f}x, decode step {s.step_ms:6.1f} ms"
+            f"{s.ratio:.2f}x (median of paired rounds {s.paired_ratio:.2f}x), decode step "
+            f"{s.step_ms:6.1f} ms"
         )
     lines += target_rows(report.targets)
     return "\n".join(lines)

@@ -201,6 +201,7 @@ def lora(data: Json) -> list[str]:
             str(s.get("name")),
             fmt(num(s.get("tokens_per_s")), ".1f"),
             fmt(num(s.get("ratio")), ".2f", "x"),
+            fmt(num(s.get("paired_ratio")), ".2f", "x"),
             fmt(num(s.get("step_ms")), ".1f"),
         ]
         for s in dicts(data.get("sides"))
@@ -210,9 +211,13 @@ def lora(data: Json) -> list[str]:
         f"{data.get('compute_dtype')}; a mixed batch spreads its requests over "
         f"{data.get('adapters_per_batch')} adapters of one shape (every step mixes them all). "
         "Shapes: `qv-r8` is PEFT's default for Llama (q and v, rank 8), `all-linear-r16` every "
-        "projection at rank 16. Tokens/s over prefill and decode, best round of each.",
+        "projection at rank 16. Tokens/s over prefill and decode, best round of each; the "
+        "median of paired rounds beside it (a result from before it has none: -).",
         "",
-        *table(["batch", "tokens/s", "ratio to base", "decode step ms"], rows),
+        *table(
+            ["batch", "tokens/s", "ratio to base", "median of paired rounds", "decode step ms"],
+            rows,
+        ),
     ]
 
 

@@ -27,11 +27,13 @@ def test_the_adapters_are_peft_shaped(tmp_path: Path, model_dir: Path) -> None:
 
 
 def test_a_short_run_reports_every_shape_against_the_base(tmp_path: Path) -> None:
-    report = lora_bench.measure(batch=4, max_tokens=3, reps=1, threads=0)
+    report = lora_bench.measure(batch=4, max_tokens=3, reps=2, threads=0)
     assert [s.name for s in report.sides] == ["base", "qv-r8", "all-linear-r16"]
-    base = report.sides[0].tokens_per_s
+    base = report.sides[0]
     for s in report.sides:
-        assert s.tokens_per_s > 0 and s.ratio == s.tokens_per_s / base
+        assert s.tokens_per_s > 0 and s.ratio == s.tokens_per_s / base.tokens_per_s
+        pairs = [mine / theirs for mine, theirs in zip(s.rounds, base.rounds, strict=True)]
+        assert len(pairs) == 2 and s.paired_ratio == sum(pairs) / 2  # the median of two
     assert [t.threshold for t in report.targets] == [0.8, 0.8]
     out = write_result(tmp_path / "lora.json", report, collect_provenance(["lora_bench"]))
     lines = section(read_result(out), "lora.json")
