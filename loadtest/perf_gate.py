@@ -45,7 +45,17 @@ from loadtest.transfer.config import TransferBenchConfig
 SCHEMA = "pdserve.perf_gate/1"
 #: The source paths these numbers describe (`loadtest.reports.sources`): a change to
 #: any of them marks a committed result of this benchmark stale.
-MEASURES = ("engine", "kvtransfer", "loadtest/engine", "loadtest/transfer", "loadtest/perf_gate.py")
+MEASURES = (
+    "engine",
+    "kvtransfer",
+    "loadtest/engine/bench.py",
+    "loadtest/engine/bench_config.py",
+    "loadtest/engine/bench_report.py",
+    "loadtest/engine/sides.py",
+    "loadtest/engine/workload.py",
+    "loadtest/transfer",
+    "loadtest/perf_gate.py",
+)
 progress = Progress("perf_gate")
 
 
