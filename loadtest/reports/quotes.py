@@ -6,8 +6,8 @@ that may quote them: README.md and docs/*.md, but not docs/benchmarks.md (genera
 it marks them itself) nor docs/history.md (a record of past runs, dated). A quote is a
 link to a result's section of benchmarks.md (`benchmarks.md#<anchor>`) or a mention of
 its file (`results/<name>.json`) or one of its targets' ratios as the docs write them
-("1.91x": `ratio_quotes`), unless a current result the same paragraph links to has
-that ratio too (the number is then taken to be that result's). A paragraph (lines
+("1.91x": `ratio_quotes`) when the paragraph links no current result (a link names
+where its numbers come from). A paragraph (lines
 between blank lines) that quotes a stale result must say "stale" or "not current" in
 it; otherwise the check names the file, line and result, and lint fails until the
 result is re-run or the text says what it quotes is old.
@@ -93,14 +93,15 @@ def _paragraphs(text: str) -> Iterator[tuple[int, str]]:
 
 
 def _quoted(paragraph: str, results: Sequence[QuotedResult]) -> list[str]:
-    """The stale results `paragraph` quotes: linked, or by a ratio that no current result
-    it links to accounts for."""
+    """The stale results `paragraph` quotes: those it links, and, when it links no
+    current result (which would name the source of its numbers), those whose ratios it
+    has."""
     linked = [r for r in results if r.linked_in(paragraph)]
-    explained = set().union(*(r.ratios_in(paragraph) for r in linked if r.current))
+    sourced = any(r.current for r in linked)
     return [
         r.stem
         for r in results
-        if not r.current and (r in linked or r.ratios_in(paragraph) - explained)
+        if not r.current and (r in linked or (not sourced and r.ratios_in(paragraph)))
     ]
 
 
