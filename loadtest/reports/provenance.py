@@ -35,7 +35,6 @@ FLAGS_OF_INTEREST = (
     "avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
     "amx_tile", "amx_bf16", "amx_int8",
 )  # fmt: skip
-GIT_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -75,29 +74,28 @@ def _git(*args: str) -> str | None:
     return None if out is None else out.decode()
 
 
-def cpu_model(cpuinfo: Path = CPUINFO) -> str:
-    """The CPU's marketing name from /proc/cpuinfo, else what `platform` knows."""
+def _cpuinfo_field(cpuinfo: Path, keys: tuple[str, ...]) -> str | None:
+    """The first non-empty value of /proc/cpuinfo under one of `keys`, or None."""
     try:
         for line in cpuinfo.read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+            if key.strip() in keys and value.strip():
                 return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown"
+    return None
+
+
+def cpu_model(cpuinfo: Path = CPUINFO) -> str:
+    """The CPU's marketing name from /proc/cpuinfo, else what `platform` knows."""
+    found = _cpuinfo_field(cpuinfo, ("model name", "Model", "Hardware"))
+    return found or platform.processor() or platform.machine() or "unknown"
 
 
 def cpu_flags(cpuinfo: Path = CPUINFO) -> tuple[str, ...]:
     """Those of `FLAGS_OF_INTEREST` the first CPU of /proc/cpuinfo lists, in that order."""
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "flags":
-                present = set(value.split())
-                return tuple(f for f in FLAGS_OF_INTEREST if f in present)
-    except OSError:
-        pass
-    return ()
+    present = set((_cpuinfo_field(cpuinfo, ("flags",)) or "").split())
+    return tuple(f for f in FLAGS_OF_INTEREST if f in present)
 
 
 def memory_bytes(meminfo: Path = MEMINFO) -> int:

@@ -110,7 +110,7 @@ class Tree:
 
     def _files(self, path: str) -> list[tuple[str, bytes]]:
         if path not in self._cache:
-            found = self._fromgit_output(path) if self.commit else list(self._from_disk(path))
+            found = self._from_git(path) if self.commit else list(self._from_disk(path))
             self._cache[path] = found
         return self._cache[path]
 
@@ -126,7 +126,7 @@ class Tree:
                     full = Path(folder) / name
                     yield full.relative_to(self.root).as_posix(), full.read_bytes()
 
-    def _fromgit_output(self, path: str) -> list[tuple[str, bytes]]:
+    def _from_git(self, path: str) -> list[tuple[str, bytes]]:
         assert self.commit is not None
         listing = git_output(self.root, "ls-tree", "-r", "-z", self.commit, "--", path)
         if listing is None:
