@@ -45,23 +45,34 @@ def _decisions(cluster: LocalCluster) -> dict[str, float]:
     return {k: v for k, v in scrape(port).items() if k.startswith(DECISIONS)}
 
 
-def test_short_prompts_prefill_locally_and_long_ones_take_the_hop(
-    cluster: LocalCluster, reference: LLMEngine
-) -> None:
-    probe = start_probe(cluster)
+def short_and_long_streams(
+    cluster: LocalCluster, reference: LLMEngine, local_max: int, max_tokens: int
+) -> dict[str, list[gateway_pb2.GenerateResponse]]:
+    """A short prompt (at most `local_max` tokens) and a long one (over it, at most 4x),
+    one after the other through the gateway; asserts that each stream is `reference`'s
+    greedy output and finished. Returns the streams' messages by "short" and "long"."""
     short, long = SHORT[2], long_prompt(8)
     lengths = [len(reference.tokenizer.encode(p)) for p in (short, long)]
-    assert lengths[0] <= 512 < lengths[1] <= 4 * 512
+    assert lengths[0] <= local_max < lengths[1] <= 4 * local_max
     sent = {}
     for name, prompt in (("short", short), ("long", long)):
-        got = asyncio.run(_collect(cluster.gateway_address, prompt=prompt, max_tokens=12))
+        got = asyncio.run(_collect(cluster.gateway_address, prompt=prompt, max_tokens=max_tokens))
         sent[name] = cast(list[gateway_pb2.GenerateResponse], got)
     expected = reference.generate(
-        [reference.tokenizer.encode(p) for p in (short, long)], SamplingParams(max_tokens=12)
+        [reference.tokenizer.encode(p) for p in (short, long)],
+        SamplingParams(max_tokens=max_tokens),
     )
     for msgs, want in zip(sent.values(), expected, strict=True):
         assert [t for m in msgs for t in m.token_ids] == want
         assert msgs[-1].finished
+    return sent
+
+
+def test_short_prompts_prefill_locally_and_long_ones_take_the_hop(
+    cluster: LocalCluster, reference: LLMEngine
+) -> None:
+    probe = start_probe(cluster)
+    sent = short_and_long_streams(cluster, reference, local_max=512, max_tokens=12)
     assert sent["short"][0].prefill_worker == "decode-0"  # its decode worker prefilled it
     assert sent["long"][0].prefill_worker == "prefill-0"
     assert len(sent["long"][0].token_ids) == 1  # token 1 came from the prefill worker

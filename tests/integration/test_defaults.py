@@ -24,7 +24,6 @@ import pytest
 
 from engine.engine import LLMEngine
 from engine.precision import DType
-from engine.sampling_params import SamplingParams
 from pdserve.v1 import gateway_pb2
 from services.cluster.local_cluster import LocalCluster
 from services.router.keyspace import Keyspace
@@ -33,6 +32,7 @@ from services.router.registry import Registry
 from tests.conftest import EngineFactory
 from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.integration.test_cluster import _cluster, _collect
+from tests.integration.test_conditional_disaggregation import short_and_long_streams
 from tests.prompts import SHORT, long_prompt
 
 #: The suite's pins (tests/conftest.py) that this module's cluster must not inherit.
@@ -73,20 +73,7 @@ def test_short_prompts_skip_the_hop_long_ones_take_it_and_tokens_are_the_engines
     cluster: LocalCluster, reference: LLMEngine
 ) -> None:
     probe = start_probe(cluster)
-    short, long = SHORT[2], long_prompt(8)
-    lengths = [len(reference.tokenizer.encode(p)) for p in (short, long)]
-    assert lengths[0] <= GATEWAY_DEFAULT_LOCAL_MAX < lengths[1]
-    sent = {}
-    for name, prompt in (("short", short), ("long", long)):
-        got = asyncio.run(_collect(cluster.gateway_address, prompt=prompt, max_tokens=MAX_TOKENS))
-        sent[name] = cast(list[gateway_pb2.GenerateResponse], got)
-    expected = reference.generate(
-        [reference.tokenizer.encode(p) for p in (short, long)],
-        SamplingParams(max_tokens=MAX_TOKENS),
-    )
-    for msgs, want in zip(sent.values(), expected, strict=True):
-        assert [t for m in msgs for t in m.token_ids] == want
-        assert msgs[-1].finished
+    sent = short_and_long_streams(cluster, reference, GATEWAY_DEFAULT_LOCAL_MAX, MAX_TOKENS)
     short_at, long_at = _workers(sent["short"]), _workers(sent["long"])
     # One worker prefilled and decoded the short prompt (the decode worker, or the
     # prefill worker serving it whole while idle): no hop.

@@ -9,31 +9,22 @@ with the leak checks on both engines and the exporter's leases."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-
-import pytest
 
 from engine.engine import LLMEngine
 from kvtransfer.exporter import KvExporter
 from kvtransfer.importer import KvImporter
 from services.decode.handler import DecodeHandler
-from tests.conftest import EngineFactory, assert_no_leaks
+from tests.conftest import assert_no_leaks
 from tests.unit.services.engine_harness import Context, Harness
 from tests.unit.services.test_decode_handler_cancel import MAX_TOKENS, TCP, Reader, _exported
 
+# A prefill and a decode engine and the prefill engine's exporter over TCP: the lost
+# exporter test's fixtures (each module gets its own).
+from tests.unit.services.test_decode_handler_lost_exporter import engines, exporter
+
+__all__ = ["engines", "exporter"]  # fixtures: used by name, not by reference
+
 TOGETHER = 6
-
-
-@pytest.fixture(scope="module")
-def engines(make_engine: EngineFactory) -> tuple[LLMEngine, LLMEngine]:
-    return make_engine(num_kv_blocks=128), make_engine(num_kv_blocks=128)
-
-
-@pytest.fixture(scope="module")
-def exporter(engines: tuple[LLMEngine, LLMEngine]) -> Iterator[KvExporter]:
-    exp = KvExporter(engines[0].handoff, TCP, engine_id="p").start()
-    yield exp
-    exp.close()
 
 
 def test_imports_arriving_together_share_one_handshake(
