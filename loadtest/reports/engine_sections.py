@@ -179,16 +179,20 @@ def speculation(data: Json) -> list[str]:
     rows = [
         [w["workload"], str(w["requests"]), fmt(w["off_tokens_per_s"], ".1f"),
          fmt(w["spec_tokens_per_s"], ".1f"), fmt(w["ratio"], ".2f", "x"),
-         fmt(w["acceptance_rate"], ".2f"), fmt(w["tokens_per_verification"], ".2f")]
+         fmt(w.get("paired_ratio"), ".2f", "x"), fmt(w["acceptance_rate"], ".2f"),
+         fmt(w["tokens_per_verification"], ".2f")]
         for w in data.get("workloads", [])
     ]  # fmt: skip
-    head = ["workload", "requests", "off tok/s", "auto tok/s", "auto/off", "acceptance",
-            "tokens/verification"]  # fmt: skip
+    head = ["workload", "requests", "off tok/s", "auto tok/s", "auto/off",
+            "median of paired rounds", "acceptance", "tokens/verification"]  # fmt: skip
     return [
-        f"Decode tokens/s at batch 1, greedy, {data.get('max_tokens')} tokens per request, "
-        f"compute {data.get('compute_dtype')}, {data.get('threads')} thread(s); best of "
-        f"{data.get('reps')} interleaved rounds per side. Speculation `auto`: prompt-lookup "
-        "drafts with adaptive length.",
+        f"Decode tokens/s at batch 1, {data.get('max_tokens')} tokens per request, compute "
+        f"{data.get('compute_dtype')}, {data.get('threads')} thread(s); best of "
+        f"{data.get('reps')} interleaved rounds per side, and the median over rounds of the "
+        "ratio within each. `repetitive` and `chat` are greedy with EOS ignored (chat's "
+        "small-model answers then loop, which drafts predict); `open` samples new prose "
+        "for eight distinct requests, the workload that does not repeat itself. "
+        "Speculation `auto`: prompt-lookup drafts with adaptive length.",
         "",
         *table(head, rows),
     ]
