@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 DEMO_PROMPT ?= Explain in two sentences why splitting prefill from decode helps LLM serving.
 
-.PHONY: install model promtool demo test lint bench perf-gate bench-docs clean
+.PHONY: install model promtool reference demo test lint bench perf-gate bench-docs clean
 
 # Also points git at .githooks (the commit-msg style check); a no-op outside a checkout.
 install: $(STAMP)
@@ -36,6 +36,10 @@ model: install
 # host without it gets).
 promtool: install
 	$(BIN)/python -m tests.unit.helm.install_promtool
+
+# The accuracy benchmark's yardsticks: the `reference` extra (bitsandbytes).
+reference: install
+	$(BIN)/python -m pip install -q -e '.[reference]'
 
 demo: model
 	$(BIN)/pdserve up --gateway-port 0 --generate "$(DEMO_PROMPT)" --max-tokens 80
@@ -68,7 +72,7 @@ test: model lint promtool
 	echo "make test: gate exit $$gate, parallel phase exit $$unit, serial phase exit $$serial"; \
 	[ $$gate -eq 0 ] && [ $$unit -eq 0 ] && [ $$serial -eq 0 ]
 
-bench: model
+bench: model reference
 	$(BIN)/python -m loadtest.engine.bench --out bench-results/engine.json
 	# the engine against this machine's GEMM and bandwidth roofs, per precision (about 1 minute)
 	$(BIN)/python -m loadtest.engine.roofline_bench --out bench-results/roofline.json
@@ -80,8 +84,9 @@ bench: model
 	# attention by rows (batch invariance) against SDPA per layer call, and which rows
 	# change their bits with the batch or the chunking under each (about 2 minutes)
 	$(BIN)/python -m loadtest.engine.row_attention_bench --out bench-results/row_attention.json
-	# bf16, int8 and 8-bit KV against float32, and transformers' own bf16 against its
-	# float32 as the yardstick: perplexity and agreement (about 2.5 minutes)
+	# bf16, int8 and 8-bit KV against float32, each beside a reference implementation
+	# of the same mode against transformers' float32 (its yardstick): perplexity and
+	# agreement (about 5 minutes)
 	$(BIN)/python -m loadtest.engine.accuracy --out bench-results/accuracy.json
 	$(BIN)/python -m loadtest.transfer.bench --out bench-results/transfer.json
 	# 8-bit KV capacity and batch-32 throughput, offload-tier TTFT (about 10 minutes)

@@ -107,16 +107,22 @@ def _accuracy_rows(modes: list[Json]) -> list[list[str]]:
         [m["name"], fmt(m["perplexity"], ".3f"), fmt(100 * m["ppl_rise"], "+.2f", "%"),
          f"<= +{100 * m['max_ppl_rise']:.0f}%", fmt(m["forced_agreement"], ".3f"),
          f">= {m['min_agreement']:.2f}", fmt(m["agreement"], ".3f"),
-         fmt(m["prefix_agreement"], ".3f"), "pass" if m["passed"] else "**fail**"]
+         fmt(m["prefix_agreement"], ".3f"), fmt(m.get("yardstick_agreement"), ".3f"),
+         _floor(m.get("free_floor")), "pass" if m["passed"] else "**fail**"]
         for m in modes
     ]  # fmt: skip
 
 
+def _floor(value: object) -> str:
+    return "-" if value is None else f">= {fmt(value, '.3f')}"
+
+
 def accuracy(data: Json) -> list[str]:
-    """Perplexity and agreement of each reduced-precision mode against float32, and
-    transformers' own bf16 against its float32 where the run measured it."""
+    """Perplexity and agreement of each reduced-precision mode against float32, each
+    held to its yardstick where the run scored one, and the yardsticks themselves."""
     header = ["mode", "perplexity", "rise", "bound", "forced agreement", "floor",
-              "free agreement", "free prefix", "gate"]  # fmt: skip
+              "free agreement", "free prefix", "yardstick's free", "free floor",
+              "gate"]  # fmt: skip
     lines = [
         f"{data.get('reference_tokens', '?')} reference tokens, {data.get('prompts', '?')} "
         f"parity prompts, {data.get('continuation_tokens', '?')} tokens each. "
