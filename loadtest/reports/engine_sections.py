@@ -83,19 +83,21 @@ def roofline(data: Json) -> list[str]:
     """The engine's prefill and decode GFLOPS as fractions of roofs measured in the run."""
     rows = []
     for r in data.get("precisions", []):
+        name = f"{r['name']} (peak {fmt(r.get('peak_gflops'), '.0f')})"
         for p in r.get("prefill", []):
-            rows.append([r["name"], f"prefill {p['tokens']} tokens", fmt(p["tokens_per_s"], ".0f")
-                         + " tok/s", fmt(p["gflops"], ".1f"), fmt(p["roof_gflops"], ".0f"),
-                         fmt(p["fraction"], ".2f")])  # fmt: skip
+            rows.append([name, f"prefill {p['tokens']} tokens", fmt(p["tokens_per_s"], ".0f")
+                         + " tok/s", fmt(p["gflops"], ".1f"), fmt(p.get("kernel_gflops"), ".0f"),
+                         fmt(p["roof_gflops"], ".0f"), fmt(p["fraction"], ".2f")])  # fmt: skip
         for d in r.get("decode", []):
-            rows.append([r["name"], f"decode batch {d['batch']}", fmt(d["step_ms"], ".1f")
-                         + " ms/step", fmt(d["gflops"], ".1f"), fmt(d["roof_gflops"], ".0f"),
-                         fmt(d["fraction"], ".2f")])  # fmt: skip
-        rows.append([r["name"], "batch-1 bandwidth bound", fmt(r.get("bandwidth_bound_ms"), ".1f")
-                     + " ms", "-", "-", fmt(r.get("bandwidth_fraction"), ".2f")])  # fmt: skip
-    header = ["precision", "work", "speed", "GFLOPS", "roof GFLOPS", "fraction"]
+            rows.append([name, f"decode batch {d['batch']}", fmt(d["step_ms"], ".1f")
+                         + " ms/step", fmt(d["gflops"], ".1f"), fmt(d.get("kernel_gflops"), ".0f"),
+                         fmt(d["roof_gflops"], ".0f"), fmt(d["fraction"], ".2f")])  # fmt: skip
+        rows.append([name, "batch-1 bandwidth bound", fmt(r.get("bandwidth_bound_ms"), ".1f")
+                     + " ms", "-", "-", "-", fmt(r.get("bandwidth_fraction"), ".2f")])  # fmt: skip
+    header = ["precision (peak GFLOPS)", "work", "speed", "GFLOPS", "kernel GFLOPS",
+              "roof GFLOPS", "fraction"]  # fmt: skip
     return [
-        f"{data.get('threads', '?')} torch thread(s); copy bandwidth "
+        f"{data.get('threads', '?')} torch thread(s); read bandwidth "
         f"{fmt(data.get('bandwidth_gb_s'), '.1f')} GB/s. {data.get('note', '')}.",
         "",
         *table(header, rows),
@@ -133,13 +135,16 @@ def accuracy(data: Json) -> list[str]:
     if data.get("reference"):
         lines += [
             "",
-            "The yardstick, same run and inputs: transformers' own bfloat16 against its own "
-            "float32, scored the same way (its gate column says whether it would pass). "
-            f"transformers' float32 continuations equal the float32 engine's on "
-            f"{data.get('reference_fp32_same', '?')} of {data.get('prompts', '?')} prompts.",
+            "The yardsticks, same run and inputs: a reference implementation of each mode "
+            "against transformers' own float32, scored the same way (the gate column says "
+            "whether it would pass the mode's bounds). transformers' float32 continuations "
+            f"equal the float32 engine's on {data.get('reference_fp32_same', '?')} of "
+            f"{data.get('prompts', '?')} prompts.",
             "",
             *table(header, _accuracy_rows(data["reference"])),
         ]
+    for name, why in (data.get("unavailable") or {}).items():
+        lines += ["", f"Not measured: {name} ({why})."]
     return lines
 
 

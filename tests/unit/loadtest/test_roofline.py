@@ -86,3 +86,33 @@ def test_targets_hold_each_bound() -> None:
     report.targets = targets(report.precisions)
     table = format_table(report)
     assert "prefill 256" in table and "decode b16" in table and "NOT MET" in table
+
+
+def test_a_roof_is_the_lesser_bound_and_never_below_a_measured_kernel(
+    spec: ModelSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(machine_roof, "gemm_roof", lambda *a, **k: 5.0)
+    # One row of bf16 reads 2 bytes per multiply-add: 1 FLOP per byte, so 20 GB/s of
+    # reading bounds it at 20 GFLOPS, under a 1,000 GFLOPS peak.
+    one = machine_roof.roof(spec, "bfloat16", 1, 2, 20.0, 1000.0, lm_head=True)
+    assert one.memory_bound_gflops == pytest.approx(20.0)
+    assert one.gflops == pytest.approx(20.0) and one.kernel_gflops == 5.0
+    # 256 rows: the arithmetic bound (the peak) is the lesser.
+    assert machine_roof.roof(spec, "bfloat16", 256, 2, 20.0, 1000.0, lm_head=False).gflops == 1000
+    # A kernel measured above both bounds means a bound was measured low: the roof
+    # takes the kernel's rate, so no fraction of it can exceed 1 on that account.
+    monkeypatch.setattr(machine_roof, "gemm_roof", lambda *a, **k: 30.0)
+    assert machine_roof.roof(spec, "bfloat16", 1, 2, 20.0, 1000.0, lm_head=True).gflops == 30
+
+
+def test_peak_and_read_bandwidth_are_real_rates_above_the_model_shapes(
+    spec: ModelSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(machine_roof, "TIME_S", 0.02)
+    monkeypatch.setattr(machine_roof, "PEAK_SHAPES", ((256, 512, 512),))
+    torch.set_num_threads(1)
+    for dtype in ("float32", "int8"):
+        assert 0.5 < machine_roof.peak_gflops(dtype) < 100_000, dtype
+    bw = machine_roof.read_bandwidth()
+    assert 0.5 < bw < 2_000
+    assert torch.get_num_threads() == 1  # restored after the all-core measurement
