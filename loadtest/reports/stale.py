@@ -26,19 +26,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
-_FUSED_DECODE = "0f07b397ab8c8a8eb869662946cf2ecddf837328"  # the fused bf16 decode kernel
-# The first of the 14 admission commits after 48ceba9, where overload and fairness ran.
-_FIRST_ADMISSION = "8f23f52b4dbbf9480afafb755851c6f38edae9de"
 # Workers measure their prefill speed before they register (admission is no longer blind
 # at start).
 _CALIBRATION = "1b68e711d8ea7f5f50625acb67dfffb472846891"
 _CALIBRATION_REASON = (
     "taken before workers measured their prefill speed before registering, which changes "
     "admission at the start of a run (refusals, first bursts); not re-run"
-)
-_FLOW_REASON = (
-    "measured on 2026-11-23 in fp32, before 14 admission commits, conditional "
-    "disaggregation and the bf16 default"
 )
 
 
@@ -68,14 +61,6 @@ class StaleResult:
 
 
 STALE: tuple[StaleResult, ...] = (
-    StaleResult(
-        "kv",
-        _FUSED_DECODE,
-        "measured before the fused decode kernel; re-run: int8 KV 0.61x and fp8 KV 0.60x "
-        "at batch 32 (target 0.9x)",
-    ),
-    StaleResult("overload", _FIRST_ADMISSION, _FLOW_REASON),
-    StaleResult("fairness", _FIRST_ADMISSION, _FLOW_REASON),
     StaleResult("shifting", _CALIBRATION, _CALIBRATION_REASON),
     StaleResult("peer", _CALIBRATION, _CALIBRATION_REASON),
 )
