@@ -61,7 +61,6 @@ class StaleResult:
 
 
 STALE: tuple[StaleResult, ...] = (
-    StaleResult("shifting", _CALIBRATION, _CALIBRATION_REASON),
     StaleResult("peer", _CALIBRATION, _CALIBRATION_REASON),
 )
 
