@@ -67,8 +67,6 @@ YARDSTICKS = (
     Yardstick("transformers, fp8 e4m3 KV per token", "kv fp8_e4m3", torch.float32,
               kv=KvCacheDType.FP8_E4M3),
 )  # fmt: skip
-#: The first yardstick, kept under its old name for the page's first table row.
-NAME = YARDSTICKS[0].name
 
 
 class YardstickUnavailable(RuntimeError):
