@@ -60,9 +60,7 @@ class StaleResult:
         return f"Stale{since}: {self.reason}."
 
 
-STALE: tuple[StaleResult, ...] = (
-    StaleResult("peer", _CALIBRATION, _CALIBRATION_REASON),
-)
+STALE: tuple[StaleResult, ...] = (StaleResult("peer", _CALIBRATION, _CALIBRATION_REASON),)
 
 
 def by_result(entries: Iterable[StaleResult] = STALE) -> dict[str, StaleResult]:
