@@ -1,4 +1,4 @@
-"""The KV-transfer config: backend choice, lease and deadline lengths, listen address."""
+"""The KV-transfer config: backend, lease and deadline lengths, address, checksums."""
 
 from __future__ import annotations
 
@@ -23,6 +23,13 @@ class TransferConfig:
     )
     kv_transfer_port: int = field(
         default=0, metadata={"help": "port of the KvTransfer service (0 = any free port)"}
+    )
+    kv_checksum: bool = field(
+        default=True,
+        metadata={
+            "help": "checksum every exported KV block and verify it on import (a mismatch "
+            "is re-read once, then the prompt is computed again)"
+        },
     )
 
     def __post_init__(self) -> None:

@@ -43,3 +43,9 @@ class NoBlocksError(TransferError):
     """The importing engine has no room for the request's blocks right now."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class KvCorruptionError(TransferError):
+    """Blocks that arrived differ from the exporter's checksums, after a re-read too."""
+
+    code = grpc.StatusCode.DATA_LOSS

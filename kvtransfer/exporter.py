@@ -25,6 +25,7 @@ import torch
 
 from kvtransfer.backend import ExportBackend
 from kvtransfer.channel import CHANNEL_OPTIONS, PLAINTEXT, ChannelSecurity, bind
+from kvtransfer.checksum import block_checksums
 from kvtransfer.config import TransferConfig
 from kvtransfer.engine_port import ExportPort
 from kvtransfer.handle import PROTOCOL_VERSION
@@ -101,8 +102,13 @@ class KvExporter:
         return self
 
     def export(self, request_id: str) -> common_pb2.KvHandle:
-        """Lease the held blocks of a finished hold_kv request and describe them."""
+        """Lease the held blocks of a finished hold_kv request and describe them, with a
+        checksum per block unless the config turns them off. Hashing reads every byte
+        (it releases the GIL): call it off an event loop."""
         held = self.held.held_kv(request_id)
+        checksums = (
+            block_checksums(self.kv_blocks, held.block_ids) if self.config.kv_checksum else []
+        )
         lease = self.leases.grant(request_id, held.block_ids)
         return common_pb2.KvHandle(
             protocol_version=PROTOCOL_VERSION,
@@ -120,6 +126,7 @@ class KvExporter:
             fork_token_ids=held.fork_token_ids,
             request_id=request_id,
             adapter_digest=held.adapter_digest,
+            block_checksums=checksums,
         )
 
     def cancel(self, request_id: str) -> bool:

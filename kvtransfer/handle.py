@@ -2,8 +2,9 @@
 
 A KvHandle crosses two hops (prefill -> gateway -> decode), so the importer re-checks
 everything that must hold before it touches memory: protocol version, layout, block
-count against token count, that the lease has not already run out, and that the request
-and the KV agree on the LoRA adapter (`handle_adapter`).
+count against token count, a checksum per block when it verifies them, that the lease has
+not already run out, and that the request and the KV agree on the LoRA adapter
+(`handle_adapter`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from pdserve.v1 import common_pb2
 #: 2: ReadBlocks streams whole blocks of the block-major pool.
 #: 3: handles carry the LoRA adapter's digest (a peer of 2 would take adapter KV for the
 #:    base model's).
-PROTOCOL_VERSION = 3
+#: 4: handles carry a checksum per block (a peer of 3 sends none, so nothing it sent
+#:    could be verified).
+PROTOCOL_VERSION = 4
 
 
 def validate_handle(
@@ -29,8 +32,11 @@ def validate_handle(
     layout: KvLayout,
     prompt_token_ids: Sequence[int],
     backend: str,
+    *,
+    checksums: bool = True,
 ) -> None:
-    """Raise InvalidHandleError (or a subclass) if the handle cannot serve this request."""
+    """Raise InvalidHandleError (or a subclass) if the handle cannot serve this request;
+    with `checksums`, it must carry one per block."""
     if handle.protocol_version != PROTOCOL_VERSION:
         raise InvalidHandleError(
             f"kv_handle.protocol_version: {handle.protocol_version} is not supported "
@@ -59,6 +65,12 @@ def validate_handle(
         raise InvalidHandleError(
             f"kv_handle.block_ids: {len(handle.block_ids)} blocks for {handle.num_tokens} "
             f"tokens; expected {expected_blocks}"
+        )
+    if checksums and len(handle.block_checksums) != expected_blocks:
+        why = " (the exporter runs with kv_checksum off)" if not handle.block_checksums else ""
+        raise InvalidHandleError(
+            f"kv_handle.block_checksums: {len(handle.block_checksums)} checksums for "
+            f"{expected_blocks} blocks{why}; this worker verifies every block it imports"
         )
     if handle.lease_expiry_unix_ms and handle.lease_expiry_unix_ms < time.time() * 1000:
         raise LeaseExpiredError(f"kv_handle lease {handle.lease_id} has expired")

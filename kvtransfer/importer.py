@@ -6,15 +6,16 @@ layout and the prompt; make sure the exporter's current incarnation has been han
 (once per incarnation, however many imports arrive together: a restarted exporter's
 stale NIXL metadata is dropped and the handshake redone); reserve blocks in the engine
 (WAITING_FOR_REMOTE_KV), reusing blocks already in its prefix cache so only the missing
-ones are read; read them with one batched transfer before the deadline; release the
-exporter's lease, whose answer says whether the lease was held for the whole read
-(`LeaseReleaser`: a one-sided read cannot be checked by the exporter, and a lease that
-ended mid-read may have let the engine reuse the blocks for another request); only then
-commit the request to the engine's batch (or learn why its first token already ended
-it: the result's `finish_reason`). A lease found ended discards the bytes read
-(LeaseExpiredError: the gateway prefills the request again). Any failure cancels the
-reservation (nothing leaks here) and raises a typed TransferError; the exporter's lease
-expiry covers its side.
+ones are read; read them with one batched transfer before the deadline; check each block
+read against the exporter's checksum (`kvtransfer/checksum.py`), re-reading once the
+blocks that differ (KvCorruptionError if they differ again); release the exporter's
+lease, whose answer says whether the lease was held for the whole read (`LeaseReleaser`:
+a one-sided read cannot be checked by the exporter, and a lease that ended mid-read may
+have let the engine reuse the blocks for another request); only then commit the request
+to the engine's batch (or learn why its first token already ended it: the result's
+`finish_reason`). A lease found ended discards the bytes read (LeaseExpiredError: the
+gateway prefills the request again). Any failure cancels the reservation (nothing leaks
+here) and raises a typed TransferError; the exporter's lease expiry covers its side.
 """
 
 from __future__ import annotations
@@ -33,16 +34,20 @@ from engine.errors import OutOfBlocksError
 from engine.finish_reason import FinishReason
 from engine.kv_layout import KvLayout
 from engine.request_spec import RequestSpec
-from kvtransfer.backend import ImportBackend
+from kvtransfer.backend import ImportBackend, ReadResult
 from kvtransfer.channel import PLAINTEXT, ChannelSecurity, dial
+from kvtransfer.checked_read import CheckedRead, ReadChecker
 from kvtransfer.config import TransferConfig
 from kvtransfer.engine_port import ImportPort
 from kvtransfer.errors import (
     InvalidHandleError,
+    KvCorruptionError,
     LeaseExpiredError,
     NoBlocksError,
     PeerUnavailableError,
+    TransferError,
 )
+from kvtransfer.fault import BitFlips
 from kvtransfer.grpc_errors import transfer_error_from_rpc
 from kvtransfer.handle import PROTOCOL_VERSION, handle_adapter, validate_handle
 from kvtransfer.layout import check_layout, layout_to_proto
@@ -104,6 +109,9 @@ class ImportResult:
     seconds: float
     # None: the request was queued to decode; else why its first token already ended it.
     finish_reason: FinishReason | None = None
+    # Blocks whose first read failed its checksum (each re-read and then matched).
+    checksum_mismatches: int = 0
+    verify_seconds: float = 0.0
 
     @property
     def queued(self) -> bool:
@@ -124,7 +132,10 @@ class KvImporter:
         *,
         engine_id: str | None = None,
         security: ChannelSecurity = PLAINTEXT,
+        flips: BitFlips | None = None,
     ) -> None:
+        """`flips` corrupts reads on purpose, for tests (`kvtransfer/fault.py`; default:
+        as `PDSERVE_TEST_KV_BIT_FLIPS` says, normally never)."""
         self.engine = engine
         self.config = config
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
@@ -139,6 +150,9 @@ class KvImporter:
         self._peer_blocks: dict[str, int] = {}  # peer key -> blocks in its pool
         self._handshaking: dict[str, threading.Lock] = {}  # address -> its handshake's lock
         self.handshakes = 0
+        self.checker = ReadChecker(
+            engine.kv_blocks, flips if flips is not None else BitFlips.from_env()
+        )
 
     def import_kv(
         self,
@@ -159,7 +173,13 @@ class KvImporter:
         named = "" if spec.adapter is None else spec.adapter.name
         spec = replace(spec, adapter=handle_adapter(handle, named))
         deadline = start + (timeout_s or self.config.kv_transfer_timeout_s)
-        validate_handle(handle, self.engine.layout, spec.prompt_token_ids, self.backend.name)
+        validate_handle(
+            handle,
+            self.engine.layout,
+            spec.prompt_token_ids,
+            self.backend.name,
+            checksums=self.config.kv_checksum,
+        )
         peer = self._peer(handle, deadline, metadata)
         self._check_block_ids(handle, peer)
         try:
@@ -170,10 +190,13 @@ class KvImporter:
             raise NoBlocksError(str(exc)) from exc
         request_id = spec.request_id
         try:
-            src = list(handle.block_ids[slot.num_cached_blocks :])
-            result = None
+            first = slot.num_cached_blocks
+            src = list(handle.block_ids[first:])
+            read = None
             if src:
-                result = self.backend.read(peer, handle, src, slot.blocks_to_fill, deadline)
+                read = self._read_blocks(
+                    peer, handle, src, slot.blocks_to_fill, handle.block_checksums[first:], deadline
+                )
             held = self.releaser.release(peer, handle, deadline)
             if src and not held:
                 raise LeaseExpiredError(
@@ -193,11 +216,43 @@ class KvImporter:
         return ImportResult(
             num_cached_blocks=slot.num_cached_blocks,
             num_read_blocks=len(src),
-            bytes=result.bytes if result else 0,
-            descriptors=result.descriptors if result else 0,
+            bytes=read.result.bytes if read else 0,
+            descriptors=read.result.descriptors if read else 0,
             seconds=time.monotonic() - start,
             finish_reason=ended,
+            checksum_mismatches=read.mismatches if read else 0,
+            verify_seconds=read.verify_seconds if read else 0.0,
         )
+
+    def _read_blocks(
+        self,
+        peer: str,
+        handle: common_pb2.KvHandle,
+        src: list[int],
+        dst: list[int],
+        checksums: Sequence[int],
+        deadline: float,
+    ) -> CheckedRead:
+        """Read `src` into `dst` and check each block against `checksums` (unless this
+        worker runs with kv_checksum off); on corruption the lease is given back at once:
+        blocks that failed twice are no use to anyone, and a lease left out pins them
+        until it expires."""
+
+        def read(src: list[int], dst: list[int]) -> ReadResult:
+            return self.backend.read(peer, handle, src, dst, deadline)
+
+        if not self.config.kv_checksum:
+            return self.checker.read_unchecked(read, src, dst)
+        try:
+            return self.checker.read(read, src, dst, checksums)
+        except KvCorruptionError as exc:
+            try:
+                self.releaser.release(peer, handle, deadline)
+            except TransferError as release_error:  # expiry ends it; corruption is the news
+                log.warning("KV lease %s not released: %s", handle.lease_id, release_error)
+            raise KvCorruptionError(
+                f"KV from {handle.transfer_address}: {exc}; the bytes are discarded"
+            ) from exc
 
     def _peer(
         self, handle: common_pb2.KvHandle, deadline: float, metadata: Sequence[tuple[str, str]]
@@ -266,5 +321,6 @@ class KvImporter:
                 self.releaser.forget(key)
 
     def close(self) -> None:
+        self.checker.close()
         self.backend.close()
         self.releaser.close()

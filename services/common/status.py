@@ -35,6 +35,7 @@ from engine.errors import (
 )
 from kvtransfer.errors import (
     InvalidHandleError,
+    KvCorruptionError,
     LayoutMismatchError,
     LeaseExpiredError,
     NoBlocksError,
@@ -179,6 +180,7 @@ STATUS: Final[Mapping[type[BaseException], grpc.StatusCode]] = MappingProxyType(
         PeerUnavailableError: Code.UNAVAILABLE,
         TransferTimeoutError: Code.DEADLINE_EXCEEDED,
         LeaseExpiredError: Code.NOT_FOUND,
+        KvCorruptionError: Code.DATA_LOSS,
         NoBlocksError: Code.RESOURCE_EXHAUSTED,
         # services
         UnknownModelError: Code.NOT_FOUND,

@@ -14,6 +14,7 @@ that ends each phase, so the gateway can show the whole timeline.
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 from collections.abc import Iterator
 
@@ -22,11 +23,19 @@ from opentelemetry.trace import Span, SpanKind
 
 from engine.request import RequestOutput
 from engine.request_spec import RequestSpec
+from kvtransfer.errors import KvCorruptionError
 from kvtransfer.importer import ImportResult
 from pdserve.v1 import common_pb2, worker_pb2
 from services.common.status import status_for
 from services.common.tracing import Attributes, Metadata, Phase, Tracing, epoch_ns
 from services.engine_host.telemetry import WorkerTelemetry
+
+
+class ChecksumOutcome(enum.StrEnum):
+    """How an import whose blocks failed their checksum ended (a metric label)."""
+
+    REPAIRED = "repaired"  # the re-read matched; the request decoded from it
+    LOST = "lost"  # it failed again; the gateway has the prompt computed here instead
 
 
 class TransferSpan:
@@ -76,6 +85,8 @@ class DecodeTrace:
         try:
             yield transfer
         except Exception as exc:
+            if isinstance(exc, KvCorruptionError):
+                self._count_checksum_failure(ChecksumOutcome.LOST)
             if span is not None:
                 code, message = status_for(exc)
                 Tracing.fail(span, code.name, message)
@@ -84,12 +95,18 @@ class DecodeTrace:
             end = time.monotonic()
             self._finish_transfer(span, transfer.result, start, end)
 
+    def _count_checksum_failure(self, outcome: ChecksumOutcome) -> None:
+        if self._tel.metrics is not None:
+            self._tel.metrics.checksum_failures.labels(outcome).inc()
+
     def _finish_transfer(
         self, span: Span | None, result: ImportResult | None, start: float, end: float
     ) -> None:
         timing = Phase("kv.transfer", start, end).timing(self._tel.worker_id)
         self._pending.append(timing)
         metrics = self._tel.metrics
+        if result is not None and result.checksum_mismatches:
+            self._count_checksum_failure(ChecksumOutcome.REPAIRED)
         if result is not None and metrics is not None:
             metrics.transfer_bytes.inc(result.bytes)
             metrics.transfer_blocks.inc(result.num_read_blocks)
@@ -104,6 +121,8 @@ class DecodeTrace:
                     "kv.cached_blocks": result.num_cached_blocks,
                     "kv.descriptors": result.descriptors,
                     "kv.gbps": round(result.gbps, 3),
+                    "kv.checksum_mismatches": result.checksum_mismatches,
+                    "kv.verify_ms": round(result.verify_seconds * 1000, 3),
                 }
             )
         span.end(end_time=timing.end_unix_nano)

@@ -44,6 +44,13 @@ class WorkerMetrics:
         self.transfer_blocks = Counter(
             "pdserve_kv_transfer_blocks", "KV blocks read from prefill workers", registry=registry
         )
+        self.checksum_failures = Counter(
+            "pdserve_kv_checksum_failures",
+            "KV imports with blocks that failed their checksum, by outcome: repaired (a "
+            "re-read matched) or lost (the prompt was computed again)",
+            ["outcome"],
+            registry=registry,
+        )
         self.transfer_seconds = Histogram(
             "pdserve_kv_transfer_seconds",
             "Duration of one KV import (handshake if any, read, release, commit)",

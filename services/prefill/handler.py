@@ -5,7 +5,8 @@ Lifecycle of one call: the message is decoded once into the request contract
 `max_tokens=1` and `hold_kv=True` (chunked prefill and prefix-cache hits apply as usual);
 when its one token is sampled, either the request is already over (the token is EOS or a stop, or
 the client asked for one token) and its blocks are released at once, or the exporter
-leases the held blocks and the handle goes back, with the engine-measured phases
+leases the held blocks (hashing each for its checksum, in a worker thread) and the handle
+goes back, with the engine-measured phases
 (prefill.queue, prefill.compute), which are also recorded as spans in the caller's trace.
 A cancelled call aborts the request and drops any lease.
 """
@@ -65,6 +66,8 @@ class PrefillHandler:
             finished = True
             out.raise_for_deadline()  # ended by the engine, blocks freed: DEADLINE_EXCEEDED
             response = self._respond(rid, out, params)
+            if not response.finished:
+                response.kv_handle.CopyFrom(await self._export(rid))
             response.phases.extend(self._phases(spec, out, parent))
             return response
         except asyncio.CancelledError:
@@ -108,9 +111,24 @@ class PrefillHandler:
             self.engine.handoff.release_held(rid)
             response.finished = True
             response.finish_reason = sampling.finish_reason(out.finish_reason)
-            return response
-        response.kv_handle.CopyFrom(self.exporter.export(rid))
         return response
+
+    async def _export(self, request_id: str) -> common_pb2.KvHandle:
+        """The lease and handle on a held request's KV, made in a worker thread: its
+        checksums read every byte of the blocks. If the call is cancelled meanwhile, the
+        lease and the held blocks are given back once the thread is done."""
+        exporting = asyncio.ensure_future(asyncio.to_thread(self.exporter.export, request_id))
+        try:
+            return await asyncio.shield(exporting)
+        except asyncio.CancelledError:
+            exporting.add_done_callback(lambda done: self._unexport(request_id, done))
+            raise
+
+    def _unexport(self, request_id: str, exporting: asyncio.Future[common_pb2.KvHandle]) -> None:
+        if not exporting.cancelled():
+            exporting.exception()  # retrieved: a failed export granted nothing to give back
+        self.exporter.cancel(request_id)
+        self.engine.handoff.release_held(request_id)
 
     def abort(self, request_id: str) -> bool:
         dropped = self.exporter.cancel(request_id)

@@ -3,7 +3,7 @@
 Run as `python -m tests.integration.kv_peer --backend nixl|tcp [--port P] [--lease-ttl S]`.
 It prints one JSON line `{"ready": ...}` once serving, then answers JSON commands on
 stdin, one per line, until `exit` or EOF:
-  {"cmd": "prefill", "prompt": [...]}  -> {"handle": base64 KvHandle}
+  {"cmd": "prefill", "prompts": [[...], ...]}  -> {"handles": [base64 KvHandle, ...]}
   {"cmd": "stats"}                     -> engine and lease counts
 The control channel is test scaffolding only; handshake and block data go over the real
 KvTransfer gRPC service and NIXL.
@@ -25,12 +25,16 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.exporter import KvExporter
 
 
-def _prefill(engine: LLMEngine, exporter: KvExporter, prompt: list[int]) -> dict[str, object]:
-    rid = engine.add_request(RequestSpec(prompt, SamplingParams(max_tokens=1)), hold_kv=True)
+def _prefill(
+    engine: LLMEngine, exporter: KvExporter, prompts: list[list[int]]
+) -> dict[str, object]:
+    """Prefill the prompts together (batched: a test may want hundreds), export each."""
+    params = SamplingParams(max_tokens=1)
+    rids = [engine.add_request(RequestSpec(p, params), hold_kv=True) for p in prompts]
     while engine.has_unfinished():
         engine.step()
-    handle = exporter.export(rid)
-    return {"handle": base64.b64encode(handle.SerializeToString()).decode()}
+    handles = [exporter.export(rid).SerializeToString() for rid in rids]
+    return {"handles": [base64.b64encode(h).decode() for h in handles]}
 
 
 def _stats(engine: LLMEngine, exporter: KvExporter) -> dict[str, object]:
@@ -71,7 +75,7 @@ def main() -> None:
         cmd = json.loads(line)
         if cmd["cmd"] == "exit":
             break
-        reply = _prefill(engine, exporter, cmd["prompt"]) if cmd["cmd"] == "prefill" else {}
+        reply = _prefill(engine, exporter, cmd["prompts"]) if cmd["cmd"] == "prefill" else {}
         if cmd["cmd"] == "stats":
             reply = _stats(engine, exporter)
         print(json.dumps(reply), flush=True)

@@ -52,8 +52,13 @@ class PeerProcess:
         return self._read(timeout=120)
 
     def prefill(self, prompt: list[int]) -> common_pb2.KvHandle:
-        reply = self.call(cmd="prefill", prompt=prompt)
-        return common_pb2.KvHandle.FromString(base64.b64decode(reply["handle"]))
+        (handle,) = self.prefill_many([prompt])
+        return handle
+
+    def prefill_many(self, prompts: list[list[int]]) -> list[common_pb2.KvHandle]:
+        """Prefill the prompts in one batch and lease each one's KV."""
+        reply = self.call(cmd="prefill", prompts=prompts)
+        return [common_pb2.KvHandle.FromString(base64.b64decode(h)) for h in reply["handles"]]
 
     def stats(self) -> dict[str, Any]:
         return self.call(cmd="stats")

@@ -43,7 +43,9 @@ OK = grpc.StatusCode.OK
 VOCAB_SIZE = 49152  # the default model's
 GATEWAY_CODES = {OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                  grpc.StatusCode.RESOURCE_EXHAUSTED}  # fmt: skip
-DECODE_CODES = GATEWAY_CODES | {grpc.StatusCode.UNAVAILABLE}
+# DATA_LOSS: a forged handle's block ids, in range, name blocks whose bytes fail the
+# handle's checksums (before checksums, such a handle decoded another prompt's KV).
+DECODE_CODES = GATEWAY_CODES | {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS}
 CALL_TIMEOUT_S = 60.0  # a hang shows up as DEADLINE_EXCEEDED, which no test allows
 T = TypeVar("T")
 FUZZ = settings(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])

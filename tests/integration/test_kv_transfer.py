@@ -7,6 +7,7 @@ single-engine run, and every failure must leave no block behind on either side.
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 from collections.abc import Iterator
@@ -20,14 +21,17 @@ from engine.priority import Priority
 from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
 from kvtransfer.backend import ReadResult
+from kvtransfer.checksum import block_checksums
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import (
     InvalidHandleError,
+    KvCorruptionError,
     LayoutMismatchError,
     LeaseExpiredError,
     PeerUnavailableError,
     TransferError,
 )
+from kvtransfer.fault import BitFlips
 from kvtransfer.importer import KvImporter
 from tests.conftest import EngineFactory, assert_no_leaks
 from tests.integration.peer import PeerProcess
@@ -233,6 +237,97 @@ def test_corrupt_handle_is_invalid_argument(
     peer.assert_clean(expired)
 
 
+def test_a_handle_without_checksums_is_refused(
+    peer: PeerProcess, importer: KvImporter, decode: LLMEngine
+) -> None:
+    """An exporter with kv_checksum off sends none; a verifying importer says so."""
+    expired = peer.stats()["expired"]
+    prompt = decode.tokenizer.encode(SHORT[0])
+    handle = peer.prefill(prompt)
+    del handle.block_checksums[:]
+    with pytest.raises(InvalidHandleError, match=r"block_checksums: 0 checksums .*kv_checksum off"):
+        importer.import_kv(handle, RequestSpec(prompt, PARAMS, request_id="unchecked"))
+    assert_no_leaks(decode)
+    assert peer.release(handle.lease_id)
+    peer.assert_clean(expired)
+
+
+#: Imports with bits flipped in transit, per backend (the TCP fallback is 20x slower),
+#: prefilled in batches of FLIP_BATCH.
+FLIPPED_IMPORTS = {"nixl": 240, "tcp": 80}
+FLIP_BATCH = 40
+
+
+def _random_prompts(rng: random.Random, n: int) -> list[list[int]]:
+    """Distinct prompts of 1 or 2 blocks, so no import finds its blocks cached."""
+    return [[rng.randrange(100, 40_000) for _ in range(rng.randint(2, 30))] for _ in range(n)]
+
+
+def test_every_bit_flipped_in_transit_is_caught(
+    backend: str, peer: PeerProcess, decode: LLMEngine, reference: LLMEngine
+) -> None:
+    """One bit of one block flipped on every third read (re-reads count): each import
+    whose first read was hit finds it by checksum, re-reads that block and commits the
+    exporter's exact bytes; the flips detected equal the flips made, and a sample of the
+    repaired requests decode as a single engine does."""
+    expired = peer.stats()["expired"]
+    flips = BitFlips(every=3, seed=11)
+    config = TransferConfig(kv_backend=backend, kv_transfer_timeout_s=5)
+    imp = KvImporter(decode.handoff, config, flips=flips)
+    rng = random.Random(5)
+    detected = decoded = 0
+    try:
+        for n in range(FLIPPED_IMPORTS[backend] // FLIP_BATCH):
+            prompts = _random_prompts(rng, FLIP_BATCH)
+            handles = peer.prefill_many(prompts)
+            for i, (prompt, handle) in enumerate(zip(prompts, handles, strict=True)):
+                rid = f"flip{n}-{i}"
+                made = flips.flipped
+                result = imp.import_kv(handle, RequestSpec(prompt, PARAMS, request_id=rid))
+                assert result.checksum_mismatches == flips.flipped - made, rid
+                detected += result.checksum_mismatches
+                landed = decode.requests[rid].block_ids[: len(handle.block_ids)]
+                sums = block_checksums(decode.handoff.kv_blocks, landed)
+                assert sums == list(handle.block_checksums), rid
+                if result.checksum_mismatches and decoded < 3:
+                    (expected,) = reference.generate([prompt], PARAMS)
+                    assert _decode_all(decode, rid, handle.first_token_id) == expected, rid
+                    decoded += 1
+                    continue
+                decode.abort(rid)
+                while decode.has_unfinished():
+                    decode.step()
+    finally:
+        imp.close()
+    assert flips.flipped >= FLIPPED_IMPORTS[backend] // 4 and decoded == 3
+    assert detected == flips.flipped
+    assert_no_leaks(decode)
+    decode.pool.reset_prefix_cache()
+    peer.assert_clean(expired)
+
+
+def test_kv_that_fails_its_checksum_twice_is_refused_and_given_back(
+    backend: str, peer: PeerProcess, decode: LLMEngine
+) -> None:
+    """Every read corrupted: the re-read fails too, the import raises DATA_LOSS, its
+    reservation is freed and the exporter's lease released, not left to expire."""
+    expired = peer.stats()["expired"]
+    released = peer.stats()["released"]
+    config = TransferConfig(kv_backend=backend, kv_transfer_timeout_s=5)
+    imp = KvImporter(decode.handoff, config, flips=BitFlips(every=1))
+    try:
+        for i in range(3):
+            prompt = decode.tokenizer.encode(long_prompt(2 + i))
+            with pytest.raises(KvCorruptionError, match="after a re-read") as info:
+                imp.import_kv(peer.prefill(prompt), RequestSpec(prompt, PARAMS, request_id="bad"))
+            assert info.value.code.name == "DATA_LOSS"
+            assert_no_leaks(decode)
+    finally:
+        imp.close()
+    assert peer.wait_stats(lambda s: s["released"] == released + 3)["active_leases"] == 0
+    peer.assert_clean(expired)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -258,10 +353,16 @@ def test_a_lease_that_expires_mid_read_discards_the_bytes(backend: str, decode: 
     p = PeerProcess(backend, lease_ttl=1.0)
     imp = KvImporter(decode.handoff, TransferConfig(kv_backend=backend, kv_transfer_timeout_s=10))
     real_read = imp.backend.read
+    read_blocks = 0
 
-    def slow_read(*args: Any, **kwargs: Any) -> ReadResult:
-        done = real_read(*args, **kwargs)
-        time.sleep(1.5)  # past the lease's TTL: the exporter's housekeeping ends it
+    def slow_read(
+        peer_key: str, handle: Any, src_blocks: list[int], dst_blocks: list[int], deadline: float
+    ) -> ReadResult:
+        nonlocal read_blocks
+        done = real_read(peer_key, handle, src_blocks, dst_blocks, deadline)
+        read_blocks += len(src_blocks)
+        if read_blocks == len(handle.block_ids):  # the import's last chunk is in
+            time.sleep(1.5)  # past the lease's TTL: the exporter's housekeeping ends it
         return done
 
     imp.backend.read = slow_read  # type: ignore[method-assign]

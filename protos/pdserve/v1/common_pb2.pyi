@@ -170,7 +170,7 @@ class KvLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., memory_kind: _Optional[str] = ..., fingerprint: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., kernels: _Optional[str] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("protocol_version", "engine_id", "incarnation", "agent_name", "transfer_address", "block_ids", "num_tokens", "layout_fingerprint", "lease_id", "lease_expiry_unix_ms", "backend", "first_token_id", "request_id", "fork_token_ids", "adapter_digest")
+    __slots__ = ("protocol_version", "engine_id", "incarnation", "agent_name", "transfer_address", "block_ids", "num_tokens", "layout_fingerprint", "lease_id", "lease_expiry_unix_ms", "backend", "first_token_id", "request_id", "fork_token_ids", "adapter_digest", "block_checksums")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +186,7 @@ class KvHandle(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FORK_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     engine_id: str
     incarnation: str
@@ -201,7 +202,8 @@ class KvHandle(_message.Message):
     request_id: str
     fork_token_ids: _containers.RepeatedScalarFieldContainer[int]
     adapter_digest: str
-    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., transfer_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix_ms: _Optional[int] = ..., backend: _Optional[str] = ..., first_token_id: _Optional[int] = ..., request_id: _Optional[str] = ..., fork_token_ids: _Optional[_Iterable[int]] = ..., adapter_digest: _Optional[str] = ...) -> None: ...
+    block_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., transfer_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix_ms: _Optional[int] = ..., backend: _Optional[str] = ..., first_token_id: _Optional[int] = ..., request_id: _Optional[str] = ..., fork_token_ids: _Optional[_Iterable[int]] = ..., adapter_digest: _Optional[str] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Adapter(_message.Message):
     __slots__ = ("name", "digest")

@@ -58,6 +58,8 @@ HTTP_FOR_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.CANCELLED: (503, "service_unavailable_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    # KV that failed its checksums on every try (re-prefill spent): a retry will do.
+    grpc.StatusCode.DATA_LOSS: (503, "service_unavailable_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
 SERVER_ERROR = (500, "server_error")

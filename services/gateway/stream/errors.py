@@ -33,8 +33,8 @@ class WorkerLost(StreamError):
 class KvLost(StreamError):
     """The decode worker could not import the prefilled KV before its first chunk
     (NOT_FOUND: the lease ended before or during the read, or the prefill worker
-    restarted): the bytes were discarded, and the same decode worker may prefill the
-    prompt itself (`StreamRecovery.after_loss`)."""
+    restarted; DATA_LOSS: blocks failed their checksum twice): the bytes were discarded,
+    and the same decode worker may prefill the prompt itself (`StreamRecovery.after_loss`)."""
 
 
 class DecodeRefused(StreamError):

@@ -12,7 +12,8 @@ and gets the next attempt back, or the error that ends the stream:
   within the first-token deadline and the KV lease; the prefill worker's lease is still
   good, so the new decode worker pulls from the same handle (decode reroute);
 - `after_loss` with `KvLost` (the import found the KV gone, NOT_FOUND: the lease ended,
-  or its exporter cannot be reached): the same decode worker computes it instead, once
+  or its exporter cannot be reached; or corrupt, DATA_LOSS: blocks failed their checksum
+  on a read and a re-read): the same decode worker computes it instead, once
   per request (re-prefill, not a move); a moved stream's lost import is recomputed
   within its move;
 - `after_loss` with `WorkerLost` (the decode worker died or stalled after tokens went

@@ -67,6 +67,9 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 #: A prefill worker may also be out of something another has: a free LoRA adapter slot
 #: (AdaptersBusyError) when the request's adapter is loaded nowhere with room.
 PREFILL_RETRYABLE = (*RETRYABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+#: A decode worker's import failed this way before its first chunk: the KV is gone
+#: (lease ended, exporter unreachable) or corrupt (checksums failed twice), not the worker.
+KV_LOST = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS)
 
 
 @dataclass(frozen=True)
@@ -279,7 +282,7 @@ class RequestStream:
         try:
             return await self._read(call, first_by - time.monotonic(), decision, limit)
         except StreamError as exc:
-            if imported and exc.code == grpc.StatusCode.NOT_FOUND:
+            if imported and exc.code in KV_LOST:
                 raise KvLost(exc.code, str(exc)) from exc
             refusal = REFUSALS.get(exc.code)
             if refusal is None:
