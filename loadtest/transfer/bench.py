@@ -11,7 +11,8 @@ Lifecycle of one run (`python -m loadtest.transfer.bench`):
 3. This process builds its own pool and measures (`measure`): per prompt size
    and block pattern, verified imports over each backend interleaved with the
    single-thread memcpy baseline (torch threads are set to 1 for the run and restored),
-   then the one-block import overhead.
+   and NIXL imports checked against the exporter's checksums beside plain ones, then
+   the one-block import overhead.
 4. Every lease must end by release (none expired, none left active); the links are
    closed and the exporter stopped on every exit path (killed if it does not stop;
    SIGTERM included). `report` holds the numbers to the targets; `bench_main`
@@ -80,6 +81,7 @@ def _run_measurements(
             for link in rig.links.values():
                 link.backend.close()
                 link.releaser.close()
+            rig.checker.close()
         return cases, one_block, wait_leases_settled(peer), peer.proc.pid
     finally:
         peer.close()

@@ -3,10 +3,11 @@
 Lifecycle: `connect` handshakes one exporter and connects a `NixlImportBackend` or
 `TcpImportBackend` to it over this process's own pool, exactly as `KvImporter` does; the
 `Link` it returns is used for every import of the run (`timed_import`: read, then
-release, each timed) and closed by the caller. `CopyBaseline` holds two preallocated
-huge-page-advised buffers for the in-process copies the transfers are measured against:
-a single-thread libc memcpy of the same number of bytes (the baseline) and torch `copy_`
-(context).
+release, each timed; `timed_checked_import`: the same read cut into chunks and checked
+against the handle's checksums, as `KvImporter` reads) and closed by the caller.
+`CopyBaseline` holds two preallocated huge-page-advised buffers for the in-process
+copies the transfers are measured against: a single-thread libc memcpy of the same
+number of bytes (the baseline) and torch `copy_` (context).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from engine.kv_layout import KvLayout, allocate_blocks
 from kvtransfer.backend import ImportBackend, ReadResult
+from kvtransfer.checked_read import CheckedRead, ReadChecker
 from kvtransfer.errors import LeaseExpiredError
 from kvtransfer.importer import handshake, handshake_offer
 from kvtransfer.layout import check_layout
@@ -72,6 +74,24 @@ def timed_import(
     if not link.releaser.release(link.peer_key, handle, deadline):
         raise LeaseExpiredError(f"lease {handle.lease_id} ended during the timed read")
     return result, t1 - t0, time.perf_counter() - t0
+
+
+def timed_checked_import(
+    link: Link, checker: ReadChecker, handle: common_pb2.KvHandle, src: list[int], dst: list[int]
+) -> tuple[CheckedRead, float]:
+    """One import checked block by block: (what the checker saw, read + check seconds).
+    Its lease is released after the clock stops, as in `timed_import`."""
+    deadline = time.monotonic() + IMPORT_TIMEOUT_S
+
+    def read(src: list[int], dst: list[int]) -> ReadResult:
+        return link.backend.read(link.peer_key, handle, src, dst, deadline)
+
+    t0 = time.perf_counter()
+    checked = checker.read(read, src, dst, handle.block_checksums)
+    seconds = time.perf_counter() - t0
+    if not link.releaser.release(link.peer_key, handle, deadline):
+        raise LeaseExpiredError(f"lease {handle.lease_id} ended during the timed read")
+    return checked, seconds
 
 
 class CopyBaseline:

@@ -8,8 +8,11 @@ pattern (`contig`: runs [k, k+n) on both sides, what a fresh engine allocates, a
 the targets apply; `scatter`: random blocks on both sides), runs one verified import
 per backend (destination zeroed, then compared bitwise with the pattern; it doubles as
 warm-up) and `reps` repetitions, interleaved so that the shared machine's noise hits
-every side alike: memcpy, torch `copy_`, a NIXL import, a TCP import (the first
-`tcp_reps` only). Medians are reported. Then the one-block import (read + release) is
+every side alike: memcpy, torch `copy_`, a NIXL import and a checked NIXL import (its
+blocks read in chunks and hashed against the exporter's checksums, as `KvImporter` does;
+the two in alternating order, and their ratio taken per round), a TCP import (the first
+`tcp_reps` only). The exporter's own hashing of the blocks is timed in this process on
+the same bytes. Medians are reported. Then the one-block import (read + release) is
 timed per backend. The caller closes the links and stops the peer;
 `wait_leases_settled` reads the exporter's lease counts once its releases have landed.
 
@@ -30,13 +33,24 @@ import torch
 
 from engine.kv_layout import KvLayout, allocate_blocks
 from kvtransfer.backend import ReadResult
+from kvtransfer.checked_read import ReadChecker
+from kvtransfer.checksum import block_checksums
+from kvtransfer.fault import BitFlips
 from loadtest.harness.bench_main import Progress
 from loadtest.transfer.config import HEADROOM_BLOCKS, TransferBenchConfig
 from loadtest.transfer.exporter import BACKENDS, BLOCK_SIZE, CPU, patterned_pool
-from loadtest.transfer.links import IMPORT_TIMEOUT_S, CopyBaseline, Link, connect, timed_import
+from loadtest.transfer.links import (
+    IMPORT_TIMEOUT_S,
+    CopyBaseline,
+    Link,
+    connect,
+    timed_checked_import,
+    timed_import,
+)
 from loadtest.transfer.peer import ExporterPeer, LeaseCounts
 
 PATTERNS = ("contig", "scatter")
+COPIES = ("memcpy", "torch_copy")
 ONE_BLOCK_WARMUP = 20
 progress = Progress("transfer_bench")
 
@@ -54,6 +68,13 @@ class CaseResult:
     nixl_vs_memcpy: float
     nixl_vs_torch_copy: float
     nixl_vs_tcp: float
+    # Checksums: a checked NIXL import's GB/s; the median over rounds of its time over
+    # the plain import's in the same round (1.0 = free); the checker's median wait for
+    # hashes after its last read; the exporter's hashing of the same blocks.
+    nixl_checked_gbps: float
+    checked_vs_plain: float
+    verify_wait_ms: float
+    export_hash_ms: float
     nixl_unit_descriptors: int
     nixl_merged_descriptors: int
     tcp_messages: int
@@ -84,6 +105,7 @@ class TransferRig:
     pool: torch.Tensor
     reference: torch.Tensor
     copies: CopyBaseline
+    checker: ReadChecker
     links: dict[str, Link] = field(default_factory=dict)
 
 
@@ -93,7 +115,8 @@ def make_rig(
     reference = patterned_pool(layout, cfg.num_blocks)
     copies = CopyBaseline(reference, layout, cfg.num_blocks - HEADROOM_BLOCKS)
     pool = allocate_blocks(layout, cfg.num_blocks, CPU)
-    return TransferRig(cfg, seed, layout, peer, pool, reference, copies)
+    checker = ReadChecker(pool, BitFlips())
+    return TransferRig(cfg, seed, layout, peer, pool, reference, copies, checker)
 
 
 def verified_import(
@@ -134,14 +157,33 @@ def measure_case(rig: TransferRig, tokens: int, pattern: str) -> CaseResult:
     src, dst = block_ids(pattern, n, cfg.num_blocks, rig.seed)
     nixl_read, nixl_ok = verified_import(rig, "nixl", src, dst)
     tcp_read, tcp_ok = verified_import(rig, "tcp", src, dst)
-    times: dict[str, list[float]] = {"memcpy": [], "torch_copy": [], "nixl": [], "tcp": []}
+    times: dict[str, list[float]] = {
+        "memcpy": [], "torch_copy": [], "nixl": [], "nixl_checked": [], "tcp": [],
+        "verify_wait": [], "export_hash": [],
+    }  # fmt: skip
+    checked_ok = True
     for rep in range(cfg.reps):
         times["memcpy"].append(rig.copies.memcpy(nbytes))
         times["torch_copy"].append(rig.copies.torch_copy(nbytes))
-        for name in BACKENDS if rep < cfg.tcp_rep_count else ("nixl",):
-            handle = rig.peer.export(name, src)
-            times[name].append(timed_import(rig.links[name], handle, src, dst)[1])
-    gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+        for side in ("nixl", "nixl_checked") if rep % 2 else ("nixl_checked", "nixl"):
+            handle = rig.peer.export("nixl", src)
+            if side == "nixl":
+                times["nixl"].append(timed_import(rig.links["nixl"], handle, src, dst)[1])
+                continue
+            checked, seconds = timed_checked_import(
+                rig.links["nixl"], rig.checker, handle, src, dst
+            )
+            times["nixl_checked"].append(seconds)
+            times["verify_wait"].append(checked.verify_seconds)
+            checked_ok = checked_ok and checked.mismatches == 0
+        if rep < cfg.tcp_rep_count:
+            handle = rig.peer.export("tcp", src)
+            times["tcp"].append(timed_import(rig.links["tcp"], handle, src, dst)[1])
+        start = time.perf_counter()
+        block_checksums(rig.reference, src)
+        times["export_hash"].append(time.perf_counter() - start)
+    gbps = {k: nbytes / statistics.median(times[k]) / 1e9 for k in (*BACKENDS, *COPIES)}
+    paired = [c / p for c, p in zip(times["nixl_checked"], times["nixl"], strict=True)]
     return CaseResult(
         tokens=tokens,
         blocks=n,
@@ -157,7 +199,11 @@ def measure_case(rig: TransferRig, tokens: int, pattern: str) -> CaseResult:
         nixl_unit_descriptors=nixl_read.descriptors,
         nixl_merged_descriptors=merged_descriptors(src, dst),
         tcp_messages=tcp_read.descriptors,
-        verified={"nixl": nixl_ok, "tcp": tcp_ok},
+        nixl_checked_gbps=nbytes / statistics.median(times["nixl_checked"]) / 1e9,
+        checked_vs_plain=statistics.median(paired),
+        verify_wait_ms=statistics.median(times["verify_wait"]) * 1e3,
+        export_hash_ms=statistics.median(times["export_hash"]) * 1e3,
+        verified={"nixl": nixl_ok, "tcp": tcp_ok, "nixl_checked": checked_ok},
         seconds=times,
     )
 

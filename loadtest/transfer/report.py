@@ -4,7 +4,8 @@ targets, and the terminal table.
 Lifecycle: once `measure` is done and the exporter stopped,
 `bench.run` holds the numbers to the issue's targets (`evaluate_targets`: at
 8,192 tokens in contiguous blocks, NIXL GB/s against memcpy and against the TCP
-fallback; the median one-block import over NIXL) and collects them, with the layout and
+fallback; at 8,192 tokens in either pattern, a checked import's time against a plain
+one's; the median one-block import over NIXL) and collects them, with the layout and
 the host's state (`machine_info`), into a `TransferReport`; `bench_main` writes it as
 JSON and prints `format_table`.
 """
@@ -35,6 +36,8 @@ TARGET_VS_MEMCPY = 0.6
 TARGET_SCATTER_VS_MEMCPY = 0.7
 TARGET_VS_TCP = 2.0
 TARGET_ONE_BLOCK_MS = 1.0
+#: Issue 45: checking every block against its checksum costs at most 5% of the transfer.
+TARGET_CHECKED_VS_PLAIN = 1.05
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -96,6 +99,10 @@ def evaluate_targets(
                                    TARGET_VS_MEMCPY),
                 TargetResult.check("nixl/tcp @8192 contig", c.nixl_vs_tcp, ">=", TARGET_VS_TCP),
             ]  # fmt: skip
+        if c.tokens == TARGET_TOKENS:
+            targets.append(TargetResult.check(f"checked/plain nixl @8192 {c.pattern}",
+                                              c.checked_vs_plain, "<=",
+                                              TARGET_CHECKED_VS_PLAIN))  # fmt: skip
         if c.tokens == TARGET_TOKENS and c.pattern == "scatter":
             targets.append(TargetResult.check("nixl/memcpy @8192 scatter", c.nixl_vs_memcpy,
                                               ">=", TARGET_SCATTER_VS_MEMCPY))  # fmt: skip
@@ -146,6 +153,16 @@ def format_table(report: TransferReport) -> str:
             f"{c.tokens:>6} {c.pattern:>7} {c.bytes / 2**20:>6.1f} {c.memcpy_gbps:>7.2f} "
             f"{c.torch_copy_gbps:>6.2f} {c.nixl_gbps:>6.2f} {c.tcp_gbps:>6.2f} "
             f"{c.nixl_vs_memcpy:>10.2f}x {c.nixl_vs_tcp:>7.2f}x  {descs:>24} {c.tcp_messages:>8}"
+        )
+    rows.append(
+        "checksums (XXH3-64 per block): checked nixl GB/s, checked/plain (median of paired "
+        "rounds), wait for hashes after the last read, the exporter's hashing"
+    )
+    for c in report.cases:
+        rows.append(
+            f"{c.tokens:>6} {c.pattern:>7} {c.nixl_checked_gbps:>6.2f} GB/s "
+            f"{c.checked_vs_plain:>6.3f}x  wait {c.verify_wait_ms:>6.2f} ms  "
+            f"export hash {c.export_hash_ms:>7.2f} ms"
         )
     for o in report.one_block:
         rows.append(

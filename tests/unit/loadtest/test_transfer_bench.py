@@ -14,6 +14,7 @@ import io
 import json
 import math
 import os
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -85,15 +86,19 @@ def test_cases_add_up(report: dict[str, Any]) -> None:
         assert (
             c["bytes"] == blocks * layout["bytes_per_block"] == TOKENS * layout["bytes_per_token"]
         )
-        for side in ("memcpy", "torch_copy", "nixl", "tcp"):
+        for side in ("memcpy", "torch_copy", "nixl", "nixl_checked", "tcp"):
             assert c[f"{side}_gbps"] > 0
             assert len(c["seconds"][side]) == 2
+        checked, plain = c["seconds"]["nixl_checked"], c["seconds"]["nixl"]
+        paired = [a / b for a, b in zip(checked, plain, strict=True)]
+        assert math.isclose(c["checked_vs_plain"], statistics.median(paired))
+        assert c["verify_wait_ms"] >= 0 and c["export_hash_ms"] > 0
         assert math.isclose(c["nixl_vs_memcpy"], c["nixl_gbps"] / c["memcpy_gbps"])
         assert math.isclose(c["nixl_vs_torch_copy"], c["nixl_gbps"] / c["torch_copy_gbps"])
         assert math.isclose(c["nixl_vs_tcp"], c["nixl_gbps"] / c["tcp_gbps"])
         assert c["nixl_unit_descriptors"] == blocks  # block-major: one per block
         assert c["tcp_messages"] == -(-blocks // per_message)
-        assert c["verified"] == {"nixl": True, "tcp": True}
+        assert c["verified"] == {"nixl": True, "tcp": True, "nixl_checked": True}
     contig = report["cases"][0]
     assert contig["nixl_merged_descriptors"] == 1  # one run of adjacent blocks
 
@@ -127,7 +132,7 @@ def test_exporter_process_is_gone(report: dict[str, Any]) -> None:
 
 def test_table_printed(bench_run: tuple[dict[str, Any], str]) -> None:
     report, table = bench_run
-    assert "nixl/memcpy" in table and "nixl descs" in table
+    assert "nixl/memcpy" in table and "nixl descs" in table and "checked/plain" in table
     for c in report["cases"]:
         row = next(
             line for line in table.splitlines() if line.split()[:2] == [str(TOKENS), c["pattern"]]
