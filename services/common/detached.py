@@ -10,6 +10,10 @@ Two tools keep a cancel from cutting it short:
   executor at once, at call time, and returns an awaitable that only waits for it. A
   coroutine doing the same would not start until its first step, and a cancel that lands
   before that step drops it unseen.
+- `undone_if_cancelled(fn, *args, undo=...)` runs a blocking call that takes something
+  (a worker's KV import, its export's lease) in a thread and waits for it; if the
+  awaiter is cancelled, the call still runs to its end and then `undo` gives back what
+  it took, since nobody is left to use it.
 - `Detached.finish(coro)` runs a coroutine as its own task, held until it ends (the
   loop keeps only weak references to tasks), and returns an awaitable that only waits
   (`start` returns the task itself, for a caller that awaits it more than once);
@@ -41,6 +45,20 @@ def in_thread(fn: Callable[..., T], *args: Any) -> Awaitable[T]:
     """Start `fn(*args)` in the default executor now; cancelling the awaiter leaves it
     running (the job is queued before this returns)."""
     return asyncio.shield(asyncio.get_running_loop().run_in_executor(None, fn, *args))
+
+
+async def undone_if_cancelled(
+    fn: Callable[..., T], *args: Any, undo: Callable[[asyncio.Future[T]], None]
+) -> T:
+    """`fn(*args)` in a thread (with this task's context), awaited. When the await is
+    cancelled the thread cannot be stopped: `undo(its future)` runs on the loop once it
+    is done, succeeded or not."""
+    job = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        job.add_done_callback(undo)
+        raise
 
 
 class Detached:

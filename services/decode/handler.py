@@ -29,6 +29,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 
@@ -39,6 +40,7 @@ from kvtransfer.errors import LeaseExpiredError, NoBlocksError, PeerUnavailableE
 from kvtransfer.importer import ImportResult, KvImporter
 from pdserve.v1 import common_pb2, worker_pb2
 from services.common import request_codec, sampling
+from services.common.detached import undone_if_cancelled
 from services.common.status import DecodeFullError
 from services.decode.decode_trace import DecodeTrace, TransferSpan
 from services.decode.import_room import ImportRoom
@@ -159,21 +161,15 @@ class DecodeHandler:
     async def _import(self, job: Import) -> ImportResult:
         """One try at the import, in a worker thread."""
         assert self.importer is not None
-        importing = asyncio.ensure_future(
-            asyncio.to_thread(
-                self.importer.import_kv, job.handle, job.spec, metadata=job.span.metadata
-            )
+        # If the stream closes mid-import, the thread may not have reserved the request
+        # yet (an abort now would find no such id and be dropped), so it is aborted once
+        # the import is over: a committed import would otherwise decode to max_tokens
+        # unread.
+        rid = job.spec.request_id
+        import_kv = partial(self.importer.import_kv, metadata=job.span.metadata)
+        return await undone_if_cancelled(
+            import_kv, job.handle, job.spec, undo=lambda done: self._abort_after(rid, done)
         )
-        try:
-            return await asyncio.shield(importing)
-        except asyncio.CancelledError:
-            # The stream closed mid-import. The thread cannot be stopped and may not have
-            # reserved the request yet (an abort now would find no such id and be
-            # dropped), so abort it once the import is over: a committed import would
-            # otherwise decode to max_tokens unread.
-            rid = job.spec.request_id
-            importing.add_done_callback(lambda done: self._abort_after(rid, done))
-            raise
 
     def _abort_after(self, request_id: str, importing: asyncio.Future[ImportResult]) -> None:
         if not importing.cancelled():

@@ -26,6 +26,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.exporter import KvExporter
 from pdserve.v1 import common_pb2, worker_pb2
 from services.common import request_codec, sampling
+from services.common.detached import undone_if_cancelled
 from services.engine_host.loop import EngineLoop
 from services.engine_host.telemetry import WorkerTelemetry
 
@@ -117,16 +118,13 @@ class PrefillHandler:
         """The lease and handle on a held request's KV, made in a worker thread: its
         checksums read every byte of the blocks. If the call is cancelled meanwhile, the
         lease and the held blocks are given back once the thread is done."""
-        exporting = asyncio.ensure_future(asyncio.to_thread(self.exporter.export, request_id))
-        try:
-            return await asyncio.shield(exporting)
-        except asyncio.CancelledError:
-            exporting.add_done_callback(lambda done: self._unexport(request_id, done))
-            raise
+        return await undone_if_cancelled(
+            self.exporter.export, request_id, undo=lambda done: self._unexport(request_id, done)
+        )
 
     def _unexport(self, request_id: str, exporting: asyncio.Future[common_pb2.KvHandle]) -> None:
         if not exporting.cancelled():
-            exporting.exception()  # retrieved: a failed export granted nothing to give back
+            exporting.exception()  # retrieved, so asyncio does not log it as unseen
         self.exporter.cancel(request_id)
         self.engine.handoff.release_held(request_id)
 

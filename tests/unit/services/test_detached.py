@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from services.common.detached import Detached, done, in_thread
+from services.common.detached import Detached, done, in_thread, undone_if_cancelled
 
 
 def test_in_thread_runs_although_cancelled_before_the_loop_turns() -> None:
@@ -20,6 +20,35 @@ def test_in_thread_runs_although_cancelled_before_the_loop_turns() -> None:
 
     asyncio.run(go())  # waits for the executor's queued jobs on the way out
     assert ran.is_set()
+
+
+def test_a_cancelled_call_is_undone_once_it_ends_and_an_awaited_one_is_not() -> None:
+    release = threading.Event()
+    undone: list[str] = []
+
+    def take(name: str) -> str:
+        release.wait(5)
+        return name
+
+    async def go() -> None:
+        def undo(job: asyncio.Future[str]) -> None:
+            undone.append(job.result())
+
+        kept = await undone_if_cancelled(lambda: "kept", undo=undo)
+        caller = asyncio.ensure_future(undone_if_cancelled(take, "lease-1", undo=undo))
+        await asyncio.sleep(0.05)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        assert undone == [] and kept == "kept"  # the call is still running
+        release.set()
+        for _ in range(100):
+            if undone:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(go())
+    assert undone == ["lease-1"]
 
 
 def test_finish_runs_the_work_to_its_end_after_its_awaiter_is_cancelled() -> None:
