@@ -1,12 +1,12 @@
 """Reading a request's KV blocks and checking each against the exporter's checksum.
 
-Hashing every byte after the read would add most of the read's time again (on the
-development host an 8,192-token read took 68 ms and hashing it 40 ms more). So the read
-is cut into chunks, and a hashing thread checks chunk k while chunk k+1 is read: both
-cores stream memory at once, and what is left exposed is the last chunk's hash and one
-read call per chunk. Chunks are a third of what is left, between MIN_CHUNK_BYTES and
-MAX_CHUNK_BYTES, so the last ones, whose hashes nothing overlaps, are small, and a short
-read is not cut at all. docs/kvtransfer.md has the cost, measured by transfer_bench.
+Hashing every byte after the read would add a large share of the read's time again
+(docs/kvtransfer.md has the numbers). So the read is cut into chunks, and a hashing
+thread checks chunk k while chunk k+1 is read; what is left exposed is the last chunk's
+hash, one read call per chunk, and the two threads sharing the memory bus. Chunks are a
+third of what is left, between MIN_CHUNK_BYTES and MAX_CHUNK_BYTES, so the last ones,
+whose hashes nothing overlaps, are small; a read of at most MIN_CHUNK_BYTES is one call.
+`transfer_bench` measures the cost.
 
 Blocks that differ are read once more (a fault in transit need not repeat) and checked
 again; KvCorruptionError if any still differs. The fault hook (`fault.BitFlips`) acts

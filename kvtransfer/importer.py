@@ -6,8 +6,8 @@ layout and the prompt; make sure the exporter's current incarnation has been han
 (once per incarnation, however many imports arrive together: a restarted exporter's
 stale NIXL metadata is dropped and the handshake redone); reserve blocks in the engine
 (WAITING_FOR_REMOTE_KV), reusing blocks already in its prefix cache so only the missing
-ones are read; read them with one batched transfer before the deadline; check each block
-read against the exporter's checksum (`kvtransfer/checksum.py`), re-reading once the
+ones are read; read them before the deadline, in chunks, each block checked against the
+exporter's checksum while the next chunk is read (`checked_read.py`), re-reading once the
 blocks that differ (KvCorruptionError if they differ again); release the exporter's
 lease, whose answer says whether the lease was held for the whole read (`LeaseReleaser`:
 a one-sided read cannot be checked by the exporter, and a lease that ended mid-read may
