@@ -15,11 +15,14 @@ charges, prefill leases and decode streams), how many exported KV and load lease
 by expiry rather than a release (each one pinned blocks or load for its TTL), how much
 each process grew over the second half, and the gateway's router counters (Redis errors,
 releases Redis did not get at once, releases still owed), which tell a slow Redis from a
-lost release.
+lost release. `Stranded` puts what was left as a rate: KV blocks, KV leases and load
+leases held after the end per 1,000 aborted requests (target 0).
 
 `python -m loadtest.reliability.soak` starts a local cluster (1 prefill + 1 decode
-worker, Redis placement), runs the full soak and writes JSON (bench-results/soak.json by
-default); its exit status is 1 if any check failed.
+worker, Redis placement), runs the full soak, then the crash drill on the same cluster
+(`crash_drill`: its decode worker killed under load, and the time until everything it
+held elsewhere is back, against the KV lease TTL), and writes JSON
+(bench-results/soak.json by default); its exit status is 1 if any check failed.
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ from pathlib import Path
 
 import grpc
 
+from loadtest.harness.target import TargetResult
+from loadtest.reliability.crash_drill import (
+    CrashDrill,
+    CrashDrillConfig,
+    drill_summary,
+    run_crash_drill,
+)
 from loadtest.reliability.leak_probe import LeakProbe, Leaks, ProbeTarget
 from loadtest.reports.provenance import collect_provenance
 from loadtest.reports.result_file import write_result
@@ -77,6 +87,37 @@ class SoakConfig:
             raise ValueError(f"cancel_ratio must be in [0, 1], got {self.cancel_ratio}")
 
 
+@dataclass(frozen=True)
+class Stranded:
+    """What the soak's requests left held once they had all ended (leases that ended by
+    expiry count: each pinned its blocks or load for a TTL), against how many were
+    aborted by their client."""
+
+    aborted: int
+    kv_blocks: int  # used on any worker
+    kv_leases: int  # live on a prefill worker, or ended by expiry
+    load_leases: int  # live in Redis, or purged as expired
+
+    @classmethod
+    def of(cls, leaks: Leaks, aborted: int) -> Stranded:
+        held = leaks.workers.values()
+        return cls(
+            aborted,
+            sum(w.get("used_blocks", 0) for w in held),
+            sum(w.get("active_leases", 0) for w in held) + sum(leaks.expired_kv.values()),
+            sum(leaks.load.values()) + sum(leaks.expired_load.values()),
+        )
+
+    def per_1000_aborted(self) -> dict[str, float]:
+        """Each count per 1,000 aborted requests (target 0); 0 with none aborted."""
+        scale = 1000 / self.aborted if self.aborted else 0.0
+        return {
+            "kv_blocks": self.kv_blocks * scale,
+            "kv_leases": self.kv_leases * scale,
+            "load_leases": self.load_leases * scale,
+        }
+
+
 @dataclass
 class SoakReport:
     requests: int
@@ -92,6 +133,7 @@ class SoakReport:
     # The gateway's router counters at the end (redis_errors, release_failures,
     # owed_releases): when leases leak, they say whether Redis was slow to answer.
     router: dict[str, float] = field(default_factory=dict)
+    stranded: Stranded | None = None
 
     @property
     def passed(self) -> bool:
@@ -105,6 +147,8 @@ class SoakReport:
         out["unexpected_errors"] = sum(
             n for k, n in self.outcomes.items() if k not in ("ok", "cancelled")
         )
+        if self.stranded is not None:
+            out["stranded_per_1000_aborted"] = self.stranded.per_1000_aborted()
         return out
 
 
@@ -214,6 +258,7 @@ async def run_soak(cluster: LocalCluster, cfg: SoakConfig) -> SoakReport:
         cfg.requests, round(seconds, 2), dict(outcomes), unexpected, leaks, expired, rss_mid,
         rss_end, {n: round(g, 4) for n, g in growth.items()}, cfg.rss_growth_limit,
         await asyncio.to_thread(router_counters, cluster),
+        Stranded.of(leaks, outcomes.get("cancelled", 0)),
     )  # fmt: skip
 
 
@@ -239,11 +284,13 @@ def soak_cluster_config(**overrides: object) -> ClusterConfig:
 
 def summary(report: SoakReport) -> str:
     worst = max(report.rss_growth.items(), key=lambda kv: kv[1], default=("-", 0.0))
+    stranded = report.stranded.per_1000_aborted() if report.stranded else {}
     return (
         f"soak: {report.requests} requests in {report.seconds:.0f} s, outcomes "
         f"{report.outcomes}, unexpected {len(report.unexpected)}, leaks "
         f"{'none' if report.leaks.clean else asdict(report.leaks)}, expired KV leases "
-        f"{report.expired_kv_leases}, router {report.router}, largest second-half RSS "
+        f"{report.expired_kv_leases}, stranded per 1,000 aborted {stranded}, router "
+        f"{report.router}, largest second-half RSS "
         f"growth {worst[0]} {100 * worst[1]:+.1f}% (limit {100 * report.rss_growth_limit:.0f}%)"
         f" -> {'PASS' if report.passed else 'FAIL'}"
     )
@@ -251,12 +298,31 @@ def summary(report: SoakReport) -> str:
 
 @dataclass(frozen=True)
 class SoakResult:
-    """The result file: the verdict, the report's counts and the run's config."""
+    """The result file: the verdict, the report's counts, the crash drill and the run's
+    config."""
 
     schema: str
-    passed: bool
+    passed: bool  # the soak's checks and the drill's target
     report: dict[str, object]  # `SoakReport.to_json`
+    crash_drill: CrashDrill
     config: dict[str, object]
+    targets: list[TargetResult]
+
+
+def soak_targets(report: SoakReport, drill: CrashDrill) -> list[TargetResult]:
+    """Issue 45: nothing stranded per 1,000 aborted requests, and a crashed decode
+    worker's holdings back within the KV lease TTL."""
+    rates = report.stranded.per_1000_aborted() if report.stranded else {}
+    targets = [
+        TargetResult.check(f"{name.replace('_', ' ')} stranded per 1,000 aborted", rate, "<=", 0)
+        for name, rate in rates.items()
+    ]
+    back = drill.bound_s if drill.returned_s is None else drill.returned_s
+    targets.append(TargetResult.check(
+        "decode crash: s until all it held is back", back, "<=", drill.kv_lease_ttl_s,
+        f"{drill.expired_kv_leases} KV leases ended by expiry",
+    ))  # fmt: skip
+    return targets
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,12 +344,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster.start()
         report = asyncio.run(run_soak(cluster, cfg))
+        drill = asyncio.run(run_crash_drill(cluster, CrashDrillConfig()))
     finally:
         cluster.stop()
     print(summary(report))
-    result = SoakResult(SCHEMA, report.passed, report.to_json(), asdict(cfg))
+    print(drill_summary(drill))
+    passed = report.passed and drill.met
+    result = SoakResult(
+        SCHEMA, passed, report.to_json(), drill, asdict(cfg), soak_targets(report, drill)
+    )
     write_result(args.out, result, provenance)
-    return 0 if report.passed else 1
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

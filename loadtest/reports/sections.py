@@ -81,6 +81,7 @@ SECTIONS: dict[str, tuple[str, Renderer]] = {
     "pdserve.tiled_bench/1": ("Batch invariance end to end", tiled),
     "pdserve.row_attention_bench/1": ("Batch invariance: attention by rows", row_attention),
     "pdserve.perf_gate/1": ("Performance gate", generic),
+    "pdserve.soak/1": ("Soak: leaks, stranded KV and a decode worker's crash", generic),
 }
 
 
