@@ -36,9 +36,10 @@ from services.gateway.client import GatewayClient, RequestOptions, build_request
 POLL_S = 0.1
 #: Leases ended by expiry are expected after a crash: the probe counts them, never fails.
 ANY = 1 << 30
-#: Words of each prompt: over the gateway's default local-prefill limit (512 tokens),
-#: so each request takes the prefill hop and leaves exported KV for the decode worker.
-PROMPT_WORDS = 700
+#: Words of each prompt (about 5 tokens each): over the gateway's default local-prefill
+#: limit (512 tokens), so a request takes the prefill hop and leaves exported KV for the
+#: decode worker, and short enough that the prefills in flight at the kill end soon.
+PROMPT_WORDS = 130
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class CrashDrill:
     killed: str  # the decode worker killed
     streams: int
     outcomes: dict[str, int]  # "ok" or a gRPC status name, per stream
+    streams_ended_s: float  # kill -> the last stream ended (finished or failed)
     returned_s: float | None  # kill -> nothing held anywhere; None: not within the bound
     bound_s: float  # how long the drill read before it gave up
     kv_lease_ttl_s: float  # the target
@@ -121,10 +123,11 @@ async def run_crash_drill(cluster: LocalCluster, cfg: CrashDrillConfig) -> Crash
         await asyncio.to_thread(victim.proc.wait, 10)
         stop.set()
         outcomes = await load
+    ended = time.monotonic() - killed_at
     leaks = await _until_returned(probe, killed_at, ttl + cfg.slack_s)
     returned = time.monotonic() - killed_at if leaks.clean else None
     return CrashDrill(
-        victim.name, len(outcomes), dict(Counter(outcomes)),
+        victim.name, len(outcomes), dict(Counter(outcomes)), round(ended, 2),
         None if returned is None else round(returned, 2), ttl + cfg.slack_s, ttl,
         sum(leaks.expired_kv.values()), leaks,
     )  # fmt: skip
@@ -133,8 +136,9 @@ async def run_crash_drill(cluster: LocalCluster, cfg: CrashDrillConfig) -> Crash
 def drill_summary(drill: CrashDrill) -> str:
     returned = "never" if drill.returned_s is None else f"{drill.returned_s:.2f} s"
     return (
-        f"crash drill: {drill.killed} killed under {drill.streams} streams {drill.outcomes}; "
-        f"everything it held elsewhere back in {returned} (target: the KV lease TTL, "
+        f"crash drill: {drill.killed} killed under {drill.streams} streams {drill.outcomes}, "
+        f"the last ended {drill.streams_ended_s:.2f} s after the kill; everything it held "
+        f"elsewhere back in {returned} (target: the KV lease TTL, "
         f"{drill.kv_lease_ttl_s:g} s), {drill.expired_kv_leases} KV leases ended by expiry"
         f" -> {'met' if drill.met else 'NOT MET'}"
     )

@@ -41,8 +41,8 @@ def test_drill_config_refuses_nonsense() -> None:
 
 
 def _drill(returned_s: float | None) -> CrashDrill:
-    return CrashDrill("decode-0", 12, {"ok": 8, "UNAVAILABLE": 4}, returned_s, 35.0, 30.0, 0,
-                      _leaks())  # fmt: skip
+    return CrashDrill("decode-0", 12, {"ok": 8, "UNAVAILABLE": 4}, 0.5, returned_s, 35.0,
+                      30.0, 0, _leaks())  # fmt: skip
 
 
 def _report(stranded: Stranded) -> SoakReport:
