@@ -194,9 +194,7 @@ class KvImporter:
             src = list(handle.block_ids[first:])
             read = None
             if src:
-                read = self._read_blocks(
-                    peer, handle, src, slot.blocks_to_fill, handle.block_checksums[first:], deadline
-                )
+                read = self._read_blocks(peer, handle, first, slot.blocks_to_fill, deadline)
             held = self.releaser.release(peer, handle, deadline)
             if src and not held:
                 raise LeaseExpiredError(
@@ -225,18 +223,13 @@ class KvImporter:
         )
 
     def _read_blocks(
-        self,
-        peer: str,
-        handle: common_pb2.KvHandle,
-        src: list[int],
-        dst: list[int],
-        checksums: Sequence[int],
-        deadline: float,
+        self, peer: str, handle: common_pb2.KvHandle, first: int, dst: list[int], deadline: float
     ) -> CheckedRead:
-        """Read `src` into `dst` and check each block against `checksums` (unless this
-        worker runs with kv_checksum off); on corruption the lease is given back at once:
-        blocks that failed twice are no use to anyone, and a lease left out pins them
-        until it expires."""
+        """Read the handle's blocks from index `first` on into `dst` and check each against
+        its checksum (unless this worker runs with kv_checksum off); on corruption the
+        lease is given back at once: blocks that failed twice are no use to anyone, and a
+        lease left out pins them until it expires."""
+        src, checksums = list(handle.block_ids[first:]), handle.block_checksums[first:]
 
         def read(src: list[int], dst: list[int]) -> ReadResult:
             return self.backend.read(peer, handle, src, dst, deadline)
