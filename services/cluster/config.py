@@ -81,6 +81,13 @@ class ClusterConfig:
         default="redis",
         metadata={"help": "redis (embedded Redis + router registry) or static worker lists"},
     )
+    redis_ha: bool = field(
+        default=False,
+        metadata={
+            "help": "placement redis: a primary, a replica and three Sentinels (all "
+            "embedded) instead of one Redis, so the cluster survives losing the primary"
+        },
+    )
     max_streams: int = field(default=64, metadata={"help": "gateway's concurrent stream cap"})
     pin_workers: bool = field(
         default=False,
@@ -183,6 +190,8 @@ class ClusterConfig:
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
         extra_model_dirs(self.extra_models)  # parses and checks the list
+        if self.redis_ha and self.placement != "redis":
+            raise ValueError("redis_ha needs placement redis (static placement has no Redis)")
         if self.extra_models and self.placement != "redis":
             raise ValueError("extra_models needs placement redis: each model has its own pool")
         for name in GATEWAY_PASSTHROUGH + WORKER_PASSTHROUGH + LORA_PASSTHROUGH:

@@ -35,6 +35,7 @@ from services.common.model_config import extra_model_dirs
 from services.common.telemetry_config import TelemetryConfig, telemetry_args
 from services.common.tls import TlsConfig
 from services.router.embedded_redis import EmbeddedRedis
+from services.router.redis_ha import EmbeddedRedisHA
 
 _PR_SET_PDEATHSIG = 1
 GATEWAY = "gateway"  # the first gateway's name; replicas are gateway-1, gateway-2, ...
@@ -102,7 +103,7 @@ class LocalCluster:
         self.children: list[Child] = []
         self.gateway_address = ""  # the first gateway's; `gateway_addresses` has them all
         self.http_address = ""
-        self.redis: EmbeddedRedis | None = None
+        self.redis: EmbeddedRedis | EmbeddedRedisHA | None = None
 
     @property
     def gateways(self) -> list[Child]:
@@ -219,7 +220,8 @@ class LocalCluster:
         """Launch everything; returns the gateway address. Stops all on failure."""
         try:
             if self.cfg.placement == "redis":
-                self.redis = EmbeddedRedis(tcp=True).start()
+                self.redis = EmbeddedRedisHA() if self.cfg.redis_ha else EmbeddedRedis(tcp=True)
+                self.redis.start()
             decode_role = "decode" if self.cfg.num_prefill else "mixed"
             prefill = [
                 self._launch(f"prefill-{i}", self._worker_args("prefill", i))

@@ -49,12 +49,6 @@ def redis_server_executable() -> str:
     )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # A tiny launcher that asks for SIGTERM on parent death, then execs redis-server (the
 # setting survives exec). A preexec_fn would do the same between fork and exec, but
 # forking a process that already runs gRPC threads runs gRPC's fork handlers in the
@@ -66,14 +60,37 @@ _LAUNCHER = (
 )
 
 
+def spawn(args: list[str]) -> subprocess.Popen[bytes]:
+    """Start a redis-server command line, silenced, that dies with this process."""
+    if sys.platform == "linux" and threading.current_thread() is threading.main_thread():
+        args = [sys.executable, "-c", _LAUNCHER, *args]
+    return subprocess.Popen(
+        args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class EmbeddedRedis:
     """One private redis-server process. Not thread-safe: start/stop from one thread."""
 
     def __init__(
-        self, *, tcp: bool = False, executable: str | None = None, password: str = ""
+        self,
+        *,
+        tcp: bool = False,
+        executable: str | None = None,
+        password: str = "",
+        replica_of: int = 0,
     ) -> None:
-        """`password`: require AUTH (the URL then carries it, as an external one would)."""
-        self.tcp = tcp
+        """`password`: require AUTH (the URL then carries it, as an external one would).
+        `replica_of`: the 127.0.0.1 port of a primary to replicate (implies `tcp`)."""
+        self.tcp = tcp or replica_of > 0
+        self.replica_of = replica_of
         self.password = password
         self.executable = executable or redis_server_executable()
         self._dir: Path | None = None
@@ -92,6 +109,11 @@ class EmbeddedRedis:
         return f"unix://{self._dir / 'redis.sock'}{query}"
 
     @property
+    def port(self) -> int:
+        """The TCP port (0 on a unix socket)."""
+        return self._port
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
@@ -104,7 +126,7 @@ class EmbeddedRedis:
             return self
         if self._dir is None:
             self._dir = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
-            self._port = _free_port() if self.tcp else 0
+            self._port = free_port() if self.tcp else 0
         args = [
             self.executable,
             "--port", str(self._port),
@@ -116,15 +138,12 @@ class EmbeddedRedis:
             "--logfile", str(self._dir / "redis.log"),
         ]  # fmt: skip
         if self.password:
-            args += ["--requirepass", self.password]
+            args += ["--requirepass", self.password, "--masterauth", self.password]
+        if self.replica_of:
+            args += ["--replicaof", "127.0.0.1", str(self.replica_of)]
         if not self.tcp:
             args += ["--unixsocket", str(self._dir / "redis.sock"), "--unixsocketperm", "700"]
-        on_main = threading.current_thread() is threading.main_thread()
-        if sys.platform == "linux" and on_main:
-            args = [sys.executable, "-c", _LAUNCHER, *args]
-        self._proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        self._proc = spawn(args)
         self._wait_ready(timeout_s)
         log.info("embedded redis-server (pid %d) serving %s", self._proc.pid, self.url)
         return self
@@ -155,6 +174,13 @@ class EmbeddedRedis:
             return path.read_text(errors="replace")[-2000:]
         except OSError:
             return str(path)
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: no shutdown, no goodbye to replicas) and reap it."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Shut the server down (its data is gone) and reap it. Idempotent."""

@@ -18,6 +18,9 @@ Layout (`ns` = namespace, `role` in prefill / decode / mixed):
 - `ns:signal:<id>`   HASH of one worker's live load signal (queued prefill tokens by
   class, requests, KV blocks, recent speeds, publish time), PX-expiring: a worker
   republishes it every `--signal-interval-s` (`worker_signal.py`)
+- `ns:reconcile:<replid>:<role>`  after a failover to the primary with replication id
+  `replid`: when a router first saw it (server ms), then "done" once the pool's inherited
+  load leases were trimmed to the workers' own counts (`reconcile_load.lua`); 1 h TTL
 - `ns:role_change`   id of the worker whose home role changed last, PX-expiring after
   one role window: at most one change per window in the cluster (`home_role.py`)
 
@@ -82,6 +85,9 @@ class Keyspace:
     @property
     def signal_prefix(self) -> str:
         return f"{self.namespace}:signal:"
+
+    def reconcile(self, replid: str, role: str) -> str:
+        return f"{self.namespace}:reconcile:{replid}:{role}"
 
     @property
     def role_change(self) -> str:

@@ -29,6 +29,12 @@ class RouterCollector(Collector):
             ("redis_errors", s.redis_errors, "Redis calls that failed"),
             ("release_failures", s.release_failures, "Lease releases Redis did not get at once"),
             ("marked_down", s.marked_down, "Workers marked down after a call to them failed"),
+            ("failovers", s.failovers, "New Redis primaries this router saw"),
+            (
+                "reconciled_leases",
+                s.reconciled_leases,
+                "Inherited load leases trimmed to the workers' own counts after a failover",
+            ),
         ):
             yield CounterMetricFamily(f"pdserve_router_{name}", text, value=value)
         yield GaugeMetricFamily(

@@ -25,6 +25,7 @@ Keys (`ns` = the cluster's base namespace, `m` = the model's served name):
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,9 @@ import redis
 
 from services.common.model_config import check_model_name
 from services.common.status import RolloutConflict
+from services.router.redis_client import reached_a_replica
+
+log = logging.getLogger(__name__)
 
 MAX_OUTCOMES = 5000  # per version: more than a window at any rate one cluster serves
 OUTCOME_TTL_S = 3600  # an idle version's outcomes go after an hour
@@ -176,7 +180,8 @@ class RolloutStore:
 
     def _change(self, model: str, change: Callable[[Rollout], Rollout]) -> Rollout:
         """Read, change and write the rollout atomically (WATCH: retried when another
-        writer got in between)."""
+        writer got in between). With Sentinel it then waits for a replica to have it, so
+        a failover right after does not undo a promotion or a rollback."""
         key = self._key(model)
         while True:
             with self.client.pipeline() as pipe:
@@ -188,9 +193,11 @@ class RolloutStore:
                     pipe.multi()
                     pipe.hset(key, mapping=new.to_hash())  # type: ignore[arg-type]
                     pipe.execute()
-                    return new
                 except redis.WatchError:
                     continue
+            if not reached_a_replica(self.client):
+                log.warning("rollout of %r: no replica acknowledged the change yet", model)
+            return new
 
     # -- outcomes ----------------------------------------------------------------------
     def record(self, model: str, version: str, outcomes: Sequence[Outcome]) -> None:

@@ -32,6 +32,10 @@ membership, logs once per outage, counts each such decision in `stats.fail_open`
 tries Redis again after `redis_retry_s`. If Redis comes back empty (restarted), pools it
 does not list yet keep their last membership, routed locally, for one heartbeat TTL, by
 which time the workers' heartbeats have re-registered them.
+
+Failover: each refresh also reads the primary's replication id; a new one (a Sentinel
+promoted the replica) makes the router trim the load leases the new primary inherited to
+the workers' own counts (`Failover`), once per pool across all routers.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ import redis
 
 from engine.adapter_ref import AdapterRef
 from engine.model_identity import IdentityPart, ModelIdentity
+from services.common.role import Role
+from services.router.failover import Failover, replication_id
 from services.router.identity_check import IdentityCheck
 from services.router.keyspace import Keyspace
 from services.router.load import LoadLedger, Placed, PlaceRequest, new_token
@@ -71,6 +77,8 @@ class RouterStats:
     release_failures: int = 0  # lease releases Redis did not get at once (kept, sent again)
     owed_releases: int = 0  # a gauge: kept releases not sent yet (`ReleaseBacklog`)
     marked_down: int = 0  # workers reported down (`report_down`)
+    failovers: int = 0  # new Redis primaries seen (`Failover`)
+    reconciled_leases: int = 0  # inherited load leases this router trimmed after one
 
 
 def total(stats: Iterable[RouterStats]) -> RouterStats:
@@ -107,6 +115,7 @@ class Router:
             layout=config.layout_fingerprint,
         )
         self.ledger = LoadLedger(client, self.keys)
+        self.failover = Failover(client, self.keys, config.load_ttl_s, config.heartbeat_ttl_s)
         self.policy = make_policy(config.policy, config.seed)
         self.local = LocalLoad(clock)
         self.backlog = ReleaseBacklog()
@@ -308,17 +317,28 @@ class Router:
                 pipe = self.client.pipeline(transaction=False)
                 pipe.setnx(self.keys.epoch, new_token())
                 pipe.get(self.keys.epoch)
-                epoch = str(pipe.execute()[1])
+                pipe.info("replication")
+                _, epoch, replication = pipe.execute()
                 workers = self.registry.list()
+                self._follow_primary(replication_id(replication))
             except REDIS_DOWN_ERRORS as exc:
                 self._redis_failed(exc)
                 return False
             self._redis_ok()
             if len(self.backlog):
                 self._send_releases(())
-            self.membership.update(workers, epoch, now)
+            self.membership.update(workers, str(epoch), now)
             self._next_refresh = now + self.config.membership_refresh_s
             return True
+
+    def _follow_primary(self, replid: str) -> None:
+        """Notice a new primary; run the load reconcile it owes (`Failover`)."""
+        if self.failover.observe(replid):
+            self._count(failovers=1)
+            log.warning("Redis has a new primary (%s): reconciling load leases", replid)
+        if self.failover.owed:
+            done = self.failover.reconcile([r.value for r in Role])
+            self._count(reconciled_leases=sum(r.trimmed for r in done))
 
     def _redis_failed(self, exc: Exception) -> None:
         with self._lock:

@@ -107,11 +107,23 @@ sections, then the component's own `config` (later layers win). Call with
 {{- toYaml $cfg }}
 {{- end }}
 
-{{/* The PDSERVE_REDIS_URL env entry: the built-in Service, or the URL's Secret. */}}
+{{/* Mode sentinel: every Sentinel pod by its stable name, and the service they watch. */}}
+{{- define "pdserve.sentinelUrl" -}}
+{{- $name := include "pdserve.componentName" (dict "root" . "component" "sentinel") }}
+{{- $hosts := list }}
+{{- range $i := until (int .Values.redis.sentinel.sentinels) }}
+{{- $hosts = append $hosts (printf "%s-%d.%s:%d" $name $i $name (int $.Values.redis.sentinel.sentinelPort)) }}
+{{- end }}
+{{- printf "redis+sentinel://%s/pdserve/0" (join "," $hosts) }}
+{{- end }}
+
+{{/* The PDSERVE_REDIS_URL env entry: the built-in Service, the Sentinels, or the URL's Secret. */}}
 {{- define "pdserve.redisUrlEnv" -}}
 - name: PDSERVE_REDIS_URL
 {{- if eq .Values.redis.mode "builtin" }}
   value: {{ printf "redis://%s:%d/0" (include "pdserve.componentName" (dict "root" . "component" "redis")) (int .Values.redis.builtin.port) | quote }}
+{{- else if eq .Values.redis.mode "sentinel" }}
+  value: {{ include "pdserve.sentinelUrl" . | quote }}
 {{- else }}
   valueFrom:
     secretKeyRef:

@@ -17,6 +17,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from services.router.redis_client import SentinelUrl
 from tests.unit.helm import crd_schemas
 from tests.unit.helm.chart import (
     CHART,
@@ -51,7 +52,7 @@ def case(request: pytest.FixtureRequest) -> tuple[dict[str, Any] | None, list[Ma
 def test_value_sets_cover_the_required_deployments() -> None:
     names = {p.name for p in VALUE_SETS}
     assert {"cpu-dev-values.yaml", "multinode-gpu-values.yaml",
-            "external-redis-tls-values.yaml"} <= names  # fmt: skip
+            "external-redis-tls-values.yaml", "sentinel-redis-values.yaml"} <= names  # fmt: skip
 
 
 @pytest.mark.parametrize("values_file", CASES, ids=IDS)
@@ -214,6 +215,26 @@ def test_builtin_redis_is_a_statefulset_the_services_point_at() -> None:
     for _, pod in pod_templates(docs):
         for c in filter(is_pdserve, pod["containers"]):
             assert container_env(docs, c)["PDSERVE_REDIS_URL"] == "redis://rel-pdserve-redis:6379/0"
+
+
+def test_sentinel_redis_is_two_servers_and_three_sentinels_found_by_name() -> None:
+    docs = render(load_values(CHART / "ci" / "sentinel-redis-values.yaml"))
+    servers = named(docs, "StatefulSet", "rel-pdserve-redis-ha")
+    sentinels = named(docs, "StatefulSet", "rel-pdserve-sentinel")
+    assert (servers["spec"]["replicas"], sentinels["spec"]["replicas"]) == (2, 3)
+    for sts in (servers, sentinels):
+        name = sts["metadata"]["name"]
+        svc = named(docs, "Service", name)
+        assert svc["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == name
+    expected = tuple((f"rel-pdserve-sentinel-{i}.rel-pdserve-sentinel", 26379) for i in range(3))
+    for _, pod in pod_templates(docs):
+        for c in filter(is_pdserve, pod["containers"]):
+            url = SentinelUrl.parse(container_env(docs, c)["PDSERVE_REDIS_URL"])
+            assert (url.sentinels, url.service) == (expected, "pdserve")
+    scripts = named(docs, "ConfigMap", "rel-pdserve-redis-ha-scripts")["data"]
+    assert "sentinel monitor pdserve ${primary} 6379 2" in scripts["start-sentinel.sh"]
+    assert '--replica-announce-ip "$me"' in scripts["start-redis.sh"]
+    assert not [d for d in docs if d["kind"] == "Secret" and "redis" in d["metadata"]["name"]]
 
 
 def test_external_tls_redis_comes_from_a_secret_with_its_ca_mounted() -> None:
