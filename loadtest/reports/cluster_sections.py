@@ -69,7 +69,34 @@ def router(data: Json) -> list[str]:
         *table(LATENCY_HEADER, latency),
         "",
         *table(["policy", "hit ratio", "/oracle", "load max/avg peak"], policies),
+        *_router_scale(data.get("scale", [])),
     ]
+
+
+def _router_scale(rows: list[Json]) -> list[str]:
+    """Router replicas on one Redis: pdserve's shared state against per-replica state."""
+    if not rows:
+        return []
+    body = [
+        [r["design"], str(r["replicas"]), fmt(r["route"]["p99_ms"], ".2f"),
+         fmt(r["ping"]["p99_ms"], ".2f"), fmt(r["round_trips_per_request"], ".3f"),
+         str(r["over_bound"]), fmt(r["load_max_over_avg_peak"], ".2f"),
+         fmt(r["load_max_over_avg_mean"], ".2f"), fmt(r["hit_ratio"], ".3f"),
+         fmt(r.get("vs_oracle"), ".3f", "x")]
+        for r in rows
+    ]  # fmt: skip
+    return [
+        "",
+        "Router replicas (one process each, as each gateway is) placing the same workload "
+        "against one Redis: `shared` is pdserve (one load ledger and cache model), "
+        "`per_replica` the same router with one namespace per replica (each counts and "
+        "models only its own placements). Load max/avg is the cluster's true in-flight "
+        "load, sampled from Redis; `over bound` counts placements whose worker was not "
+        "under the bound as its own script saw it.",
+        "",
+        *table(["design", "replicas", "route p99 ms", "PING p99 ms", "RT/request",
+                "over bound", "load max/avg peak", "mean", "hit ratio", "/oracle"], body),
+    ]  # fmt: skip
 
 
 def gateway(data: Json) -> list[str]:

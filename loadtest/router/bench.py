@@ -1,4 +1,5 @@
-"""Router benchmark: decision latency against Redis PING, and prefix-hit rate per policy.
+"""Router benchmark: decision latency against Redis PING, prefix-hit rate per policy, and
+placement with 1 to 8 router replicas sharing one Redis.
 
 Lifecycle of one run (`python -m loadtest.router.bench`):
 
@@ -15,7 +16,10 @@ Lifecycle of one run (`python -m loadtest.router.bench`):
    prefix cache simulated (capacity = `cache_factor` x the shared system-prompt blocks /
    workers), against the greedy cache-aware oracle (free and held to the load bound)
    and an unlimited-cache upper bound. Every lease is released and the pool checked empty.
-4. `report` holds the numbers to the targets; the report goes to `--out` as JSON
+4. Scale (`scale`): 1, 2, 4 and 8 router replicas, each its own process as each gateway
+   is, against the same Redis: pdserve's shared state against per-replica state (the
+   same router, one namespace per replica), measured in the same run.
+5. `report` holds the numbers to the targets; the report goes to `--out` as JSON
    with the run's provenance and the table is printed. The exit code is 0 whether or not
    targets are met.
 """
@@ -26,6 +30,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from loadtest.harness.bench_main import BenchSpec, Progress, run_main
@@ -42,6 +47,7 @@ from loadtest.router.report import (
     format_table,
     machine_info,
 )
+from loadtest.router.scale import measure_scale
 from loadtest.workloads.prefix import HitRateResult, Workload, make_workload
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.redis_client import connect
@@ -85,10 +91,17 @@ def run(settings: RunSettings, cfg: RouterBenchConfig) -> RouterReport:
         pid = server.pid or 0
         progress(f"redis-server pid {pid} at {server.url}")
         latency, hits, machine = _measure(server, cfg, wl, load_start)
-    targets = evaluate_targets(latency, hits)
+        scale = measure_scale(
+            server.url, wl, cfg.sim_config(wl), cfg.replica_counts, eps=cfg.eps,
+            prefix_blocks=cfg.prefix_blocks, progress=progress,
+        )  # fmt: skip
+    scale = [replace(r, vs_oracle=r.hit_ratio / max(hits.oracle.hit_ratio, 1e-12)) for r in scale]
+    targets = evaluate_targets(latency, hits, scale)
     # A lease left behind or a decision that failed open fails the run whatever its speed.
-    clean = all(p.leases_left == 0 and p.fail_open == 0 for p in hits.policies) and all(
-        r.fail_open == 0 for r in latency
+    clean = (
+        all(p.leases_left == 0 and p.fail_open == 0 for p in hits.policies)
+        and all(r.fail_open == 0 for r in latency)
+        and all(r.leases_left == 0 and r.fail_open == 0 for r in scale)
     )
     return RouterReport(
         schema=SCHEMA,
@@ -102,6 +115,7 @@ def run(settings: RunSettings, cfg: RouterBenchConfig) -> RouterReport:
         workload=workload,
         latency=latency,
         hit_rate=hits,
+        scale=scale,
         targets=targets,
         targets_met=clean and all(t.met for t in targets),
     )
@@ -110,8 +124,9 @@ def run(settings: RunSettings, cfg: RouterBenchConfig) -> RouterReport:
 SPEC = BenchSpec(
     name="router",
     module="loadtest.router.bench",
-    description="Router decision latency against Redis PING, and the prefix-hit rate of "
-    "each placement policy against a cache-aware oracle.",
+    description="Router decision latency against Redis PING, the prefix-hit rate of "
+    "each placement policy against a cache-aware oracle, and 1-8 router replicas on one "
+    "Redis against per-replica state.",
     config=RouterBenchConfig,
     run=run,
     table=format_table,

@@ -65,17 +65,30 @@ class RouterBenchConfig:
     requests: int = field(
         default=WorkloadConfig.requests, metadata={"help": "workload: requests replayed"}
     )
+    replicas: str = field(
+        default="1,2,4,8",
+        metadata={"help": "router replica counts of the scale measurement (empty: skip it)"},
+    )
 
     def __post_init__(self) -> None:
         if self.decisions < 1 or self.latency_warmup < 0 or self.latency_inflight < 1:
             raise ValueError("need decisions >= 1, latency_warmup >= 0, latency_inflight >= 1")
-        _ = self.pool_shapes, self.policy_names  # parses (and so validates) both lists
+        _ = self.pool_shapes, self.policy_names, self.replica_counts  # parses (validates) them
         if self.cache_factor <= 0:
             raise ValueError(f"cache_factor must be > 0, got {self.cache_factor}")
         if self.warmup_requests >= self.requests:
             raise ValueError("warmup_requests must leave some requests to measure")
         self.workload(seed=0)  # validates the workload fields
         SimConfig(self.workers, 1, self.window, self.warmup_requests)  # validates the rest
+
+    @property
+    def replica_counts(self) -> tuple[int, ...]:
+        if not self.replicas:
+            return ()
+        counts = parse_ints(self.replicas, "replicas")
+        if any(n < 1 for n in counts):
+            raise ValueError(f"replicas must be >= 1, got {self.replicas!r}")
+        return counts
 
     @property
     def pool_shapes(self) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ from loadtest.harness.settings import RunSettings
 from loadtest.harness.target import TargetResult, target_rows
 from loadtest.router.config import RouterBenchConfig
 from loadtest.router.latency import LatencyResult
+from loadtest.router.scale import ScaleRow
 from loadtest.workloads.prefix import HitRateResult, WorkloadConfig, hit_rate_rows
 
 SCHEMA = "pdserve.router_bench/1"
@@ -26,6 +27,10 @@ SCHEMA = "pdserve.router_bench/1"
 TARGET_ROUTE_P99_MS = 1.0
 TARGET_ROUND_TRIPS = 2.0
 TARGET_VS_ORACLE = 0.9
+#: Replicas sharing one Redis: the hit ratio at the most replicas against one replica's,
+#: and Redis round trips per request (placement + release) there.
+TARGET_SCALE_HIT_KEPT = 0.95
+TARGET_SCALE_ROUND_TRIPS = 2.1
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class RouterReport:
     workload: WorkloadConfig
     latency: list[LatencyResult]
     hit_rate: HitRateResult
+    scale: list[ScaleRow]
     targets: list[TargetResult]
     targets_met: bool
 
@@ -64,7 +70,9 @@ def machine_info(client: redis.Redis, loadavg_start: Sequence[float]) -> Machine
     )
 
 
-def evaluate_targets(latency: Sequence[LatencyResult], hits: HitRateResult) -> list[TargetResult]:
+def evaluate_targets(
+    latency: Sequence[LatencyResult], hits: HitRateResult, scale: Sequence[ScaleRow] = ()
+) -> list[TargetResult]:
     targets = []
     for r in latency:
         context = f"PING p99 {r.ping.p99_ms:.3f} ms; route/PING p99 {r.route_vs_ping_p99:.2f}x"
@@ -79,7 +87,54 @@ def evaluate_targets(latency: Sequence[LatencyResult], hits: HitRateResult) -> l
             context = f"oracle held to the same bound: {hits.oracle_bounded.vs_oracle:.3f}"
             targets.append(TargetResult.check("bounded hit ratio / oracle", p.vs_oracle, ">=",
                                               TARGET_VS_ORACLE, context))  # fmt: skip
-    return targets
+    return targets + scale_targets(scale)
+
+
+def scale_targets(scale: Sequence[ScaleRow]) -> list[TargetResult]:
+    """Replicas sharing one Redis: the bound holds at every count, the hit ratio does not
+    fall with more replicas, and each request stays one placement and one release."""
+    shared = sorted((r for r in scale if r.design == "shared"), key=lambda r: r.replicas)
+    if len(shared) < 2:
+        return []
+    one, most = shared[0], shared[-1]
+    per = {r.replicas: r for r in scale if r.design == "per_replica"}
+    baseline = per.get(most.replicas)
+    context = (
+        f"per-replica state at {most.replicas}: load max/avg peak "
+        f"{baseline.load_max_over_avg_peak:.2f} vs {most.load_max_over_avg_peak:.2f}, hit "
+        f"ratio {baseline.hit_ratio:.3f} vs {most.hit_ratio:.3f}"
+        if baseline
+        else ""
+    )
+    return [
+        TargetResult.check(f"placements over the bound, shared, 1-{most.replicas} replicas",
+                           sum(r.over_bound for r in shared), "<=", 0, context),
+        TargetResult.check(f"hit ratio {most.replicas} replicas / {one.replicas}, shared",
+                           most.hit_ratio / max(one.hit_ratio, 1e-12), ">=",
+                           TARGET_SCALE_HIT_KEPT),
+        TargetResult.check(f"Redis round trips/request, {most.replicas} replicas",
+                           most.round_trips_per_request, "<=", TARGET_SCALE_ROUND_TRIPS),
+    ]  # fmt: skip
+
+
+def format_scale(report: RouterReport) -> list[str]:
+    if not report.scale:
+        return []
+    rows = [
+        "scale: router replicas (one process each) on one Redis; shared = pdserve, "
+        "per_replica = the same router with one namespace per replica",
+        f"{'design':<12} {'replicas':>8} {'route p50':>9} {'p99':>6} {'ping p99':>8} "
+        f"{'RT/req':>6} {'dec/s':>6} {'over bound':>10} {'load max/avg peak':>17} "
+        f"{'mean':>5} {'hit ratio':>9} {'/oracle':>7}  (ms)",
+    ]
+    for r in report.scale:
+        rows.append(
+            f"{r.design:<12} {r.replicas:>8} {r.route.p50_ms:>9.3f} {r.route.p99_ms:>6.3f} "
+            f"{r.ping.p99_ms:>8.3f} {r.round_trips_per_request:>6.3f} {r.decisions_per_s:>6.0f} "
+            f"{r.over_bound:>10} {r.load_max_over_avg_peak:>17.2f} "
+            f"{r.load_max_over_avg_mean:>5.2f} {r.hit_ratio:>9.3f} {r.vs_oracle:>6.3f}x"
+        )
+    return rows
 
 
 def format_latency(report: RouterReport) -> list[str]:
@@ -109,6 +164,8 @@ def format_table(report: RouterReport) -> str:
         *format_latency(report),
         "",
         *hit_rate_rows(report.hit_rate, report.workload),
+        "",
+        *format_scale(report),
         "",
         "targets:",
         *target_rows(report.targets),

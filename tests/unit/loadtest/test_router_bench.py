@@ -46,7 +46,7 @@ WINDOW = 16
 ARGV = [
     "--decisions", str(DECISIONS), "--latency-warmup", "20", "--requests", "800",
     "--warmup-requests", "200", "--tenants", "4", "--prompts-per-tenant", "3",
-    "--window", str(WINDOW),
+    "--window", str(WINDOW), "--replicas", "1,2",
 ]  # fmt: skip
 
 
@@ -68,7 +68,7 @@ def report(bench_run: tuple[dict[str, Any], str]) -> dict[str, Any]:
 def test_schema_and_config(report: dict[str, Any]) -> None:
     assert report["schema"] == router_report.SCHEMA
     for key in ("provenance", "started_at", "finished_at", "wall_s", "redis_pid", "machine",
-                "settings", "config", "workload", "latency", "hit_rate", "targets",
+                "settings", "config", "workload", "latency", "hit_rate", "scale", "targets",
                 "targets_met"):  # fmt: skip
         assert key in report
     assert report["started_at"] < report["finished_at"] and report["wall_s"] > 0
@@ -136,6 +136,23 @@ def test_hit_rates_are_sane(report: dict[str, Any]) -> None:
     assert by_name[POLICIES[0]]["hit_ratio"] <= tiered["hit_ratio"] <= upper
 
 
+def test_replicas_place_every_request_once_and_leave_nothing(report: dict[str, Any]) -> None:
+    rows = report["scale"]
+    assert [(r["design"], r["replicas"]) for r in rows] == [
+        ("shared", 1), ("shared", 2), ("per_replica", 2)
+    ]  # fmt: skip
+    upper = report["hit_rate"]["upper_bound_hit_ratio"]
+    for r in rows:
+        assert r["decisions"] == 800 and r["leases_left"] == 0 and r["fail_open"] == 0
+        # Each request: one placement and one release (membership re-reads add a few).
+        assert 2.0 <= r["round_trips_per_request"] <= 2.1
+        assert 0.0 < r["hit_ratio"] <= upper
+        assert r["load_samples"] > 0
+        assert 1.0 <= r["load_max_over_avg_mean"] <= r["load_max_over_avg_peak"] <= 8.0
+        assert 0 < r["route"]["p50_ms"] <= r["route"]["p99_ms"]
+    assert all(r["over_bound"] == 0 for r in rows if r["design"] == "shared")
+
+
 def test_load_bound_held(report: dict[str, Any]) -> None:
     eps, workers = report["config"]["eps"], report["config"]["workers"]
     cap = math.ceil((1 + eps) * WINDOW / workers) / (WINDOW / workers)
@@ -149,7 +166,8 @@ def test_targets(report: dict[str, Any]) -> None:
     assert names == [
         "route p99 ms (mixed)", "round trips/route (mixed)",
         "route p99 ms (pd)", "round trips/route (pd)",
-        "bounded hit ratio / oracle",
+        "bounded hit ratio / oracle", "placements over the bound, shared, 1-2 replicas",
+        "hit ratio 2 replicas / 1, shared", "Redis round trips/request, 2 replicas",
     ]  # fmt: skip
     for t in report["targets"]:
         want = t["measured"] <= t["threshold"] if t["comparison"] == "<=" else (
