@@ -41,6 +41,7 @@ from services.ray.config import RayConfig, parse_resources
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.keyspace import Keyspace
 from services.router.redis_client import connect
+from services.router.redis_ha import EmbeddedRedisHA
 from services.router.router_config import RouterConfig
 from services.router.worker_signal import SignalBoard
 from services.worker.config import WorkerConfig
@@ -87,7 +88,7 @@ class ClusterController:
         self.telemetry = telemetry
         if telemetry.metrics_port > 0:
             self.telemetry = TelemetryConfig(**{**telemetry.__dict__, "metrics_port": 0})
-        self.redis: EmbeddedRedis | None = None
+        self.redis: EmbeddedRedis | EmbeddedRedisHA | None = None
         self.redis_url = ray_cfg.redis_url
         decode_role = "decode" if cluster.num_prefill else "mixed"
         self.pools = {
@@ -138,8 +139,8 @@ class ClusterController:
                 f"redis_url: the embedded Redis listens on 127.0.0.1 of one node and this Ray "
                 f"cluster has {len(nodes)}; give --redis-url of a Redis every node reaches"
             )
-        self.redis = EmbeddedRedis(tcp=True).start()
-        self.redis_url = self.redis.url
+        self.redis = EmbeddedRedisHA() if self.cluster.redis_ha else EmbeddedRedis(tcp=True)
+        self.redis_url = self.redis.start().url
 
     def _options(self, name: str, *, cpus: float, gpus: float = 0.0,
                  resources: dict[str, float] | None = None) -> dict[str, Any]:  # fmt: skip

@@ -63,7 +63,10 @@ class Failover:
         self._owed = ""  # the replid whose reconcile is not finished ("" = none)
 
     def observe(self, replid: str) -> bool:
-        """Note the primary's replication id; True if it is a new primary."""
+        """Note the primary's replication id; True if it is a new primary. An empty id
+        (a Redis that does not answer INFO, as some managed ones) changes nothing."""
+        if not replid:
+            return False
         with self._lock:
             changed = bool(self._replid) and replid != self._replid
             self._replid = replid
@@ -97,6 +100,7 @@ class Failover:
         return PoolReconciled(role, ReconcileState(str(state)), int(trimmed))
 
 
-def replication_id(info: dict[str, object]) -> str:
-    """The `master_replid` of an `INFO replication` reply ("" if absent)."""
-    return str(info.get("master_replid", ""))
+def replication_id(info: object) -> str:
+    """The `master_replid` of an `INFO replication` reply ("" if absent, or if the reply
+    is an error: a managed Redis may refuse INFO, and then failover goes unnoticed)."""
+    return str(info.get("master_replid", "")) if isinstance(info, dict) else ""

@@ -127,6 +127,14 @@ class EmbeddedRedisHA:
                 continue
         raise RuntimeError("no Sentinel answers")
 
+    @property
+    def pid(self) -> int | None:
+        """The current primary's pid (None if no Sentinel answers or it is not running)."""
+        try:
+            return self.server(self.primary_port()).pid
+        except (RuntimeError, KeyError):
+            return None
+
     def server(self, port: int) -> EmbeddedRedis:
         for s in self.servers:
             if s.port == port:

@@ -318,7 +318,9 @@ class Router:
                 pipe.setnx(self.keys.epoch, new_token())
                 pipe.get(self.keys.epoch)
                 pipe.info("replication")
-                _, epoch, replication = pipe.execute()
+                _, epoch, replication = pipe.execute(raise_on_error=False)
+                if isinstance(epoch, Exception):
+                    raise epoch
                 workers = self.registry.list()
                 self._follow_primary(replication_id(replication))
             except REDIS_DOWN_ERRORS as exc:
@@ -336,9 +338,14 @@ class Router:
         if self.failover.observe(replid):
             self._count(failovers=1)
             log.warning("Redis has a new primary (%s): reconciling load leases", replid)
-        if self.failover.owed:
+        if not self.failover.owed:
+            return
+        try:
             done = self.failover.reconcile([r.value for r in Role])
-            self._count(reconciled_leases=sum(r.trimmed for r in done))
+        except redis.ResponseError as exc:  # a script error: try at the next refresh
+            log.warning("load reconcile after a failover failed (%s); will retry", exc)
+            return
+        self._count(reconciled_leases=sum(r.trimmed for r in done))
 
     def _redis_failed(self, exc: Exception) -> None:
         with self._lock:

@@ -14,7 +14,7 @@ import redis
 
 from engine.stats import ClassCounts
 from services.common.role import Role
-from services.router.failover import Failover, ReconcileState
+from services.router.failover import Failover, ReconcileState, replication_id
 from services.router.keyspace import Keyspace
 from services.router.load import LoadLedger, PlaceRequest
 from services.router.placement import RouteQuery
@@ -98,6 +98,17 @@ def test_a_worker_that_never_republishes_is_skipped_after_the_give_up(
         (ReconcileState.DONE, 0)
     ]
     assert _counts(client, namespace) == {"d0": 3}  # left to the leases' own expiry
+
+
+def test_a_redis_that_refuses_info_never_looks_like_a_new_primary(
+    client: redis.Redis, namespace: str
+) -> None:
+    failover = Failover(client, Keyspace(namespace), TTL_S, 30.0)
+    assert not failover.observe(replication_id({"master_replid": "abc"}))
+    # A managed Redis may refuse INFO: the pipeline hands back the error, not a dict.
+    assert replication_id(redis.ResponseError("unknown command 'INFO'")) == ""
+    assert not failover.observe("") and not failover.owed
+    assert failover.reconcile(["decode"]) == []
 
 
 def test_a_killed_primary_fails_over_and_the_router_follows() -> None:
