@@ -117,6 +117,7 @@ def _place_share(job: ReplicaJob, barrier: Barrier, out: mp.Queue) -> None:
                              prefix_blocks=job.prefix_blocks, workload=job.workload)  # fmt: skip
         index = {w: i for i, w in enumerate(job.worker_ids)}
         barrier.wait(START_TIMEOUT_S)
+        counter.count = 0  # the membership read of the setup is not a request's
         _run_share(router, wl, job, index, log)
         log.fail_open = router.stats.fail_open
         log.round_trips = counter.count - len(log.ping_s)
@@ -130,12 +131,16 @@ def _run_share(router: Router, wl: Workload, job: ReplicaJob, index: dict[str, i
                log: ReplicaLog) -> None:  # fmt: skip
     inflight: deque[tuple[int, tuple[str, ...]]] = deque()
     clock = time.perf_counter
+
+    def release_oldest() -> None:
+        worker, leases = inflight.popleft()
+        router.release(leases)
+        log.releases.append((time.monotonic_ns(), worker))
+
     try:
         for i in range(job.replica, len(wl.requests), job.replicas):
             if len(inflight) >= job.window:
-                worker, leases = inflight.popleft()
-                router.release(leases)
-                log.releases.append((time.monotonic_ns(), worker))
+                release_oldest()
             req = wl.requests[i]
             t0 = clock()
             routed = router.route_detailed(RouteQuery(req.request_id, req.tokens, req.tenant))
@@ -150,9 +155,7 @@ def _run_share(router: Router, wl: Workload, job: ReplicaJob, index: dict[str, i
             inflight.append((worker, routed.decision.load_lease_ids))
     finally:
         while inflight:
-            worker, leases = inflight.popleft()
-            router.release(leases)
-            log.releases.append((time.monotonic_ns(), worker))
+            release_oldest()
 
 
 def _run_replicas(jobs: Sequence[ReplicaJob]) -> list[ReplicaLog]:
