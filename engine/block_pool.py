@@ -7,7 +7,8 @@ Lifecycle of a block id:
   allocate takes uncached blocks first and evicts cached ones least recently used first,
   dropping their hash, so cached KV is the last thing given up. With an offload tier,
   `on_evict(block_id, hash)` runs before an evicted block is handed out again, so the
-  tier can copy its bytes away (engine/kv_offload.py).
+  tier can copy its bytes away (engine/kv_offload.py). With a residency log, every hash
+  published or dropped is reported to it (engine/residency.py), for the router's index.
 
 The pool never touches KV memory; it only hands out ids. It is not thread-safe: the engine
 owns it and calls it from its step thread.
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from engine.errors import OutOfBlocksError
+from engine.residency import ResidencyLog
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class BlockPool:
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         #: Called with (block_id, hash) when a cached block is evicted for reuse.
         self.on_evict: Callable[[int, int], None] | None = None
+        #: Told of every hash the pool starts or stops holding (the worker's index feed).
+        self.residency: ResidencyLog | None = None
 
     # -- queries -----------------------------------------------------------------
     @property
@@ -63,6 +67,10 @@ class BlockPool:
     def lookup(self, block_hash: int) -> int | None:
         """The block holding the KV for this chained hash, if cached."""
         return self._by_hash.get(block_hash)
+
+    def cached_hashes(self) -> frozenset[int]:
+        """Every hash the pool holds now, in use or free (O(cached): for checks)."""
+        return frozenset(self._by_hash)
 
     def longest_cached_prefix(self, block_hashes: list[int]) -> list[int]:
         """Blocks of the longest run of leading hashes that are cached (takes no refs)."""
@@ -153,6 +161,8 @@ class BlockPool:
             return False
         self._hash_of[block_id] = block_hash
         self._by_hash[block_hash] = block_id
+        if self.residency is not None:
+            self.residency.add(block_hash)
         return True
 
     def reset_prefix_cache(self) -> int:
@@ -170,3 +180,5 @@ class BlockPool:
             self._hash_of[block_id] = None
             if self._by_hash.get(block_hash) == block_id:
                 del self._by_hash[block_hash]
+                if self.residency is not None:
+                    self.residency.remove(block_hash)

@@ -34,6 +34,7 @@ from engine.model_runner import ModelRunner
 from engine.model_spec import ModelSpec
 from engine.model_store import resolve_model_dir
 from engine.precision import kv_storage_dtype
+from engine.residency import ResidencyLog
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.speculation import Speculator
 from engine.stop_checker import StopChecker
@@ -64,6 +65,7 @@ class EngineParts:
     scheduler: Scheduler
     loras: LoraSet
     offload: OffloadTier | None
+    residency: ResidencyLog
     runner: ModelRunner
     stop_checker: StopChecker
     eos_ids: frozenset[int]
@@ -94,6 +96,8 @@ def build_parts(config: EngineConfig, *, progress: bool = False) -> EngineParts:
     num_blocks = config.num_kv_blocks or blocks_for_budget(layout, config.kv_cache_bytes)
     kv_cache = KvCache(layout, num_blocks, config.torch_device)
     pool = BlockPool(num_blocks)
+    residency = ResidencyLog()
+    pool.residency = residency
     scheduler = Scheduler(
         SchedulerConfig(config.block_size, config.max_num_seqs, config.max_num_batched_tokens),
         pool,
@@ -102,13 +106,14 @@ def build_parts(config: EngineConfig, *, progress: bool = False) -> EngineParts:
     if config.kv_offload_bytes:
         offload = OffloadTier(kv_cache, config.kv_offload_bytes)
         pool.on_evict = offload.spill
+        offload.residency = residency
         scheduler.tier = offload
     eos = set(models.spec.eos_token_ids)
     if models.tokenizer.eos_token_id is not None:
         eos.add(models.tokenizer.eos_token_id)
     parts = EngineParts(
         models=models, layout=layout, kv_cache=kv_cache, pool=pool, scheduler=scheduler,
-        loras=_lora_set(config, models.spec, models.model), offload=offload,
+        loras=_lora_set(config, models.spec, models.model), offload=offload, residency=residency,
         runner=ModelRunner(models.model, kv_cache, backend, config.block_size),
         stop_checker=StopChecker(models.tokenizer, eos, models.max_model_len),
         eos_ids=frozenset(eos),

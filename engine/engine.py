@@ -65,6 +65,8 @@ class LLMEngine:
         self.scheduler, self.loras, self.offload = parts.scheduler, parts.loras, parts.offload
         self.runner, self.stop_checker = parts.runner, parts.stop_checker
         self.speculator = parts.speculator
+        #: The prefix hashes this engine holds, pool and offload tier (thread-safe).
+        self.residency = parts.residency
         self.scheduler.on_retire = self._let_go
         self.gate = StepGate()
         self.lock = self.gate.lock  # held for a whole step

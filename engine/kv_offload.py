@@ -9,7 +9,8 @@ least recently used entry when full. When the scheduler's prefix lookup runs pas
 pool's hits, `take` removes the next hash's slot from the index (so nothing spilled
 meanwhile can reuse it), the scheduler allocates a pool block, and `restore` copies the
 bytes back and frees the slot. An entry lives until it is restored, evicted by newer
-spills, or the tier is reset.
+spills, or the tier is reset. With a residency log, each entry's hash is reported to
+it as the entry comes and goes (engine/residency.py).
 
 Where the arena lives: host memory in both cases; pinned on CUDA so the copies run at
 PCIe speed, a plain (huge-page advised) tensor on CPU, where the "second tier" buys
@@ -28,6 +29,7 @@ import torch
 
 from engine.kv_cache import KvCache
 from engine.kv_layout import allocate_blocks
+from engine.residency import ResidencyLog
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class OffloadTier:
         self._free = list(range(slots - 1, -1, -1))
         self.capacity_blocks = slots
         self._spilled = self._restored = self._dropped = 0
+        #: Told of every hash the tier starts or stops holding (the worker's index feed).
+        self.residency: ResidencyLog | None = None
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._slot_of
@@ -69,23 +73,32 @@ class OffloadTier:
     def __len__(self) -> int:
         return len(self._slot_of)
 
+    def hashes(self) -> frozenset[int]:
+        """Every hash the tier holds now (O(entries): for checks)."""
+        return frozenset(self._slot_of)
+
     def spill(self, block_id: int, block_hash: int) -> None:
         """Copy a pool block that is about to be reused into the tier (before it is)."""
         if block_hash in self._slot_of:
             self._slot_of.move_to_end(block_hash)
             return
         if not self._free:
-            _, slot = self._slot_of.popitem(last=False)
+            dropped, slot = self._slot_of.popitem(last=False)
             self._free.append(slot)
             self._dropped += 1
+            self._forgot(dropped)
         slot = self._free.pop()
         self._arena[slot].copy_(self._pool[block_id])
         self._slot_of[block_hash] = slot
         self._spilled += 1
+        if self.residency is not None:
+            self.residency.add(block_hash)
 
     def take(self, block_hash: int) -> int:
         """Remove a hash's entry and return its slot, reserved until `restore`."""
-        return self._slot_of.pop(block_hash)
+        slot = self._slot_of.pop(block_hash)
+        self._forgot(block_hash)
+        return slot
 
     def restore(self, slot: int, block_id: int) -> None:
         """Copy a taken slot's bytes into a pool block and free the slot."""
@@ -97,8 +110,14 @@ class OffloadTier:
         """Forget every entry; returns how many were dropped."""
         n = len(self._slot_of)
         self._free.extend(self._slot_of.values())
+        for block_hash in self._slot_of:
+            self._forgot(block_hash)
         self._slot_of.clear()
         return n
+
+    def _forgot(self, block_hash: int) -> None:
+        if self.residency is not None:
+            self.residency.remove(block_hash)
 
     def stats(self) -> OffloadStats:
         return OffloadStats(

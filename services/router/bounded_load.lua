@@ -9,6 +9,8 @@
 -- KEYS[6 .. 5+m]     ns:worker:<id>  registration of each of the m candidates, in order
 -- KEYS[6+m .. 5+2m]  ns:cache:<role>:<id>   ZSET prefix key -> last use seq (cache_aware)
 -- KEYS[6+2m .. 5+3m] ns:cachew:<role>:<id>  HASH prefix key -> weight, "~used" -> sum
+-- KEYS[6+3m .. 5+4m] ns:resident:<id>  SET of the block hashes the worker reported
+--                    holding, and its marker "~<incarnation>" (cache_aware)
 -- ARGV[1]  mode: cache_aware | bounded | first | least | round_robin
 -- ARGV[2]  eps (a float's repr, so Lua and Python compute the same bound)
 -- ARGV[3]  lease id prefix "<role>:<token>:"; the lease id is prefix .. worker id
@@ -19,7 +21,11 @@
 -- ARGV[8]  share of a worker's registered KV capacity the cache model assumes
 -- ARGV[9]  cache model TTL in ms (idle models of departed workers expire)
 -- ARGV[10] slow start in ms (0: off)
--- ARGV[11..] the m candidate worker ids, in preference order (the ring walk, client-side)
+-- ARGV[11] blocks the prefix key stands for (what a cache model's hit is worth)
+-- ARGV[12] h: how many of the prompt's leading block hashes follow (cache_aware; else 0;
+--          0 also makes cache_aware ignore the reports and use the cache models alone)
+-- ARGV[13 .. 12+h]   those hashes (hex), in prompt order
+-- ARGV[13+h ..]      the m candidate worker ids, in preference order (the ring walk)
 --
 -- A candidate counts only if its registration exists, is not draining and is not marked
 -- down (`down_until` in the future: a call to it failed; when every live candidate is
@@ -34,15 +40,21 @@
 -- is under its own limit, the plain bound decides (the invariant above still holds).
 -- Workers that all joined together (a fresh cluster) have nobody warmer to defer to.
 --
--- cache_aware is bounded with a model of each worker's prefix cache: which prefix keys
--- it served recently (LRU order in the ZSET, weights in the HASH). Among candidates
--- below the bound, the least-loaded one whose model holds the key wins (ties: earlier in the
--- order); if none holds it, the first below the bound, as in "bounded". The pick's model
+-- cache_aware is bounded, preferring the candidate that holds the longest run of the
+-- prompt's leading blocks. A worker that reports its cache (its resident set exists)
+-- is taken at its word: the run is how many leading hashes the set holds, 0 if the set
+-- carries another incarnation's marker (the worker restarted: its cache began empty).
+-- A worker that does not report falls back on the router's model of its cache: which
+-- prefix keys it served recently (LRU order in the ZSET, weights in the HASH); holding
+-- the key counts as a run of ARGV[11] blocks. Among candidates below the bound, the one
+-- with the longest run (> 0) wins (ties: the least loaded, then the earlier in the
+-- order); if none has a run, the first below the bound, as in "bounded". The pick's model
 -- then records the key as most recently used and evicts least recently used keys beyond
--- capacity x share, as an LRU prefix cache would.
--- Returns {worker, load before, bound, n, total, rank among counted candidates, warm},
--- or {"", 0, 0, 0, 0, -1, 0} when no candidate counts. warm is 1 when the pick's cache
--- model held the key before this placement (cache_aware only; else 0).
+-- capacity x share, as an LRU prefix cache would (kept for workers that stop reporting).
+-- Returns {worker, load before, bound, n, total, rank among counted candidates, run,
+-- best run}, or {"", 0, 0, 0, 0, -1, 0, 0} when no candidate counts. run is the pick's
+-- run in blocks and best run the longest any counted candidate had, bound or not
+-- (cache_aware only; else both 0).
 
 -- Redis < 7 replicates scripts by effects only if asked; TIME below needs that.
 if redis.replicate_commands then redis.replicate_commands() end
@@ -61,12 +73,16 @@ end
 if #expired > 0 then redis.call('INCRBY', KEYS[5], #expired) end
 
 local MIN_SHARE = 0.1
-local m = #ARGV - 10
+local h = tonumber(ARGV[12])
+local first_candidate = 13 + h
+local m = #ARGV - first_candidate + 1
 local up, down = {}, {}
 for j = 1, m do
-  local reg = redis.call('HMGET', KEYS[5 + j], 'draining', 'capacity', 'joined', 'down_until')
+  local reg = redis.call('HMGET', KEYS[5 + j], 'draining', 'capacity', 'joined', 'down_until',
+                         'incarnation')
   if reg[1] == '0' then
-    local entry = {ARGV[10 + j], j, tonumber(reg[2]) or 0, tonumber(reg[3]) or 0}
+    local entry = {ARGV[first_candidate - 1 + j], j, tonumber(reg[2]) or 0, tonumber(reg[3]) or 0,
+                   reg[5] or ''}
     if reg[4] and tonumber(reg[4]) > now then
       down[#down + 1] = entry
     else
@@ -75,13 +91,14 @@ for j = 1, m do
   end
 end
 if #up == 0 then up = down end
-local live, slot, capacity, joined = {}, {}, {}, {}
+local live, slot, capacity, joined, incarnation = {}, {}, {}, {}, {}
 for i, entry in ipairs(up) do
-  live[i], slot[i], capacity[i], joined[i] = entry[1], entry[2], entry[3], entry[4]
+  live[i], slot[i], capacity[i], joined[i], incarnation[i] =
+    entry[1], entry[2], entry[3], entry[4], entry[5]
 end
 local n = #live
 if n == 0 then
-  return {'', 0, 0, 0, 0, -1, 0}
+  return {'', 0, 0, 0, 0, -1, 0, 0}
 end
 
 local counts = redis.call('HMGET', KEYS[2], unpack(live))
@@ -110,19 +127,49 @@ end
 
 local mode = ARGV[1]
 local cached = mode == 'cache_aware'
-if #KEYS ~= 5 + (cached and 3 or 1) * m then
+if #KEYS ~= 5 + (cached and 4 or 1) * m then
   return redis.error_reply('bounded_load: KEYS do not match the candidates for mode ' .. mode)
 end
 
--- The least-loaded candidate below the bound whose cache model holds the key, or nil.
-local function warm_pick()
-  local best = nil
-  for i = 1, n do
-    if loads[i] < limit[i] and redis.call('ZSCORE', KEYS[5 + m + slot[i]], ARGV[6]) then
-      if best == nil or loads[i] < loads[best] then best = i end
+-- Leading blocks of the prompt candidate i holds (see the header): from its report, or
+-- else from the router's model of its cache.
+local function run_of(i)
+  local resident = KEYS[5 + 3 * m + slot[i]]
+  if h > 0 then
+    local found = redis.call('SMISMEMBER', resident, '~' .. incarnation[i],
+                             unpack(ARGV, 13, 12 + h))
+    if found[1] == 1 then
+      local run = 0
+      for j = 2, #found do
+        if found[j] == 0 then break end
+        run = run + 1
+      end
+      return run
+    end
+    if redis.call('EXISTS', resident) == 1 then
+      return 0  -- another incarnation's report: this one restarted with an empty cache
     end
   end
-  return best
+  if redis.call('ZSCORE', KEYS[5 + m + slot[i]], ARGV[6]) then
+    return tonumber(ARGV[11])
+  end
+  return 0
+end
+
+-- The candidate below its limit with the longest run (ties: least loaded, earlier), or
+-- nil if none has one; and the longest run of any candidate.
+local function warm_pick()
+  local best, best_run, reachable = nil, 0, 0
+  for i = 1, n do
+    local run = run_of(i)
+    if run > reachable then reachable = run end
+    if run > 0 and loads[i] < limit[i] then
+      if best == nil or run > best_run or (run == best_run and loads[i] < loads[best]) then
+        best, best_run = i, run
+      end
+    end
+  end
+  return best, best_run, reachable
 end
 
 -- Record the key as the pick's most recent use; evict least recently used keys until
@@ -149,10 +196,9 @@ local function remember(i)
 end
 
 local pick = nil
-local warm = 0
+local run, reachable = 0, 0
 if cached then
-  pick = warm_pick()
-  if pick ~= nil then warm = 1 end
+  pick, run, reachable = warm_pick()
 end
 if mode == 'bounded' or mode == 'cache_aware' then
   if pick == nil then
@@ -191,4 +237,4 @@ if cached then remember(pick) end
 local worker = live[pick]
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[4]), ARGV[3] .. worker)
 redis.call('HINCRBY', KEYS[2], worker, 1)
-return {worker, loads[pick], bound, n, total, pick - 1, warm}
+return {worker, loads[pick], bound, n, total, pick - 1, run, reachable}

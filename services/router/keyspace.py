@@ -18,6 +18,9 @@ Layout (`ns` = namespace, `role` in prefill / decode / mixed):
 - `ns:signal:<id>`   HASH of one worker's live load signal (queued prefill tokens by
   class, requests, KV blocks, recent speeds, publish time), PX-expiring: a worker
   republishes it every `--signal-interval-s` (`worker_signal.py`)
+- `ns:resident:<id>` SET of the prefix block hashes (16 hex digits) one worker holds,
+  pool and offload tier, plus `~<incarnation>` naming the process that reported them;
+  fed by the worker every `--signal-interval-s`, PX-expiring (`residency.py`)
 - `ns:reconcile:<replid>:<role>`  after a failover to the primary with replication id
   `replid`: when a router first saw it (server ms), then "done" once the pool's inherited
   load leases were trimmed to the workers' own counts (`reconcile_load.lua`); 1 h TTL
@@ -85,6 +88,9 @@ class Keyspace:
     @property
     def signal_prefix(self) -> str:
         return f"{self.namespace}:signal:"
+
+    def resident(self, worker_id: str) -> str:
+        return f"{self.namespace}:resident:{worker_id}"
 
     def reconcile(self, replid: str, role: str) -> str:
         return f"{self.namespace}:reconcile:{replid}:{role}"

@@ -9,12 +9,14 @@ after the TTL purges it and adds it to `ns:expired:<role>`, so a lease that was 
 released stays visible to a leak check after it is gone. Counts and the ZSET change
 only inside scripts, so they agree.
 
-Mode `cache_aware` (policy `bounded`, the default) also keeps, per worker, a model of its
-prefix cache: the prefix keys placed there, LRU-evicted at the worker's registered KV
-capacity x `cache_share`. Below the bound it prefers the least-loaded worker whose model
-holds the key, so a hot prefix spreads over workers that already cache it instead of
-spilling to the next ring worker, which would evict that worker's own prefixes. Keys
-nobody holds follow the ring walk as in `bounded`.
+Mode `cache_aware` (policy `bounded`, the default) prefers, below the bound, the worker
+holding the longest run of the prompt's leading blocks, so a hot prefix spreads over
+workers that already cache it instead of spilling to the next ring worker, which would
+evict that worker's own prefixes. A worker's run comes from the block hashes it reports
+(`residency.py`: what its pool and offload tier really hold), or, for a worker that does
+not report, from the router's model of its cache: the prefix keys placed there,
+LRU-evicted at the worker's registered KV capacity x `cache_share`. Prompts nobody holds
+follow the ring walk as in `bounded`.
 
 `choose` is the same selection in Python: the router's fail-open path uses it on local
 counts (without cache models: cache_aware acts as bounded there), and the tests use it
@@ -32,6 +34,7 @@ from importlib import resources
 import redis
 
 from services.router.keyspace import Keyspace, parse_lease_id
+from services.router.residency import hash_text
 
 MODES = ("cache_aware", "bounded", "first", "least", "round_robin")
 # A departed worker's cache model is dropped after this long without a placement.
@@ -50,7 +53,13 @@ class Placed:
     total: int  # their summed load before this placement
     rank: int  # index of the worker among counted candidates; > 0 means overflow
     local: bool = False  # placed by this process's fail-open counts, not through Redis
-    warm: bool = False  # its cache model held the request's prefix key (cache_aware)
+    run: int = 0  # leading prompt blocks the pick held, reported or modelled (cache_aware)
+    best_run: int = 0  # the longest such run any counted candidate held, bound or not
+
+    @property
+    def warm(self) -> bool:
+        """The pick held some of the prompt's prefix."""
+        return self.run > 0
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,8 @@ class PlaceRequest:
     weight: int = 0  # full KV blocks of its prompt: its footprint in a prefix cache
     cache_share: float = 1.0  # share of a worker's KV capacity the cache model assumes
     slow_start_s: float = 0.0  # a worker that joined this recently takes a ramped share
+    key_blocks: int = 1  # blocks the key stands for: a modelled hit's run (cache_aware)
+    blocks: Sequence[int] = ()  # the prompt's leading block hashes, looked up in reports
 
 
 @dataclass(frozen=True)
@@ -83,21 +94,21 @@ def load_bound(total: int, n: int, eps: float) -> int:
 
 
 def choose(
-    mode: str, loads: Sequence[int], eps: float, rr_counter: int = 0, warm: Sequence[bool] = ()
+    mode: str, loads: Sequence[int], eps: float, rr_counter: int = 0, runs: Sequence[int] = ()
 ) -> tuple[int, int, int]:
     """(index, bound, total) of the pick among counted candidates with `loads`, in order.
 
     Precondition: `loads` is non-empty. `rr_counter` is the round-robin counter after
-    incrementing (1-based), as the script's INCR returns it. `warm[i]` says whether the
-    cache model of candidate i holds the request's key (cache_aware; none warm if empty).
+    incrementing (1-based), as the script's INCR returns it. `runs[i]` is how many of the
+    prompt's leading blocks candidate i holds (cache_aware; none if empty).
     """
     n = len(loads)
     total = sum(loads)
     bound = load_bound(total, n, eps)
     under = [i for i, load in enumerate(loads) if load < bound]
-    warm_under = [i for i in under if mode == "cache_aware" and i < len(warm) and warm[i]]
+    warm_under = [i for i in under if mode == "cache_aware" and i < len(runs) and runs[i] > 0]
     if warm_under:
-        pick = min(warm_under, key=lambda i: (loads[i], i))
+        pick = min(warm_under, key=lambda i: (-runs[i], loads[i], i))
     elif mode in ("bounded", "cache_aware"):
         pick = under[0]
     elif mode == "least":
@@ -176,11 +187,14 @@ class LoadLedger:
         if r.mode == "cache_aware":
             keys += [self.keys.cache_lru(r.role, w) for w in r.candidates]
             keys += [self.keys.cache_weights(r.role, w) for w in r.candidates]
+            keys += [self.keys.resident(w) for w in r.candidates]
         ttl_ms = max(1, round(r.ttl_s * 1000))
         args: list[str | int] = [r.mode, repr(float(r.eps)), lease_prefix, ttl_ms]
-        args += [self.purge_batch, f"{r.key & 0xFFFFFFFFFFFFFFFF:016x}", r.weight]
+        args += [self.purge_batch, hash_text(r.key), r.weight]
         args += [repr(float(r.cache_share)), CACHE_MODEL_TTL_MS]
-        args += [max(0, round(r.slow_start_s * 1000)), *r.candidates]
+        args += [max(0, round(r.slow_start_s * 1000)), max(1, r.key_blocks)]
+        blocks = [hash_text(b) for b in r.blocks] if r.mode == "cache_aware" else []
+        args += [len(blocks), *blocks, *r.candidates]
         return keys, args, lease_prefix
 
     def release(self, lease_ids: Sequence[str]) -> int:
@@ -218,5 +232,6 @@ def _placed(res: list[object], lease_prefix: str) -> Placed | None:
     worker = str(res[0])
     if not worker:
         return None
-    load, bound, n, total, rank, warm = (int(str(x)) for x in res[1:7])
-    return Placed(worker, lease_prefix + worker, load, bound, n, total, rank, warm=bool(warm))
+    load, bound, n, total, rank, run, best_run = (int(str(x)) for x in res[1:8])
+    return Placed(worker, lease_prefix + worker, load, bound, n, total, rank,
+                  run=run, best_run=best_run)  # fmt: skip

@@ -35,6 +35,16 @@ class RouterCollector(Collector):
                 s.reconciled_leases,
                 "Inherited load leases trimmed to the workers' own counts after a failover",
             ),
+            (
+                "prefix_run_blocks",
+                s.prefix_runs,
+                "Leading prompt blocks the picked workers held (reported or modelled)",
+            ),
+            (
+                "prefix_best_run_blocks",
+                s.prefix_best_runs,
+                "Leading prompt blocks the best candidate held, load bound aside",
+            ),
         ):
             yield CounterMetricFamily(f"pdserve_router_{name}", text, value=value)
         yield GaugeMetricFamily(

@@ -5,7 +5,8 @@ Lifecycle of a decision (`Router.route`, synchronous and thread-safe):
    epoch key that tells it whether Redis lost its data) and rebuilds the ring of any pool
    whose non-draining members changed.
 2. Key: the engine's prefix hash of the prompt's first K blocks, seeded with the cluster's
-   model fingerprint and the tenant as salt.
+   model fingerprint and the tenant as salt; with it, the chained hashes of the first
+   `match_blocks` blocks, which the placement looks up in the caches workers report.
 3. Pools: prefill + decode if both have workers, else mixed, else a lone decode pool
    (it serves whole requests). Each pool's candidate order
    comes from the policy (the ring walk for the hashing policies), minus `exclude`.
@@ -59,7 +60,7 @@ from services.router.local_load import LocalLoad
 from services.router.membership import Membership, MembershipView
 from services.router.placement import NoWorkerError, RouteDecision, RouteQuery, WorkerRef
 from services.router.policies import make_policy
-from services.router.prefix_key import prefix_key, tenant_seed
+from services.router.prefix_key import prompt_key, tenant_seed
 from services.router.redis_client import REDIS_DOWN_ERRORS
 from services.router.registry import Registry
 from services.router.release_backlog import ReleaseBacklog
@@ -79,6 +80,11 @@ class RouterStats:
     marked_down: int = 0  # workers reported down (`report_down`)
     failovers: int = 0  # new Redis primaries seen (`Failover`)
     reconciled_leases: int = 0  # inherited load leases this router trimmed after one
+    # Leading prompt blocks the picks held (reported, or modelled for workers that do not
+    # report), and the most any candidate held: their ratio is the placements' hit rate
+    # against the one reachable (the gap is what the load bound and ties cost).
+    prefix_runs: int = 0
+    prefix_best_runs: int = 0
 
 
 def total(stats: Iterable[RouterStats]) -> RouterStats:
@@ -200,11 +206,13 @@ class Router:
             self.release([p.lease_id for p in placed if p is not None])
             raise NoWorkerError(view.why_none(missing[0], excluded))
         chosen = [p for p in placed if p is not None]
-        self._count(decisions=1, overflow=sum(1 for p in chosen if p.rank > 0))
+        self._count(decisions=1, overflow=sum(1 for p in chosen if p.rank > 0),
+                    prefix_runs=sum(p.run for p in chosen),
+                    prefix_best_runs=sum(p.best_run for p in chosen))  # fmt: skip
         refs = [view.ref(r, p.worker_id) for r, p in zip(roles, chosen, strict=True)]
         leases = [p.lease_id for p in chosen]
         prefill = refs[0] if len(refs) == 2 else None
-        cached = self._cached_tokens(len(query.prompt_token_ids)) if chosen[-1].warm else 0
+        cached = self._cached_tokens(len(query.prompt_token_ids), chosen[-1].run)
         decision = RouteDecision(
             prefill, refs[-1], tuple(leases[:-1]), tuple(leases[-1:]), decode_cached_tokens=cached
         )
@@ -252,10 +260,12 @@ class Router:
 
     # -- internals --------------------------------------------------------------------
 
-    def _cached_tokens(self, prompt_tokens: int) -> int:
-        """What a warm cache model vouches for: the prompt's first `prefix_blocks` full
-        blocks (the key covers no more), never the last token (always computed)."""
-        return min(self.config.prefix_blocks * self.config.block_size, prompt_tokens - 1)
+    def _cached_tokens(self, prompt_tokens: int, run: int) -> int:
+        """What the pick's run of leading blocks vouches for, never the last token
+        (always computed); 0 for no run."""
+        if run <= 0:
+            return 0
+        return max(0, min(run * self.config.block_size, prompt_tokens - 1))
 
     def _send_releases(self, fresh: Sequence[str]) -> None:
         owed = self.backlog.take()
@@ -280,10 +290,11 @@ class Router:
         adapter = where.adapter
         digest = "" if adapter is None else adapter.digest
         seed = tenant_seed(cfg.model_fingerprint or view.model, where.tenant, digest)
-        key = prefix_key(prompt_token_ids, cfg.block_size, cfg.prefix_blocks, seed)
+        pk = prompt_key(prompt_token_ids, cfg.block_size, cfg.prefix_blocks, cfg.match_blocks, seed)
         orders = {}
         for role in roles:
-            walk = [w for w in self.policy.order(key, view.ring(role)) if w not in where.excluded]
+            ring = view.ring(role)
+            walk = [w for w in self.policy.order(pk.key, ring) if w not in where.excluded]
             orders[role] = walk if adapter is None else view.holders_first(role, walk, adapter.name)
         redis_up = now >= self._redis_down_until
         remote = [r for r in roles if redis_up and not view.is_local_only([r])]
@@ -291,8 +302,8 @@ class Router:
         if remote:
             weight = len(prompt_token_ids) // cfg.block_size
             reqs = [
-                PlaceRequest(r, orders[r], self.policy.mode, cfg.eps, cfg.load_ttl_s, key,
-                             weight, cfg.cache_share, cfg.slow_start_s)
+                PlaceRequest(r, orders[r], self.policy.mode, cfg.eps, cfg.load_ttl_s, pk.key,
+                             weight, cfg.cache_share, cfg.slow_start_s, pk.key_blocks, pk.blocks)
                 for r in remote
             ]  # fmt: skip
             try:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: Most leading blocks a placement looks up: each costs a set lookup per candidate.
+MAX_MATCH_BLOCKS = 256
+
 POLICIES = ("bounded", "bounded_ring", "consistent", "round_robin", "least_loaded", "random")
 
 
@@ -37,6 +40,13 @@ class RouterConfig:
     )
     prefix_blocks: int = field(
         default=4, metadata={"help": "full KV blocks of the prompt hashed into the routing key"}
+    )
+    match_blocks: int = field(
+        default=32,
+        metadata={
+            "help": "leading KV blocks of the prompt looked up in the caches the workers "
+            "report (policy bounded; 0: use the router's own cache model only)"
+        },
     )
     block_size: int = field(
         default=16, metadata={"help": "tokens per KV block; must match the engines' block size"}
@@ -92,6 +102,10 @@ class RouterConfig:
             raise ValueError(f"cache_share must be in (0, 1], got {self.cache_share}")
         if self.prefix_blocks < 1:
             raise ValueError(f"prefix_blocks must be >= 1, got {self.prefix_blocks}")
+        if not 0 <= self.match_blocks <= MAX_MATCH_BLOCKS:
+            raise ValueError(
+                f"match_blocks must be in [0, {MAX_MATCH_BLOCKS}], got {self.match_blocks}"
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.virtual_nodes < 1:

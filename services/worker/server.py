@@ -46,12 +46,14 @@ from services.engine_host.loop import EngineLoop
 from services.engine_host.telemetry import WorkerTelemetry
 from services.router.keyspace import Keyspace
 from services.router.registry import WorkerInfo
+from services.router.residency import ResidencyBoard
 from services.router.worker_signal import SignalBoard
 from services.worker.calibration import Calibration, calibrate
 from services.worker.config import WorkerConfig
 from services.worker.home_role import ChangeReason, HomeRole
 from services.worker.phases import Phases
 from services.worker.registration import WorkerRegistration
+from services.worker.residency_feed import ResidencyFeed
 from services.worker.role_planner import RolePlanner
 from services.worker.signal_publisher import SignalPublisher, signal_ttl_s
 
@@ -256,14 +258,18 @@ def _publish_signal(
 ) -> SignalPublisher | None:
     """Publish the worker's load signal next to its registration (sharing its Redis
     client), so the gateway's readers find it through the pool the worker is in; its
-    speeds count from the calibration's baseline."""
+    speeds count from the calibration's baseline. Its prefix cache is reported with it
+    (`ResidencyFeed`), under the registration's incarnation."""
     if registration is None:
         return None
     keys = Keyspace(config.pool_namespace)
     ttl_s = signal_ttl_s(config.signal_interval_s)
-    board = SignalBoard(registration.registry.client, keys, ttl_s=ttl_s)
+    client = registration.registry.client
+    board = SignalBoard(client, keys, ttl_s=ttl_s)
+    feed = ResidencyFeed(ResidencyBoard(client, keys, ttl_s), engine.residency,
+                         config.worker_id, registration.info.incarnation)  # fmt: skip
     publisher = SignalPublisher(
-        board, engine.stats, config.worker_id, config.role, config.signal_interval_s
+        board, engine.stats, config.worker_id, config.role, config.signal_interval_s, feed
     )
     if calibration is not None:
         publisher.count_from(calibration.baseline)

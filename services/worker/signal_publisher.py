@@ -7,7 +7,8 @@ Redis outage is logged once and the task goes on: the first publish after Redis 
 restores the signal. `stop()`, which the worker calls as it starts to drain (it takes no
 new work from then on, so it must not advertise room), ends the task and withdraws the
 signal; if Redis is down then, the signal expires after the board's TTL
-(`signal_ttl_s`).
+(`signal_ttl_s`). With a `ResidencyFeed`, each publish also reports the engine's prefix
+cache changes right after the signal, and `stop()` withdraws that report too.
 
 Speeds: the engine's counters only grow (`EngineStats.*_total`), so each interval's
 differences give one sample of prefill tokens per busy second and of seconds per decode
@@ -32,6 +33,7 @@ from engine.stats import EngineStats
 from services.common.role import Role
 from services.router.redis_client import REDIS_DOWN_ERRORS
 from services.router.worker_signal import SignalBoard, WorkerSignal
+from services.worker.residency_feed import ResidencyFeed
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,7 @@ class SignalPublisher:
         worker_id: str,
         role: Role,
         interval_s: float = 0.25,
+        feed: ResidencyFeed | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
@@ -113,6 +116,7 @@ class SignalPublisher:
         self.worker_id = worker_id
         self.role = Role.parse(role)
         self.interval_s = interval_s
+        self.feed = feed
         self.speeds = EngineSpeeds()
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -137,10 +141,15 @@ class SignalPublisher:
                 await self._task
             self._task = None
         try:
-            await asyncio.to_thread(self.board.withdraw, self.worker_id)
+            await asyncio.to_thread(self._withdraw)
         except _PUBLISH_ERRORS as exc:
             log.warning("could not withdraw the load signal of %s (it will expire): %s",
                         self.worker_id, exc)  # fmt: skip
+
+    def _withdraw(self) -> None:
+        self.board.withdraw(self.worker_id)
+        if self.feed is not None:
+            self.feed.withdraw()
 
     def signal(self, stats: EngineStats) -> WorkerSignal:
         """The signal for `stats`, after folding them into the speeds."""
@@ -175,6 +184,8 @@ class SignalPublisher:
 
     def _publish(self) -> None:
         self.board.publish(self.signal(self.stats()))
+        if self.feed is not None:
+            self.feed.publish()
 
     async def _run(self) -> None:
         while not self._stop.is_set():

@@ -50,20 +50,24 @@ def test_a_warm_decode_worker_vouches_for_the_prefix_it_caches(
 ) -> None:
     """The decision says how much of the prompt the router's model of the decode worker's
     prefix cache holds (conditional disaggregation reads it): nothing for a new prefix,
-    the first `prefix_blocks` blocks once the model has it, never the last token."""
+    the full blocks the key covers once the model has it (at most `prefix_blocks`), never
+    the last token."""
     register_pool(client, namespace, "prefill", 1)
     register_pool(client, namespace, "decode", 2)
     r = make_router(client, namespace, prefix_blocks=2, block_size=16)
     cold = r.route(RouteQuery("r1", list(range(100)), "tenant"))
     warm = r.route(RouteQuery("r2", [*range(40), 7, 7, 7], "tenant"))  # the same first 2 blocks
-    short = r.route(RouteQuery("r3", list(range(20)), "other"))  # one block: the key is the prompt
+    short = r.route(RouteQuery("r3", list(range(20)), "other"))  # the key covers one block
     again = r.route(RouteQuery("r4", list(range(20)), "other"))
     assert cold.decode_cached_tokens == 0 and short.decode_cached_tokens == 0
     assert warm.decode == cold.decode and warm.decode_cached_tokens == 32
-    assert again.decode_cached_tokens == 19
+    assert again.decode_cached_tokens == 16
+    tiny = r.route(RouteQuery("r6", list(range(9)), "other"))  # no full block: the whole key
+    tiny_again = r.route(RouteQuery("r7", list(range(9)), "other"))
+    assert tiny.decode_cached_tokens == 0 and tiny_again.decode_cached_tokens == 8
     other_tenant = r.route(RouteQuery("r5", list(range(100)), "someone-else"))
     assert other_tenant.decode_cached_tokens == 0  # tenants never share keys
-    for d in (cold, warm, short, again, other_tenant):
+    for d in (cold, warm, short, again, other_tenant, tiny, tiny_again):
         r.release(d.load_lease_ids)
     assert r.ledger.snapshot("decode").counts == {}
 
