@@ -69,7 +69,32 @@ def router(data: Json) -> list[str]:
         *table(LATENCY_HEADER, latency),
         "",
         *table(["policy", "hit ratio", "/oracle", "load max/avg peak"], policies),
+        *_router_residency(data.get("residency")),
         *_router_scale(data.get("scale", [])),
+    ]
+
+
+def _router_residency(r: Json | None) -> list[str]:
+    """Placement by the workers' reported caches against the router's own cache model."""
+    if not r:
+        return []
+    body = [
+        [r[name]["policy"], fmt(r[name]["hit_ratio"], ".3f"), fmt(vs, ".3f", "x"),
+         fmt(r[name]["load_max_over_avg_peak"], ".2f")]
+        for name, vs in (("reported", r["reported_vs_oracle"]),
+                         ("modelled", r["modelled_vs_oracle"]), ("oracle", 1.0))
+    ]  # fmt: skip
+    share = r["run_blocks"] / max(1, r["best_run_blocks"])
+    return [
+        "",
+        f"The same workload with workers whose caches evict all the time and {r['restarts']} "
+        "of which restart empty mid-run: `reported` places by the caches the workers report "
+        f"(every {r['report_every']} placements), `modelled` by the router's own model of "
+        "them, `oracle` greedily on the true caches under the same bound. Reported / "
+        f"modelled: {fmt(r['reported_vs_modelled'], '.3f', 'x')}; the reporting router's "
+        f"picks held {fmt(share, '.3f')} of the leading blocks the best candidate held.",
+        "",
+        *table(["placement", "hit ratio", "/bounded oracle", "load max/avg peak"], body),
     ]
 
 

@@ -16,10 +16,13 @@ Lifecycle of one run (`python -m loadtest.router.bench`):
    prefix cache simulated (capacity = `cache_factor` x the shared system-prompt blocks /
    workers), against the greedy cache-aware oracle (free and held to the load bound)
    and an unlimited-cache upper bound. Every lease is released and the pool checked empty.
-4. Scale (`scale`): 1, 2, 4 and 8 router replicas, each its own process as each gateway
+4. Residency (`residency`): the bounded router placing by the caches the simulated
+   workers report, against the same router on its own cache model and against the
+   bound-held oracle, with workers restarting empty mid-run.
+5. Scale (`scale`): 1, 2, 4 and 8 router replicas, each its own process as each gateway
    is, against the same Redis: pdserve's shared state against per-replica state (the
    same router, one namespace per replica), measured in the same run.
-5. `report` holds the numbers to the targets; the report goes to `--out` as JSON
+6. `report` holds the numbers to the targets; the report goes to `--out` as JSON
    with the run's provenance and the table is printed. The exit code is 0 whether or not
    targets are met.
 """
@@ -47,6 +50,7 @@ from loadtest.router.report import (
     format_table,
     machine_info,
 )
+from loadtest.router.residency import ResidencyResult, measure_residency
 from loadtest.router.scale import measure_scale
 from loadtest.workloads.prefix import HitRateResult, Workload, make_workload
 from services.router.embedded_redis import EmbeddedRedis
@@ -66,7 +70,7 @@ progress = Progress("router_bench")
 
 def _measure(
     server: EmbeddedRedis, cfg: RouterBenchConfig, wl: Workload, load_start: list[float]
-) -> tuple[list[LatencyResult], HitRateResult, MachineInfo]:
+) -> tuple[list[LatencyResult], HitRateResult, ResidencyResult, MachineInfo]:
     client = connect(server.url, timeout_s=5.0)
     counter = RoundTripCounter()
     counter.install(client)
@@ -77,7 +81,11 @@ def _measure(
             progress(f"latency {shape}: route p50 {latency[-1].route.p50_ms:.3f} ms")
         hits = measure_hit_rates(client, wl, cfg.sim_config(wl), cfg.policy_names, eps=cfg.eps,
                                  prefix_blocks=cfg.prefix_blocks, progress=progress)  # fmt: skip
-        return latency, hits, machine_info(client, load_start)
+        residency = measure_residency(
+            client, wl, cfg.sim_config(wl), eps=cfg.eps, prefix_blocks=cfg.prefix_blocks,
+            restarts=cfg.restarts, report_every=cfg.report_every, progress=progress,
+        )  # fmt: skip
+        return latency, hits, residency, machine_info(client, load_start)
     finally:
         client.close()
 
@@ -90,19 +98,21 @@ def run(settings: RunSettings, cfg: RouterBenchConfig) -> RouterReport:
     with EmbeddedRedis(tcp=True) as server:
         pid = server.pid or 0
         progress(f"redis-server pid {pid} at {server.url}")
-        latency, hits, machine = _measure(server, cfg, wl, load_start)
+        latency, hits, residency, machine = _measure(server, cfg, wl, load_start)
         scale = measure_scale(
             server.url, wl, cfg.sim_config(wl), cfg.replica_counts, eps=cfg.eps,
             prefix_blocks=cfg.prefix_blocks, progress=progress,
         )  # fmt: skip
     scale = [replace(r, vs_oracle=r.hit_ratio / max(hits.oracle.hit_ratio, 1e-12)) for r in scale]
-    targets = evaluate_targets(latency, hits, scale)
+    targets = evaluate_targets(latency, hits, scale, residency)
     # A lease left behind or a decision that failed open fails the run whatever its speed.
     clean = (
         all(p.leases_left == 0 and p.fail_open == 0 for p in hits.policies)
         and all(r.fail_open == 0 for r in latency)
         and all(r.leases_left == 0 and r.fail_open == 0 for r in scale)
-    )
+        and all(p.leases_left == 0 and p.fail_open == 0
+                for p in (residency.reported, residency.modelled))
+    )  # fmt: skip
     return RouterReport(
         schema=SCHEMA,
         started_at=started.isoformat(),
@@ -116,6 +126,7 @@ def run(settings: RunSettings, cfg: RouterBenchConfig) -> RouterReport:
         latency=latency,
         hit_rate=hits,
         scale=scale,
+        residency=residency,
         targets=targets,
         targets_met=clean and all(t.met for t in targets),
     )
@@ -125,7 +136,8 @@ SPEC = BenchSpec(
     name="router",
     module="loadtest.router.bench",
     description="Router decision latency against Redis PING, the prefix-hit rate of "
-    "each placement policy against a cache-aware oracle, and 1-8 router replicas on one "
+    "each placement policy against a cache-aware oracle, placement by the workers' "
+    "reported caches against the router's own model, and 1-8 router replicas on one "
     "Redis against per-replica state.",
     config=RouterBenchConfig,
     run=run,

@@ -65,6 +65,14 @@ class RouterBenchConfig:
     requests: int = field(
         default=WorkloadConfig.requests, metadata={"help": "workload: requests replayed"}
     )
+    restarts: int = field(
+        default=3,
+        metadata={"help": "workers restarted (emptied) during the residency measurement"},
+    )
+    report_every: int = field(
+        default=8,
+        metadata={"help": "placements between the simulated workers' residency reports"},
+    )
     replicas: str = field(
         default="1,2,4,8",
         metadata={"help": "router replica counts of the scale measurement (empty: skip it)"},
@@ -74,6 +82,8 @@ class RouterBenchConfig:
         if self.decisions < 1 or self.latency_warmup < 0 or self.latency_inflight < 1:
             raise ValueError("need decisions >= 1, latency_warmup >= 0, latency_inflight >= 1")
         _ = self.pool_shapes, self.policy_names, self.replica_counts  # parses (validates) them
+        if self.restarts < 0 or self.report_every < 1:
+            raise ValueError("need restarts >= 0 and report_every >= 1")
         if self.cache_factor <= 0:
             raise ValueError(f"cache_factor must be > 0, got {self.cache_factor}")
         if self.warmup_requests >= self.requests:

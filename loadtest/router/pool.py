@@ -52,11 +52,13 @@ def make_router(
     eps: float,
     prefix_blocks: int,
     workload: WorkloadConfig,
+    match_blocks: int = RouterConfig.match_blocks,
 ) -> Router:
     """A Router replica on the namespace; raises if Redis does not answer."""
     config = RouterConfig(
         namespace=namespace, policy=policy, eps=eps, prefix_blocks=prefix_blocks,
         block_size=workload.block_size, model_fingerprint=workload.model, seed=workload.seed,
+        match_blocks=match_blocks,
     )  # fmt: skip
     router = Router(client, config)
     if not router.refresh():

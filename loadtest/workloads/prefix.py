@@ -37,7 +37,7 @@ import itertools
 import random
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -161,6 +161,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._lru) + len(self._tier)
 
+    def blocks(self) -> frozenset[int]:
+        """Every block held, pool and tier: what a worker reports to the router."""
+        return frozenset(self._lru) | frozenset(self._tier)
+
     def match(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of `hashes` are cached in either tier. No side effects."""
         n = 0
@@ -278,8 +282,15 @@ class PolicyResult:
     leases_left: int = 0  # load leases still in Redis after every release (must be 0)
 
 
-def run_policy(workload: Workload, cfg: SimConfig, placer: Placer) -> PolicyResult:
-    """Replay the workload through `placer` (see the module docstring); releases all."""
+def run_policy(
+    workload: Workload,
+    cfg: SimConfig,
+    placer: Placer,
+    before: Callable[[int, ClusterSim], None] | None = None,
+) -> PolicyResult:
+    """Replay the workload through `placer` (see the module docstring); releases all.
+    `before(i, sim)`, if given, runs before request i is placed: it may change the
+    simulated caches (a worker restarting empty) or report them."""
     sim = ClusterSim(cfg)
     inflight: deque[tuple[int, tuple[str, ...]]] = deque()
     hit_tokens = prompt_tokens = 0
@@ -292,6 +303,8 @@ def run_policy(workload: Workload, cfg: SimConfig, placer: Placer) -> PolicyResu
                 worker, leases = inflight.popleft()
                 placer.release(leases)
                 sim.release(worker)
+            if before is not None:
+                before(i, sim)
             worker, leases = placer.place(request, sim)
             hit = sim.place(worker, request)
             inflight.append((worker, leases))

@@ -153,6 +153,22 @@ def test_replicas_place_every_request_once_and_leave_nothing(report: dict[str, A
     assert all(r["over_bound"] == 0 for r in rows if r["design"] == "shared")
 
 
+def test_placement_by_reports_is_measured_beside_the_model_and_the_oracle(
+    report: dict[str, Any],
+) -> None:
+    r = report["residency"]
+    assert r["restarts"] == report["config"]["restarts"] > 0
+    upper = report["hit_rate"]["upper_bound_hit_ratio"]
+    for name in ("reported", "modelled", "oracle"):
+        p = r[name]
+        assert p["policy"] == name and p["leases_left"] == 0 and p["fail_open"] == 0
+        assert 0.0 < p["hit_ratio"] <= upper
+    assert r["reported"]["hit_ratio"] <= r["oracle"]["hit_ratio"] + 0.02
+    assert math.isclose(r["reported_vs_modelled"],
+                        r["reported"]["hit_ratio"] / r["modelled"]["hit_ratio"])  # fmt: skip
+    assert 0 < r["run_blocks"] <= r["best_run_blocks"]
+
+
 def test_load_bound_held(report: dict[str, Any]) -> None:
     eps, workers = report["config"]["eps"], report["config"]["workers"]
     cap = math.ceil((1 + eps) * WINDOW / workers) / (WINDOW / workers)
@@ -166,7 +182,8 @@ def test_targets(report: dict[str, Any]) -> None:
     assert names == [
         "route p99 ms (mixed)", "round trips/route (mixed)",
         "route p99 ms (pd)", "round trips/route (pd)",
-        "bounded hit ratio / oracle", "placements over the bound, shared, 1-2 replicas",
+        "bounded hit ratio / oracle", "reported/modelled hit ratio",
+        "reported hit ratio / bounded oracle", "placements over the bound, shared, 1-2 replicas",
         "hit ratio 2 replicas / 1, shared", "Redis round trips/request, 2 replicas",
     ]  # fmt: skip
     for t in report["targets"]:
