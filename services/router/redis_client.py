@@ -15,12 +15,22 @@ The password, if any, is the data servers'; the Sentinels are asked without one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import resources
 from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
+from redis.commands.core import Script
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
+
+
+def router_script(client: redis.Redis, name: str) -> Script:
+    """The Lua script `name` of this package, registered on `client` (sent by SHA, loaded
+    on first use)."""
+    text = resources.files("services.router").joinpath(name).read_text(encoding="utf-8")
+    return client.register_script(text)
+
 
 #: What the router treats as "Redis is unreachable": route locally, try again later.
 REDIS_DOWN_ERRORS: tuple[type[Exception], ...] = (

@@ -21,14 +21,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from importlib import resources
 
 import redis
 
 from services.router.keyspace import Keyspace
+from services.router.redis_client import router_script
 
 #: Prefix of the member naming the incarnation a set describes (hashes are hex digits).
 MARKER_PREFIX = "~"
+#: Most hashes one script call writes: a snapshot of a large pool and offload tier is
+#: sent in several calls, so no single call holds Redis (every placement waits on it)
+#: for long. Between them the set is partial, which only understates a run.
+CALL_HASHES = 10_000
 
 
 def hash_text(block_hash: int) -> str:
@@ -48,17 +52,22 @@ class ResidencyBoard:
     """The reported prefix caches of one cluster (namespace)."""
 
     def __init__(self, client: redis.Redis, keys: Keyspace, ttl_s: float) -> None:
+        """`ttl_s`: how long a set lives without a report (the load signal's TTL)."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        self.client = client  # decoding responses (`redis_client.connect`)
-        self.keys = keys
-        self.ttl_s = ttl_s
-        text = resources.files("services.router").joinpath("residency.lua").read_text("utf-8")
-        self._script = client.register_script(text)
+        self.client, self.keys = client, keys  # the client decodes (`redis_client.connect`)
+        self.ttl_ms = max(1, round(ttl_s * 1000))
+        self._script = router_script(client, "residency.lua")
 
     def reset(self, worker_id: str, incarnation: str, hashes: Iterable[int]) -> None:
-        """Replace the worker's set with `hashes`, written by `incarnation`."""
-        self._call("reset", worker_id, incarnation, hashes, ())
+        """Replace the worker's set with `hashes`, written by `incarnation` (in calls of
+        at most `CALL_HASHES`; a later call that finds the set gone stops: the caller's
+        next report resets again)."""
+        chunks = _chunks(list(hashes))
+        self._call("reset", worker_id, incarnation, chunks[0], ())
+        for chunk in chunks[1:]:
+            if not self._call("apply", worker_id, incarnation, chunk, ()):
+                return
 
     def apply(
         self, worker_id: str, incarnation: str, added: Iterable[int], removed: Iterable[int]
@@ -91,8 +100,12 @@ class ResidencyBoard:
     ) -> bool:
         plus = [hash_text(h) for h in added]
         minus = [hash_text(h) for h in removed]
-        ttl_ms = max(1, round(self.ttl_s * 1000))
         marker = MARKER_PREFIX + incarnation
         res = self._script(keys=[self.keys.resident(worker_id)],
-                           args=[op, ttl_ms, marker, len(plus), *plus, *minus])  # fmt: skip
+                           args=[op, self.ttl_ms, marker, len(plus), *plus, *minus])  # fmt: skip
         return int(str(res)) == 1
+
+
+def _chunks(hashes: list[int]) -> list[list[int]]:
+    """`hashes` in runs of at most `CALL_HASHES`; one empty run for none."""
+    return [hashes[i : i + CALL_HASHES] for i in range(0, len(hashes), CALL_HASHES)] or [[]]

@@ -269,8 +269,8 @@ def _publish_signal(
     feed = ResidencyFeed(ResidencyBoard(client, keys, ttl_s), engine.residency,
                          config.worker_id, registration.info.incarnation)  # fmt: skip
     publisher = SignalPublisher(
-        board, engine.stats, config.worker_id, config.role, config.signal_interval_s, feed
-    )
+        board, engine.stats, config.worker_id, config.role, config.signal_interval_s
+    ).report_cache(feed)
     if calibration is not None:
         publisher.count_from(calibration.baseline)
     return publisher.start()

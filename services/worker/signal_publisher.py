@@ -7,8 +7,9 @@ Redis outage is logged once and the task goes on: the first publish after Redis 
 restores the signal. `stop()`, which the worker calls as it starts to drain (it takes no
 new work from then on, so it must not advertise room), ends the task and withdraws the
 signal; if Redis is down then, the signal expires after the board's TTL
-(`signal_ttl_s`). With a `ResidencyFeed`, each publish also reports the engine's prefix
-cache changes right after the signal, and `stop()` withdraws that report too.
+(`signal_ttl_s`). Given a `ResidencyFeed` (`report_cache`), each publish also reports
+the engine's prefix cache changes right after the signal, and `stop()` withdraws that
+report too.
 
 Speeds: the engine's counters only grow (`EngineStats.*_total`), so each interval's
 differences give one sample of prefill tokens per busy second and of seconds per decode
@@ -107,7 +108,6 @@ class SignalPublisher:
         worker_id: str,
         role: Role,
         interval_s: float = 0.25,
-        feed: ResidencyFeed | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
@@ -116,7 +116,7 @@ class SignalPublisher:
         self.worker_id = worker_id
         self.role = Role.parse(role)
         self.interval_s = interval_s
-        self.feed = feed
+        self.feed: ResidencyFeed | None = None
         self.speeds = EngineSpeeds()
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -126,6 +126,12 @@ class SignalPublisher:
         """Measure the speeds from `since` on (the worker's calibration baseline: the
         cold warm-up before it is not a speed). Call before `start`."""
         self.speeds = EngineSpeeds(since=since)
+        return self
+
+    def report_cache(self, feed: ResidencyFeed) -> SignalPublisher:
+        """Also report the engine's prefix cache with each signal (and withdraw it with
+        the signal). Call before `start`."""
+        self.feed = feed
         return self
 
     def start(self) -> SignalPublisher:

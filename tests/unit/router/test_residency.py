@@ -13,6 +13,7 @@ import redis
 
 from engine.prefix_hash import prefix_block_hashes
 from engine.residency import ResidencyLog
+from services.router import residency
 from services.router.keyspace import Keyspace
 from services.router.load import LoadLedger, PlaceRequest
 from services.router.placement import RouteQuery
@@ -40,7 +41,7 @@ def test_a_set_is_replaced_changed_and_refused_to_other_incarnations(
     assert board.read("w") is None
     assert not board.apply("w", "a", [1], [])  # nothing to apply to: the feed must reset
     assert board.read("w") is None
-    many = range(1, 2501)  # more than one SADD chunk
+    many = range(1, 2501)  # more than one SADD chunk of the script
     board.reset("w", "a", many)
     got = board.read("w")
     assert got is not None and got.incarnation == "a" and got.hashes == frozenset(many)
@@ -52,6 +53,25 @@ def test_a_set_is_replaced_changed_and_refused_to_other_incarnations(
     assert 0 < client.pttl(Keyspace(namespace).resident("w")) <= TTL_S * 1000
     board.withdraw("w")
     assert board.read("w") is None
+
+
+def test_a_large_snapshot_goes_in_several_calls(
+    client: redis.Redis, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(residency, "CALL_HASHES", 1000)
+    board = _board(client, namespace)
+    calls: list[str] = []
+    script = board._script
+
+    def counted(*, keys: list[str], args: list[object]) -> object:
+        calls.append(str(args[0]))
+        return script(keys=keys, args=args)
+
+    monkeypatch.setattr(board, "_script", counted)
+    board.reset("w", "a", range(3500))
+    assert calls == ["reset", "apply", "apply", "apply"]
+    got = board.read("w")
+    assert got is not None and got.hashes == frozenset(range(3500))
 
 
 def test_the_feed_sends_a_snapshot_then_changes_and_resyncs_after_a_loss(
