@@ -7,9 +7,9 @@ defaults: bf16, conditional disaggregation on), each reporting its prefix cache.
   every request of that prompt goes to the worker that really holds it. The router's
   own cache model cannot tell: it remembers the prompt on both, and its tie-break (the
   ring's order) would send it back to the owner.
-- Under eviction pressure (48 distinct prompts through pools of a few hundred
-  blocks), one report interval after the traffic stops each worker's reported set is
-  the size of its pool's prefix cache.
+- Under eviction pressure (16 distinct prompts of 14 blocks through two pools of 45),
+  one report interval after the traffic stops each worker's reported set is the size
+  of its pool's prefix cache.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ SIGNAL_INTERVAL_S = 0.25  # the workers' default --signal-interval-s
 
 @pytest.fixture(scope="module")
 def mixed_pair() -> Iterator[LocalCluster]:
-    cluster = _cluster(num_prefill=0, num_decode=2)
+    # Pools of 45 blocks each (bf16): a few prompts fill them, so eviction starts early.
+    cluster = _cluster(num_prefill=0, num_decode=2, worker_kv_cache_bytes=16 << 20)
     yield cluster
     cluster.stop()
 
@@ -95,7 +96,7 @@ def test_under_eviction_pressure_the_reported_sets_match_the_pools(
     mixed_pair: LocalCluster,
 ) -> None:
     address = mixed_pair.gateway_address
-    prompts = [[5000 + 131 * p + i for i in range(16 * 14)] for p in range(48)]
+    prompts = [[5000 + 131 * p + i for i in range(16 * 14)] for p in range(16)]
     for start in range(0, len(prompts), 4):
         batch = prompts[start : start + 4]
         asyncio.run(_gather(address, batch))
