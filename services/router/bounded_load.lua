@@ -135,20 +135,18 @@ end
 -- else from the router's model of its cache.
 local function run_of(i)
   local resident = KEYS[5 + 3 * m + slot[i]]
-  if h > 0 then
+  if h > 0 and redis.call('EXISTS', resident) == 1 then
     local found = redis.call('SMISMEMBER', resident, '~' .. incarnation[i],
                              unpack(ARGV, 13, 12 + h))
-    if found[1] == 1 then
-      local run = 0
-      for j = 2, #found do
-        if found[j] == 0 then break end
-        run = run + 1
-      end
-      return run
-    end
-    if redis.call('EXISTS', resident) == 1 then
+    if found[1] == 0 then
       return 0  -- another incarnation's report: this one restarted with an empty cache
     end
+    local run = 0
+    for j = 2, #found do
+      if found[j] == 0 then break end
+      run = run + 1
+    end
+    return run
   end
   if redis.call('ZSCORE', KEYS[5 + m + slot[i]], ARGV[6]) then
     return tonumber(ARGV[11])
