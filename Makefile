@@ -51,26 +51,32 @@ lint: install
 	$(BIN)/lint-imports
 	$(BIN)/python -m loadtest.reports.results --check true
 
-# Three phases. First the performance gate (`loadtest/perf_gate.py`: a few ratios held to
+# Four phases. First the performance gate (`loadtest/perf_gate.py`: a few ratios held to
 # floors far below their results), while the machine is quiet. Then the unit tests, on
 # one process per core (pytest-xdist; a test file stays in one process, with its module
-# fixtures). Then the tests marked serial, one at a time: every integration test (each
-# starts a cluster of several processes, and some hold deadlines or fair shares) and the
+# fixtures). Then the integration tests marked pairable, two files at a time: each starts
+# its own cluster but asserts no duration, and one cluster test leaves about half the
+# cores idle. Then the tests marked serial, one at a time: the other integration tests
+# (some hold deadlines or fair shares, or restart a process on the same port) and the
 # unit tests that measure time or reuse a port. Every phase runs even when an earlier
 # one fails, so one CI run reports every failure; make fails if any did (an interrupted
-# unit phase, pytest's exit 2, stops it).
+# pytest phase, pytest's exit 2, stops it).
 # Bytecode is cached even where the environment says not to (PYTHONDONTWRITEBYTECODE):
 # the suite starts a few hundred Python processes.
+PYTEST = PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q
 test: model lint promtool
 	$(BIN)/python -m loadtest.perf_gate --out bench-results/perf_gate.json; \
 	gate=$$?; \
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n auto --dist loadfile -m "not serial"; \
+	$(PYTEST) -n auto --dist loadfile -m "not serial and not pairable"; \
 	unit=$$?; \
 	if [ $$unit -eq 2 ]; then exit 2; fi; \
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -m serial; \
+	$(PYTEST) -n 2 --dist loadfile -m pairable; \
+	paired=$$?; \
+	if [ $$paired -eq 2 ]; then exit 2; fi; \
+	$(PYTEST) -m serial; \
 	serial=$$?; \
-	echo "make test: gate exit $$gate, parallel phase exit $$unit, serial phase exit $$serial"; \
-	[ $$gate -eq 0 ] && [ $$unit -eq 0 ] && [ $$serial -eq 0 ]
+	echo "make test: gate exit $$gate, unit phase exit $$unit, pairable phase exit $$paired, serial phase exit $$serial"; \
+	[ $$gate -eq 0 ] && [ $$unit -eq 0 ] && [ $$paired -eq 0 ] && [ $$serial -eq 0 ]
 
 bench: model reference
 	$(BIN)/python -m loadtest.engine.bench --out bench-results/engine.json

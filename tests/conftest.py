@@ -48,11 +48,12 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Everything outside tests/unit runs in `make test`'s serial phase: an integration
-    # test starts a cluster of several processes, and some hold deadlines or fair shares.
+    # Everything outside tests/unit runs in `make test`'s serial phase (an integration
+    # test starts a cluster of several processes, and some hold deadlines or fair
+    # shares), except the files marked pairable, which run two at a time before it.
     unit = Path(__file__).parent / "unit"
     for item in items:
-        if unit not in item.path.parents:
+        if unit not in item.path.parents and "pairable" not in item.keywords:
             item.add_marker(pytest.mark.serial)
     if torch.cuda.is_available():
         return

@@ -22,6 +22,9 @@ from services.cluster.local_cluster import LocalCluster
 from tests.conftest import MODEL_CACHE
 from tests.tiny_models import ORIGINAL_CONTEXT, VOCAB_SIZE, word, write_tiny_model
 
+# Runs beside one other pairable file in make test (tests/conftest.py).
+pytestmark = pytest.mark.pairable
+
 PDSERVE = [sys.executable, "-m", "services.cli.main"]
 REPO = Path(__file__).resolve().parents[2]
 TINY_KV = str(1 << 20)  # the default 1 GiB KV pool would take seconds to allocate

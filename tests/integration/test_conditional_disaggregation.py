@@ -23,6 +23,9 @@ from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.integration.test_cluster import _cluster, _collect
 from tests.prompts import SHORT, long_prompt
 
+# Runs beside one other pairable file in make test (tests/conftest.py).
+pytestmark = pytest.mark.pairable
+
 DECISIONS = "pdserve_disaggregation_decisions_total"
 
 

@@ -35,6 +35,9 @@ from tests.integration.test_cluster import _cluster, _collect
 from tests.integration.test_conditional_disaggregation import short_and_long_streams
 from tests.prompts import SHORT, long_prompt
 
+# Runs beside one other pairable file in make test (tests/conftest.py).
+pytestmark = pytest.mark.pairable
+
 #: The suite's pins (tests/conftest.py) that this module's cluster must not inherit.
 PINS = ("PDSERVE_DTYPE", "PDSERVE_LOCAL_PREFILL_MAX_TOKENS", "PDSERVE_ROLE_WINDOW_S")
 GATEWAY_DEFAULT_LOCAL_MAX = 512  # services/gateway/config.py: local_prefill_max_tokens

@@ -21,6 +21,9 @@ from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.integration.test_cluster import _cluster
 from tests.prompts import SHORT, long_prompt
 
+# Runs beside one other pairable file in make test (tests/conftest.py).
+pytestmark = pytest.mark.pairable
+
 TOKENS = 16
 GREEDY = RequestOptions(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
 SEEDED = RequestOptions(max_tokens=TOKENS, temperature=0.8, seed=1234, ignore_eos=True)

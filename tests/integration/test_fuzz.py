@@ -33,6 +33,9 @@ from services.gateway.service import MAX_PROMPT_CHARS
 from tests.integration.test_cluster import _cluster
 from tests.integration.wire_bytes import JUNK, OWED_A_STATUS, field, flip, send_junk
 
+# Runs beside one other pairable file in make test (tests/conftest.py).
+pytestmark = pytest.mark.pairable
+
 GATEWAY_CASES = 800  # typed GenerateRequests through the gateway
 WIRE_CASES = 450  # raw bytes as a GenerateRequest (random, truncated, bad UTF-8)
 PREFILL_CASES = 250  # typed PrefillRequests straight to the prefill worker

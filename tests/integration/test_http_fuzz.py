@@ -27,6 +27,9 @@ from services.cluster.local_cluster import LocalCluster
 from tests.conftest import MODEL_CACHE
 from tests.integration.leak_check import assert_cluster_clean, start_probe
 
+# Runs beside one other pairable file in make test (tests/conftest.py).
+pytestmark = pytest.mark.pairable
+
 COMPLETION_CASES = 650
 CHAT_CASES = 650
 TOKENIZE_CASES = 300

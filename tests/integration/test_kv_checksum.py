@@ -25,6 +25,9 @@ from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.integration.test_cluster import _cluster, _collect
 from tests.prompts import long_prompt
 
+# Runs beside one other pairable file in make test (tests/conftest.py).
+pytestmark = pytest.mark.pairable
+
 PARAMS = SamplingParams(max_tokens=8)
 
 

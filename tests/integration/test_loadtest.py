@@ -23,6 +23,9 @@ from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
 from tests.conftest import MODEL_CACHE
 
+# Runs beside one other pairable file in make test (tests/conftest.py).
+pytestmark = pytest.mark.pairable
+
 NUM_REQUESTS = 8
 RATES = (2.0, 4.0)
 PLOTS = ("ttft_cdf", "itl_cdf", "goodput_vs_rate", "attainment_vs_rate")

@@ -32,6 +32,9 @@ from tests.integration.test_cluster import _cluster
 from tests.lora_adapters import RECIPES, peft_greedy, write_adapter
 from tests.prompts import SHORT, long_prompt
 
+# Runs beside one other pairable file in make test (tests/conftest.py).
+pytestmark = pytest.mark.pairable
+
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 

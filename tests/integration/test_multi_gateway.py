@@ -16,6 +16,9 @@ from services.cluster.local_cluster import LocalCluster
 from services.gateway.client import GatewayClient, RequestOptions, build_request
 from tests.conftest import MODEL_CACHE
 
+# Runs beside one other pairable file in make test (tests/conftest.py).
+pytestmark = pytest.mark.pairable
+
 LIMIT = 24  # --max-tokens-limit given through gateway_args
 
 

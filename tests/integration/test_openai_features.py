@@ -26,6 +26,9 @@ from services.cluster.local_cluster import LocalCluster
 from tests.conftest import MODEL_CACHE
 from tests.integration.leak_check import assert_cluster_clean, start_probe
 
+# Runs beside one other pairable file in make test (tests/conftest.py).
+pytestmark = pytest.mark.pairable
+
 PROMPT = "The three primary colors are red, yellow and"
 QUESTION = "Name a fruit that is yellow."
 TOLERANCE = 1e-3

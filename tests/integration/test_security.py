@@ -30,6 +30,9 @@ from tests.conftest import MODEL_CACHE
 from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.prompts import long_prompt
 
+# Runs beside one other pairable file in make test (tests/conftest.py).
+pytestmark = pytest.mark.pairable
+
 KEY_A = "tenant-a-key-000000000001"
 KEY_B = "tenant-b-key-000000000002"
 KEY_C = "tenant-c-key-000000000003"

@@ -34,6 +34,9 @@ from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.integration.test_cluster import _cluster
 from tests.tiny_models import VOCAB_SIZE, write_tiny_model
 
+# Runs beside one other pairable file in make test (tests/conftest.py).
+pytestmark = pytest.mark.pairable
+
 TINY = "tiny"
 TWIN = "twin"
 TWIN_PROMPT = "The capital of France is"  # one the twin answers otherwise than the model

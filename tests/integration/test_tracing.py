@@ -29,6 +29,9 @@ from services.gateway.client import GatewayClient, RequestOptions, build_request
 from tests.conftest import MODEL_CACHE
 from tests.integration.leak_check import assert_cluster_clean, start_probe
 
+# Runs beside one other pairable file in make test (tests/conftest.py).
+pytestmark = pytest.mark.pairable
+
 PHASES = [
     "gateway.generate",
     "router.route",
