@@ -137,7 +137,7 @@ def _model(config: EngineConfig, invariance: InvariantChoice, progress: bool) ->
     log.info("linear layers: %s kernel (%s, %s, weights %s)", kernel.name, device, dtype, quant)
     kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)
     fused = fused_decode_wanted(config.decode_kernel, device, dtype, quant, kv_dtype)
-    model = LlamaModel(spec, dtype, device, kernel, fused=fused)
+    model = LlamaModel(spec, dtype, device, kernel, fused_kv=kv_dtype if fused else None)
     model.load_weights(model_dir, progress=progress)
     if config.decode_kernel is DecodeKernel.FUSED and model.fused is None:
         raise RuntimeError("decode_kernel fused: its kernel failed to compile (see above)")

@@ -50,7 +50,7 @@ class BatchInvariance(enum.StrEnum):
 class DecodeKernel(enum.StrEnum):
     """`--decode-kernel`: how decode steps of up to `fused_decode.MAX_ROWS` sequences run."""
 
-    AUTO = "auto"  # fused on x86 CPUs in bfloat16 with unquantized weights and KV
+    AUTO = "auto"  # fused on x86 CPUs in bfloat16 with unquantized weights
     FUSED = "fused"  # the same on any CPU; refuse to start where it cannot run
     TORCH = "torch"  # always the torch forward
 
@@ -165,10 +165,11 @@ class EngineConfig:
     decode_kernel: DecodeKernel = field(
         default=DecodeKernel.AUTO,
         metadata={
-            "help": "auto (decode-only steps of up to 128 rows as one compiled kernel, and "
-            "other steps' decode attention through its attention, on x86 CPUs in bfloat16 "
-            "with unquantized weights and KV cache), fused (the same on any CPU, refusing "
-            "to start where it cannot run) or torch (every step through torch)"
+            "help": "auto (decode-only steps of up to 128 rows, drafts to verify included, "
+            "as one compiled kernel, and other steps' decode attention over an unquantized "
+            "cache through its attention, on x86 CPUs in bfloat16 with unquantized weights; "
+            "any KV cache dtype), fused (the same on any CPU, refusing to start where it "
+            "cannot run) or torch (every step through torch)"
         },
     )
     num_threads: int | None = field(

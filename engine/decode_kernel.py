@@ -40,8 +40,9 @@ from typing import Any, Final
 import numba
 import numpy as np
 
-from engine import bf16_bits, weight_tiles
+from engine import bf16_bits, kv_quant_kernel, weight_tiles
 from engine.bf16_bits import bits_as_f32, to_bf16, widen
+from engine.kv_quant_kernel import INT8, write_layer
 from engine.weight_tiles import matmul
 
 _F32 = np.float32
@@ -60,7 +61,7 @@ def source_digest(*modules: ModuleType) -> int:
 #: point instead of loading a stale one. The helpers between (`_attend`, `_rms_norm`,
 #: `_silu_mul`, `weight_tiles.matmul`) are not cached on their own for the same reason:
 #: they compile into the entry point that calls them, and are cached only inside it.
-_INLINED_DIGEST = source_digest(bf16_bits, weight_tiles)
+_INLINED_DIGEST = source_digest(bf16_bits, kv_quant_kernel, weight_tiles)
 #: LLVM fast-math flags: reassociate sums (vector lanes) and fuse multiply-adds.
 FAST_MATH = {"reassoc", "contract", "arcp", "nsz"}
 
@@ -71,6 +72,7 @@ _LN2_LO = _F32(-2.1219444005469057e-4)
 # 1/k!: e**r's Taylor series to r**7, within 4e-9 for |r| <= ln(2)/2.
 _C7, _C6, _C5 = _F32(1 / 5040), _F32(1 / 720), _F32(1 / 120)
 _C4, _C3, _C2 = _F32(1 / 24), _F32(1 / 6), _F32(0.5)
+_FP8_LIFT = _F32(2.0**120)  # see codes_as_f32
 #: numba raises ZeroDivisionError from a float division unless told numpy's rules (inf
 #: or NaN), and that check per element keeps LLVM from vectorizing a loop that divides.
 #: No division in the step can be by zero (a softmax's total holds its top weight 1, a
@@ -163,18 +165,7 @@ def _attend(
             for d in range(hd):
                 s += q[qh + d] * row[kh + d]
             scores[h, p] = s * scale
-    for h in range(heads):
-        head = scores[h]
-        top = head[0]
-        for p in range(1, seq_len):
-            top = max(top, head[p])
-        total = _F32(0.0)
-        for p in range(seq_len):
-            weight = exp_f32(head[p] - top)
-            head[p] = weight
-            total += weight
-        for p in range(seq_len):
-            head[p] /= total
+    _softmax(scores)
     out[: heads * hd] = 0.0
     for p in range(seq_len):
         v = pool[base[p] + v_off : base[p] + v_off + width]
@@ -185,6 +176,130 @@ def _attend(
             w = scores[h, p]
             for d in range(hd):
                 out[qh + d] += w * row[vh + d]
+
+
+@numba.njit(nogil=True, fastmath=FAST_MATH, error_model=NUMPY_ERRORS)  # uncached, as _silu_mul
+def _softmax(scores: np.ndarray) -> None:
+    """Each row of `scores` ([heads, positions] float32) softmaxed in place."""
+    for h in range(scores.shape[0]):
+        head = scores[h]
+        top = head[0]
+        for p in range(1, head.shape[0]):
+            top = max(top, head[p])
+        total = _F32(0.0)
+        for p in range(head.shape[0]):
+            weight = exp_f32(head[p] - top)
+            head[p] = weight
+            total += weight
+        for p in range(head.shape[0]):
+            head[p] /= total
+
+
+@numba.njit(nogil=True, inline="always")
+def codes_as_f32(codes: np.ndarray, out: np.ndarray, kind: int) -> None:
+    """An 8-bit cache's stored bytes (an int8 view) as float32 values, before their
+    scale, in arithmetic LLVM vectorizes (a table lookup per element it does not).
+
+    int8: a conversion. fp8 e4m3fn: its sign, exponent and mantissa bits moved into a
+    bfloat16's (sign to bit 15, the rest to bits 10-4, as `engine.kv_cache` reads
+    them) make a number 2**-120 times the stored one, normal or subnormal alike, so
+    widening that and multiplying by 2**120 is exact. The NaN codes read as +-480, as
+    the torch read and the write's table (`kv_quant_kernel.decode_table`) read them."""
+    if kind == INT8:
+        for e in range(codes.shape[0]):
+            out[e] = _F32(codes[e])
+    else:
+        for e in range(codes.shape[0]):
+            moved = (np.int32(codes[e]) << np.int32(4)) & np.int32(0x87F0)
+            out[e] = bits_as_f32(np.uint32(moved) << np.uint32(16)) * _FP8_LIFT
+
+
+@numba.njit(nogil=True, fastmath=FAST_MATH, error_model=NUMPY_ERRORS)  # uncached, as _silu_mul
+def _attend_8bit(
+    q: np.ndarray, pool: np.ndarray, scales: np.ndarray, base: np.ndarray, blocks: np.ndarray,
+    offs: tuple[int, int, int, int], seq_len: int, out: np.ndarray, heads: int, kv_heads: int,
+    hd: int, bs: int, kind: int,
+) -> None:  # fmt: skip
+    """`_attend` over an 8-bit cache: token p's K row starts at byte `base[p] + k_off`
+    of `pool` (the pool's bytes, flat) and its V row at `+ v_off`; each (block, K/V,
+    KV head) has one float32 scale, at `k_at` (K) or `v_at` (V) plus the head within
+    the block's row of `scales` (`blocks` the sequence's block ids). The scales apply
+    to a head's score and to its softmax weight, not to each element (head_dim times
+    fewer products)."""
+    k_off, v_off, k_at, v_at = offs
+    group = heads // kv_heads
+    width = kv_heads * hd
+    scale = _F32(1.0 / math.sqrt(hd))
+    scores = np.empty((heads, seq_len), dtype=np.float32)
+    row = np.empty(width, dtype=np.float32)
+    for p in range(seq_len):
+        codes_as_f32(pool[base[p] + k_off : base[p] + k_off + width], row, kind)
+        block_scales = scales[blocks[p // bs]]
+        for h in range(heads):
+            g = h // group
+            qh, kh = h * hd, g * hd
+            s = _F32(0.0)
+            for d in range(hd):
+                s += q[qh + d] * row[kh + d]
+            scores[h, p] = s * scale * block_scales[k_at + g]
+    _softmax(scores)
+    out[: heads * hd] = 0.0
+    for p in range(seq_len):
+        codes_as_f32(pool[base[p] + v_off : base[p] + v_off + width], row, kind)
+        block_scales = scales[blocks[p // bs]]
+        for h in range(heads):
+            g = h // group
+            qh, vh = h * hd, g * hd
+            w = scores[h, p] * block_scales[v_at + g]
+            for d in range(hd):
+                out[qh + d] += w * row[vh + d]
+
+
+@numba.njit(nogil=True)  # uncached, as _silu_mul
+def _layer_input(
+    x: np.ndarray, layer: int, weights: tuple[np.ndarray, ...], eps: float, h: np.ndarray,
+    qkv: np.ndarray,
+) -> None:  # fmt: skip
+    """`layer`'s input norm of the residual stream `x` and its QKV projection into `qkv`."""
+    _rms_norm(x, weights[8][layer], eps, h)
+    matmul(weights[0][layer], h, qkv)
+    _add_bias(qkv, weights[1][layer])
+
+
+@numba.njit(nogil=True)  # uncached, as _silu_mul
+def _layer_output(
+    x: np.ndarray, layer: int, weights: tuple[np.ndarray, ...], eps: float, attn: np.ndarray,
+    h: np.ndarray, proj: np.ndarray, gate_up: np.ndarray, act: np.ndarray,
+) -> None:  # fmt: skip
+    """The rest of `layer` after attention (`attn`): output projection and residual,
+    post-attention norm, MLP and residual, into `x`."""
+    matmul(weights[2][layer], attn, proj)
+    _add_bias(proj, weights[3][layer])
+    x += proj
+    _rms_norm(x, weights[9][layer], eps, h)
+    matmul(weights[4][layer], h, gate_up)
+    _add_bias(gate_up, weights[5][layer])
+    _silu_mul(gate_up, act)
+    matmul(weights[6][layer], act, proj)
+    _add_bias(proj, weights[7][layer])
+    x += proj
+
+
+@numba.njit(nogil=True)  # uncached, as _silu_mul
+def _scratch(
+    rows: int, weights: tuple[np.ndarray, ...], heads: int, hd: int
+) -> tuple[np.ndarray, ...]:
+    """A step's activations: h, qkv, attn, proj, gate_up, act (float32, [rows, ...])."""
+    hidden = weights[3].shape[1]
+    inter = weights[5].shape[1] // 2  # the packed weights' tiles are padded; biases not
+    return (
+        np.empty((rows, hidden), dtype=np.float32),
+        np.empty((rows, weights[1].shape[1]), dtype=np.float32),
+        np.empty((rows, heads * hd), dtype=np.float32),
+        np.empty((rows, hidden), dtype=np.float32),
+        np.empty((rows, 2 * inter), dtype=np.float32),
+        np.empty((rows, inter), dtype=np.float32),
+    )
 
 
 @numba.njit(cache=True, nogil=True)
@@ -227,7 +342,10 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
     logits)` runs every layer of one decode step, then the final norm and the LM head.
     `x` [rows, hidden] float32 holds the tokens' embeddings and is the residual stream;
     `positions` [rows] each token's position (its sequence has position + 1 tokens with
-    it); `tables` [rows, blocks] their block ids, covering every position; `weights` the
+    it); `tables` [rows, blocks] their block ids, covering every position. Several rows
+    may be one sequence's consecutive positions (a verification of drafts), in
+    position order: within each layer a row writes its K/V before it attends, and the
+    rows run in order, so each attends over those of the rows before it; `weights` the
     `FusedDecoder` tuple (projections packed by `engine.weight_tiles.pack`); `pool` the
     KV pool as uint16, `block_elems` elements a block; `logits` [rows, vocab] receives
     the result."""
@@ -241,25 +359,14 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
         bs: int, block_elems: int, eps: float, logits: np.ndarray,
     ) -> None:  # fmt: skip
         digest  # noqa: B018 -- read so that the closure, which the cache keys on, holds it
-        (qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b,
-         in_norm, post_norm, norm, lm_head) = weights  # fmt: skip
         q_size, kv_size = heads * hd, kv_heads * hd
-        rows, hidden = x.shape
-        inter = gate_up_b.shape[1] // 2  # the packed weights' tiles are padded; biases not
-        h = np.empty((rows, hidden), dtype=np.float32)
-        qkv = np.empty((rows, qkv_b.shape[1]), dtype=np.float32)
-        attn = np.empty((rows, q_size), dtype=np.float32)
-        proj = np.empty((rows, hidden), dtype=np.float32)
-        gate_up = np.empty((rows, 2 * inter), dtype=np.float32)
-        act = np.empty((rows, inter), dtype=np.float32)
+        h, qkv, attn, proj, gate_up, act = _scratch(x.shape[0], weights, heads, hd)
         k_rows = row_bases(tables, positions + 1, bs, block_elems, kv_size)
-        for layer in range(qkv_w.shape[0]):
+        for layer in range(weights[0].shape[0]):
             layer_k = 2 * layer * bs * kv_size  # the layer's K rows within a block
             layer_v = layer_k + bs * kv_size
-            _rms_norm(x, in_norm[layer], eps, h)
-            matmul(qkv_w[layer], h, qkv)
-            _add_bias(qkv, qkv_b[layer])
-            for r in range(rows):
+            _layer_input(x, layer, weights, eps, h, qkv)
+            for r in range(x.shape[0]):
                 pos = positions[r]
                 _rotate(qkv[r], cos[pos], sin[pos], heads + kv_heads, hd)
                 # The new token's K and V into the cache, then attention over all of it.
@@ -271,18 +378,62 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
                     v_out[j] = to_bf16(qkv[r, q_size + kv_size + j])
                 _attend(qkv[r], pool, k_rows[r], layer_k, layer_v, pos + 1, attn[r],
                         heads, kv_heads, hd)  # fmt: skip
-            matmul(o_w[layer], attn, proj)
-            _add_bias(proj, o_b[layer])
-            x += proj
-            _rms_norm(x, post_norm[layer], eps, h)
-            matmul(gate_up_w[layer], h, gate_up)
-            _add_bias(gate_up, gate_up_b[layer])
-            _silu_mul(gate_up, act)
-            matmul(down_w[layer], act, proj)
-            _add_bias(proj, down_b[layer])
-            x += proj
-        _rms_norm(x, norm, eps, h)
-        matmul(lm_head, h, logits)
+            _layer_output(x, layer, weights, eps, attn, h, proj, gate_up, act)
+        _rms_norm(x, weights[10], eps, h)
+        matmul(weights[11], h, logits)
+
+    return step
+
+
+@functools.cache
+def decode_step_8bit(heads: int, kv_heads: int, hd: int, kind: int) -> Any:
+    """`decode_step` over an 8-bit KV cache of `kind` (`kv_quant_kernel.INT8` or
+    `FP8`), compiled and cached the same way.
+
+    `step(x, positions, tables, weights, cos, sin, pool, scales, bs, eps, quant,
+    logits)`: as `decode_step`'s, but `pool` is the pool's bytes as int8 [blocks,
+    bytes_per_block] and `scales` the same bytes as float32 [blocks, bytes_per_block /
+    4]; `quant` is (table, qmax, headroom, min_scale, flush_bits, scale_base): the
+    write's constants and where a block's scales start (`kv_quant_kernel.QuantWriter`).
+    Each row's new K and V go through the cache's own compiled write
+    (`kv_quant_kernel.write_layer`: the same scales, growth and rounding as a torch
+    step's), one token at a time in row order, before the row attends; the caller
+    zeroes a block a row starts (offset 0), as `KvCache.plan_write` does."""
+    check_heads(heads, kv_heads, hd)
+    digest = _INLINED_DIGEST
+
+    @numba.njit(cache=True, nogil=True)
+    def step(
+        x: np.ndarray, positions: np.ndarray, tables: np.ndarray,
+        weights: tuple[np.ndarray, ...], cos: np.ndarray, sin: np.ndarray, pool: np.ndarray,
+        scales: np.ndarray, bs: int, eps: float, quant: tuple[Any, ...], logits: np.ndarray,
+    ) -> None:  # fmt: skip
+        digest  # noqa: B018 -- read so that the closure, which the cache keys on, holds it
+        table, qmax, headroom, min_scale, flush_bits, scale_base = quant
+        q_size, kv_size = heads * hd, kv_heads * hd
+        h, qkv, attn, proj, gate_up, act = _scratch(x.shape[0], weights, heads, hd)
+        flat = pool.reshape(-1)
+        k_rows = row_bases(tables, positions + 1, bs, pool.shape[1], kv_size)
+        new = np.empty((2, 1, kv_heads, hd), dtype=np.float32)
+        block, offset = np.empty(1, dtype=np.int64), np.empty(1, dtype=np.int64)
+        for layer in range(weights[0].shape[0]):
+            k_at = scale_base + 2 * layer * kv_heads  # the layer's K scales within a block
+            offs = (2 * layer * bs * kv_size, (2 * layer + 1) * bs * kv_size, k_at, k_at + kv_heads)
+            _layer_input(x, layer, weights, eps, h, qkv)
+            for r in range(x.shape[0]):
+                pos = positions[r]
+                _rotate(qkv[r], cos[pos], sin[pos], heads + kv_heads, hd)
+                for j in range(kv_size):
+                    new[0, 0, j // hd, j % hd] = qkv[r, q_size + j]
+                    new[1, 0, j // hd, j % hd] = qkv[r, q_size + kv_size + j]
+                block[0], offset[0] = tables[r, pos // bs], pos % bs
+                write_layer(pool, scales, new, block, offset, layer, bs, scale_base, kind,
+                            table, qmax, headroom, min_scale, flush_bits)  # fmt: skip
+                _attend_8bit(qkv[r], flat, scales, k_rows[r], tables[r], offs, pos + 1, attn[r],
+                             heads, kv_heads, hd, bs, kind)  # fmt: skip
+            _layer_output(x, layer, weights, eps, attn, h, proj, gate_up, act)
+        _rms_norm(x, weights[10], eps, h)
+        matmul(weights[11], h, logits)
 
     return step
 

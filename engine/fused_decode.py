@@ -4,13 +4,19 @@ Lifecycle: at engine start `fused_decode_wanted(config's DecodeKernel, ...)` dec
 whether this engine may fuse (and refuses `fused` where it cannot run); `LlamaModel`
 then builds one `FusedDecoder` from the weights it loads, which compiles the kernel
 (`engine/decode_kernel.py`) and lives as long as the model. Each step, `ModelRunner`
-hands it the step when every row is a plain decode and there are at most `MAX_ROWS`
+hands it the step when every request in it decodes (one token, or its last token and
+the drafts it verifies) and the step has at most `MAX_ROWS` rows
 (`FusedDecoder.rows_of`); `decode` writes the rows' K/V into the pool and returns their
 logits. Every other step runs the torch forward on the same pool, so a sequence moves
 between the two from step to step.
 
 The kernel takes bfloat16 weights and an unquantized bfloat16 cache on the CPU; LoRA
-rows, draft verification and prompt scoring stay on the torch path (see the kernel's
+rows, prefill chunks and prompt scoring stay on the torch path. A verification's rows
+are positions of one sequence, run in order within each layer, so the kernel's causal
+attention needs nothing more than a decode row's; and since a row's arithmetic is its
+own (the products take each row alone, `engine.weight_tiles`), a verified position's
+logits carry the bits a plain decode step gives it: speculation on or off, greedy and
+seeded output is the same in bfloat16 as long as the steps fuse (see the kernel's
 docstring for why it exists and what it costs). Where an engine fuses, the torch
 forward's larger decode steps also attend through the kernel's attention
 (`TorchAttention(compiled_decode=True)`).
@@ -27,6 +33,8 @@ import numpy as np
 import torch
 
 from engine.config import DecodeKernel
+from engine.kv_cache import KvCache
+from engine.kv_layout import KvLayout
 from engine.precision import WeightQuant
 
 if TYPE_CHECKING:
@@ -45,6 +53,8 @@ MAX_ROWS = 128
 #: split in two, and the accumulators no longer fit the registers), so it keeps the
 #: bound the float32 products had before the tiles.
 FALLBACK_MAX_ROWS = 4
+#: The 8-bit caches the kernel reads and writes, besides an unquantized bfloat16 one.
+QUANTIZED_KV = (torch.int8, torch.float8_e4m3fn)
 
 
 def max_rows() -> int:
@@ -71,7 +81,10 @@ def fused_decode_wanted(
             (f"device cpu (got {device.type})", device.type == "cpu"),
             (f"dtype bfloat16 (got {dtype})", dtype == torch.bfloat16),
             (f"quantization none (got {quant})", quant is WeightQuant.NONE),
-            (f"kv_cache_dtype auto (stores {kv_dtype})", kv_dtype == dtype),
+            (
+                f"kv_cache_dtype auto, int8 or fp8 (stores {kv_dtype})",
+                kv_dtype == dtype or kv_dtype in QUANTIZED_KV,
+            ),
         )
         if not ok
     ]
@@ -81,6 +94,17 @@ def fused_decode_wanted(
         return True
     # "auto" fuses only on x86, where the kernel was measured against oneDNN.
     return not missing and platform.machine().lower() in ("x86_64", "amd64")
+
+
+@dataclass
+class FusedStep:
+    """A step the kernel runs: `rows` are the plain decodes' rows, one per request of
+    `sampling` in its order, then each of `speculating`'s last token and drafts (1 + k
+    rows, positions in order): the row order of the runner's `StepResult`."""
+
+    rows: list[DecodeRow]
+    sampling: list[Request]
+    speculating: list[Request]
 
 
 @dataclass(frozen=True)
@@ -115,15 +139,26 @@ class FusedDecoder:
         dims: tuple[int, int, int, int],
         rope: tuple[torch.Tensor, torch.Tensor],
         eps: float,
+        kv_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         """`projections` and `weights` as `LlamaModel` loads them (bfloat16); `dims` the
         model's (layers, heads, kv_heads, head_dim); `rope` its float32 cos and sin
-        tables ([positions, head_dim]). Compiles the kernel (or loads it from numba's
-        disk cache); raises if numba cannot."""
+        tables ([positions, head_dim]); `kv_dtype` what the KV cache stores (bfloat16,
+        int8 or float8_e4m3fn). Compiles the kernel (or loads it from numba's disk
+        cache); raises if numba cannot."""
         from engine import decode_kernel  # numba: loaded only where the engine fuses
+        from engine.kv_quant_kernel import FP8, INT8
         from engine.weight_tiles import pack
 
-        self._kernel = decode_kernel.decode_step(*dims[1:])
+        self.kv_dtype = kv_dtype
+        self._kind = {torch.int8: INT8, torch.float8_e4m3fn: FP8}.get(kv_dtype)
+        if self._kind is None and kv_dtype != torch.bfloat16:
+            raise ValueError(f"the fused decode stores no KV as {kv_dtype}")
+        self._kernel = (
+            decode_kernel.decode_step(*dims[1:])
+            if self._kind is None
+            else decode_kernel.decode_step_8bit(*dims[1:], self._kind)
+        )
         self.max_rows = max_rows()
         layers = range(dims[0])
 
@@ -158,26 +193,39 @@ class FusedDecoder:
 
     def rows_of(
         self, items: list[tuple[Request, int]], num_blocks: int, block_size: int
-    ) -> list[DecodeRow] | None:
+    ) -> FusedStep | None:
         """The step as fused rows, or None where it must run through torch: more than
-        `max_rows` rows, a row that is not one plain token (a prefill chunk, drafts to
-        verify), a LoRA adapter, or prompt log-probabilities still to score. A row the
-        kernel could not run safely (see `_in_bounds`) goes to torch too, which raises
-        on it as it would without the kernel."""
-        if not items or len(items) > self.max_rows:
-            return None
-        rows = []
+        `max_rows` rows, a row that is not one plain token or one verification (a
+        prefill chunk), a LoRA adapter, or prompt log-probabilities still to score. A
+        row the kernel could not run safely (see `_in_bounds`) goes to torch too, which
+        raises on it as it would without the kernel."""
+        plain: list[DecodeRow] = []
+        drafted: list[DecodeRow] = []
+        step = FusedStep([], [], [])
         for req, n in items:
-            start = req.num_computed_tokens
-            plain = n == 1 and start + 1 == req.num_tokens and not req.draft_token_ids
-            scoring = req.sampling.prompt_logprobs is not None and start < req.num_prompt_tokens
-            if not plain or scoring or req.lora is not None:
+            rows = self._rows_of(req, n)
+            if rows is None or not all(self._in_bounds(r, num_blocks, block_size) for r in rows):
                 return None
-            row = DecodeRow(req.token_at(start), start, req.block_ids)
-            if not self._in_bounds(row, num_blocks, block_size):
-                return None
-            rows.append(row)
-        return rows
+            if req.draft_token_ids:
+                drafted += rows
+                step.speculating.append(req)
+            else:
+                plain += rows
+                step.sampling.append(req)
+        step.rows = plain + drafted
+        return step if 0 < len(step.rows) <= self.max_rows else None
+
+    @staticmethod
+    def _rows_of(req: Request, n: int) -> list[DecodeRow] | None:
+        """`req`'s rows this step: its last token, then its drafts in order (their rows
+        run in that order within each layer, so each draft attends over the K/V the row
+        before it wrote); None for a chunk the kernel does not run."""
+        start = req.num_computed_tokens
+        last = start + 1 == req.num_tokens and n == 1 + len(req.draft_token_ids)
+        scoring = req.sampling.prompt_logprobs is not None and start < req.num_prompt_tokens
+        if not last or scoring or req.lora is not None:
+            return None
+        return [DecodeRow(req.token_at(p), p, req.block_ids) for p in range(start, start + n)]
 
     def _in_bounds(self, row: DecodeRow, num_blocks: int, block_size: int) -> bool:
         """Whether the kernel, which has no bounds checks, stays inside its arrays for
@@ -191,11 +239,12 @@ class FusedDecoder:
             and max(blocks) < num_blocks
         )
 
-    def decode(self, rows: list[DecodeRow], pool: torch.Tensor, block_size: int) -> torch.Tensor:
-        """One step of `rows` on `pool` (the KV cache's blocks, [num_blocks,
-        bytes_per_block] uint8 holding bfloat16): writes each row's K/V at its
-        position's slot and returns float32 logits [rows, vocab]. Raises IndexError
-        for a row `rows_of` would not have let through (nothing is written then)."""
+    def decode(self, rows: list[DecodeRow], cache: KvCache) -> torch.Tensor:
+        """One step of `rows` on `cache` (its pool stores this decoder's `kv_dtype`):
+        writes each row's K/V at its position's slot and returns float32 logits [rows,
+        vocab]. Raises IndexError for a row `rows_of` would not have let through
+        (nothing is written then)."""
+        pool, block_size = cache.blocks, cache.layout.block_size
         num_blocks = pool.shape[0]
         if not all(self._in_bounds(r, num_blocks, block_size) for r in rows):
             raise IndexError("fused decode row outside the KV pool or the rotary table")
@@ -206,17 +255,29 @@ class FusedDecoder:
         x = self._embed.index_select(0, ids).float().numpy()
         positions = np.array([r.position for r in rows], dtype=np.int64)
         logits = np.empty((len(rows), self.vocab_size), dtype=np.float32)
-        flat = pool.view(-1).view(torch.int16).numpy().view(np.uint16)
-        block_elems = pool.shape[1] // 2  # bfloat16 elements
-        self._kernel(x, positions, tables, self.weights, self.cos, self.sin, flat,
-                     block_size, block_elems, self.eps, logits)  # fmt: skip
+        if self._kind is None:
+            flat = pool.view(-1).view(torch.int16).numpy().view(np.uint16)
+            block_elems = pool.shape[1] // 2  # bfloat16 elements
+            self._kernel(x, positions, tables, self.weights, self.cos, self.sin, flat,
+                         block_size, block_elems, self.eps, logits)  # fmt: skip
+            return torch.from_numpy(logits)
+        writer = cache.quant_writer
+        if writer is None or cache.layout.torch_dtype != self.kv_dtype:
+            raise ValueError(f"the fused decode needs a compiled {self.kv_dtype} KV cache")
+        # A block a row starts belonged to its previous owner, scales included: zeroed
+        # first, as a torch step's write plan does.
+        fresh = [r.blocks[r.position // block_size] for r in rows if r.position % block_size == 0]
+        if fresh:
+            pool.index_fill_(0, torch.tensor(fresh), 0)
+        self._kernel(x, positions, tables, self.weights, self.cos, self.sin, writer.pool,
+                     writer.scales, block_size, self.eps, writer.constants, logits)  # fmt: skip
         return torch.from_numpy(logits)
 
     def _warm_up(self) -> None:
-        """One step on a scratch pool of one block, so the kernel compiles (or loads)
+        """One step on a scratch cache of one block, so the kernel compiles (or loads)
         now and not inside the first request's step."""
         _, kv_heads, head_dim = self.heads
         layers = self.weights[0].shape[0]
-        block_size = 8
-        pool = torch.zeros(1, layers * 2 * block_size * kv_heads * head_dim * 2, dtype=torch.uint8)
-        self.decode([DecodeRow(0, 0, [0])], pool, block_size)
+        layout = KvLayout("warm-up", str(self.kv_dtype).removeprefix("torch."), 8, layers,
+                          kv_heads, head_dim, "cpu")  # fmt: skip
+        self.decode([DecodeRow(0, 0, [0])], KvCache(layout, 1, torch.device("cpu")))

@@ -216,6 +216,12 @@ class KvCache:
             _log.warning("8-bit KV write falls back to torch (slower): %s", exc)
             return None
 
+    @property
+    def quant_writer(self) -> QuantWriter | None:
+        """The compiled 8-bit write this cache uses (None: unquantized, or torch's write),
+        for the fused decode, which writes through it too."""
+        return self._writer
+
     def _layer_views(self, data: torch.Tensor, i: int) -> LayerKv:
         return LayerKv(data[:, i], None if self.scales is None else self.scales[:, i])
 

@@ -98,7 +98,7 @@ def encode_into(dst: np.ndarray, base: int, src: np.ndarray, kind: int, flush_bi
 
 
 @numba.njit(cache=True, nogil=True)  # touches only arrays: other threads run meanwhile
-def _write_layer(
+def write_layer(
     pool: np.ndarray,  # int8 [blocks, bytes_per_block]: the pool's bytes
     scales: np.ndarray,  # float32 [blocks, bytes_per_block / 4]: the same bytes
     x: np.ndarray,  # float32 [2, tokens, heads, dim]: this step's K and V of `layer`
@@ -180,13 +180,23 @@ class QuantWriter:
         nothing = torch.empty(0, dtype=torch.long)
         self.write(0, torch.empty(2, 0, 1, 1), nothing, nothing)  # compiles (or loads) it
 
+    @property
+    def constants(self) -> tuple[np.ndarray, np.float32, np.float32, np.float32, int, int]:
+        """What `write_layer` takes besides the data, for a compiled caller
+        (`engine.decode_kernel.decode_step_8bit`): the decode table, qmax, headroom,
+        min_scale, the flush's bits and `scale_base`."""
+        return (
+            self._table, _F32(self.qmax), _F32(self.headroom), _F32(self.min_scale),
+            self._flush_bits, self.scale_base,
+        )  # fmt: skip
+
     def write(
         self, layer: int, x: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor
     ) -> None:
         """Quantize [2 (K, V), T, heads, dim] float32 `x` (contiguous) into token t's
         `blocks[t]` at `offsets[t]` of `layer`, growing and re-expressing scales as
         needed. Tokens of one block must be consecutive (a step's always are)."""
-        _write_layer(
+        write_layer(
             self.pool, self.scales, x.numpy(), blocks.numpy(), offsets.numpy(), layer,
             self.block_size, self.scale_base, self.kind, self._table, _F32(self.qmax),
             _F32(self.headroom), _F32(self.min_scale), self._flush_bits,

@@ -1,12 +1,12 @@
 """The Llama-family transformer (Llama, SmolLM2, Qwen2) over a paged KV cache.
 
-Lifecycle: `LlamaModel(spec, dtype, device, kernel, fused=...)` builds empty weights;
+Lifecycle: `LlamaModel(spec, dtype, device, kernel, fused_kv=...)` builds empty weights;
 `load_weights(model_dir)` fills them from HF safetensors (fusing q/k/v and gate/up into
 single matmuls, then handing each projection to the linear kernel to prepare, and, when
 asked, building the fused decode's own copy in `fused`); then each engine step calls
 `forward` on a flat batch of tokens, which writes the new K/V into the cache and returns
-hidden states, and `logits` on the rows that sample (or, for a step of plain decodes
-only, up to `fused_decode.MAX_ROWS` of them, `fused.decode` instead:
+hidden states, and `logits` on the rows that sample (or, for a step of decodes only,
+up to `fused_decode.MAX_ROWS` rows of them, `fused.decode` instead:
 `engine/fused_decode.py`).
 """
 
@@ -85,10 +85,11 @@ class LlamaModel:
         device: torch.device,
         kernel: LinearKernel | None = None,
         *,
-        fused: bool = False,
+        fused_kv: torch.dtype | None = None,
     ) -> None:
-        """`fused`: also build the fused decode at load (bfloat16 on CPU; the engine
-        decides, `fused_decode_wanted`)."""
+        """`fused_kv`: also build the fused decode at load, for a KV cache that stores
+        this dtype (bfloat16 on CPU; the engine decides, `fused_decode_wanted`); None:
+        none."""
         self.spec = spec
         self.dtype = dtype
         self.device = device
@@ -98,7 +99,7 @@ class LlamaModel:
         # The RMSNorm gains folded into each projection after them (int8): LoRA's A
         # matrices get the same gains (`engine/lora.py`). Empty when nothing is folded.
         self.folded_gains: dict[str, torch.Tensor] = {}
-        self._want_fused = fused
+        self._fused_kv = fused_kv
         self.fused: FusedDecoder | None = None  # built by load_weights when wanted
         angles = rope_angles(spec)
         self._cos = angles.cos().to(device=device, dtype=dtype)
@@ -125,12 +126,17 @@ class LlamaModel:
             disable=None if progress else True,  # None: tqdm shows it on a terminal only
         )
         linears = {name: self.kernel.prepare(w) for name, w in bar}
-        fused = self._fused_decoder(projections, weights) if self._want_fused else None
+        fused = (
+            self._fused_decoder(projections, weights, self._fused_kv) if self._fused_kv else None
+        )
         self.weights, self.linears = weights, linears  # both or neither, if loading fails
         self.fused = fused
 
     def _fused_decoder(
-        self, projections: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]
+        self,
+        projections: dict[str, torch.Tensor],
+        weights: dict[str, torch.Tensor],
+        kv_dtype: torch.dtype,
     ) -> FusedDecoder | None:
         """The fused decode over these weights, or None (logged) if numba cannot compile
         or load its kernel: every step then runs through torch, only slower."""
@@ -143,6 +149,7 @@ class LlamaModel:
                 (s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim),
                 (angles.cos(), angles.sin()),
                 s.rms_norm_eps,
+                kv_dtype,
             )
         except Exception as exc:  # e.g. no writable cache directory for numba's kernels
             log.warning("fused decode off, decode steps run through torch: %s", exc)

@@ -9,8 +9,9 @@ tokens (`engine/speculation.py`) one row per position of its chunk. A request th
 positions predict, appended to `Request.prompt_logprobs` here (positions it already has,
 after a preemption, are not computed again). Rows of requests with a LoRA adapter get
 their adapter's deltas in the same forward pass (`engine/lora_batch.py`). A step of
-plain decodes only (up to `fused_decode.MAX_ROWS`) runs as the model's fused decode
-instead, when it has one (`engine/fused_decode.py`): same KV writes, same logits rows.
+decodes only (plain or verifying drafts, up to `fused_decode.MAX_ROWS` rows) runs as the
+model's fused decode instead, when it has one (`engine/fused_decode.py`): same KV
+writes, same logits rows.
 """
 
 from __future__ import annotations
@@ -65,11 +66,11 @@ class ModelRunner:
         items = batch.items
         fused = self.model.fused
         blocks = len(self.kv_cache.blocks)
-        plain = fused.rows_of(items, blocks, self.block_size) if fused is not None else None
-        if fused is not None and plain is not None:
+        step = fused.rows_of(items, blocks, self.block_size) if fused is not None else None
+        if fused is not None and step is not None:
             self.fused_steps += 1
-            logits = fused.decode(plain, self.kv_cache.blocks, self.block_size)
-            return StepResult(logits, [req for req, _ in items])
+            logits = fused.decode(step.rows, self.kv_cache)
+            return StepResult(logits, step.sampling, step.speculating)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []

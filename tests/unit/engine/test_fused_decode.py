@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import decode_kernel, fused_decode, llama
+from engine import decode_kernel, fused_decode, kv_quant_kernel, llama
 from engine.attention import TorchAttention
 from engine.bf16_bits import to_bf16
 from engine.config import DecodeKernel
@@ -80,6 +80,22 @@ def _keep(seen: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
 def _exp_all(x: np.ndarray, out: np.ndarray) -> None:
     for i in range(x.shape[0]):
         out[i] = decode_kernel.exp_f32(x[i])
+
+
+@numba.njit(cache=False)
+def _read_codes(codes: np.ndarray, kind: int) -> np.ndarray:
+    out = np.empty(codes.shape[0], dtype=np.float32)
+    decode_kernel.codes_as_f32(codes, out, kind)
+    return out
+
+
+@pytest.mark.parametrize("kind", [kv_quant_kernel.INT8, kv_quant_kernel.FP8])
+def test_the_kernel_reads_every_8bit_code_as_the_cache_does(kind: int) -> None:
+    """All 256 byte values, fp8's subnormals and NaN codes included, read as the value
+    the cache's own table gives (the write re-expresses through it)."""
+    codes = np.arange(-128, 128, dtype=np.int8)
+    want = kv_quant_kernel.decode_table(kind)[codes.view(np.uint8)]
+    assert np.array_equal(_read_codes(codes, kind), want)
 
 
 def test_the_kernels_exp_is_within_libms_error() -> None:
@@ -204,19 +220,99 @@ def test_rows_the_kernel_cannot_run_safely_go_to_torch(make_engine: EngineFactor
     bs = engine.config.block_size
     assert fused.rows_of([(req, 1)], 64, bs) is not None
     assert fused.rows_of([(req, 1)], max(req.block_ids), bs) is None  # past the pool
-    assert fused.rows_of([(req, 2)], 64, bs) is None  # not one token
+    assert fused.rows_of([(req, 2)], 64, bs) is None  # two tokens but no drafts
     assert fused.rows_of([(req, 1)] * (MAX_ROWS + 1), 64, bs) is None
-    (row,) = fused.rows_of([(req, 1)], 64, bs) or []
+    step = fused.rows_of([(req, 1)], 64, bs)
+    assert step is not None and step.sampling == [req] and not step.speculating
+    (row,) = step.rows
     short = DecodeRow(row.token, len(row.blocks) * bs, row.blocks)  # table ends before it
     negative = DecodeRow(row.token, row.position, [-1, *row.blocks[1:]])
     before = engine.kv_cache.blocks.clone()
     for bad in (short, negative, DecodeRow(row.token, 10**6, row.blocks)):
         with pytest.raises(IndexError, match="outside the KV pool or the rotary table"):
-            fused.decode([bad], engine.kv_cache.blocks, bs)
+            fused.decode([bad], engine.kv_cache)
     assert torch.equal(engine.kv_cache.blocks, before)
     while engine.has_unfinished():
         engine.step()
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_a_verification_fuses_with_the_bits_of_plain_decode_steps(
+    make_engine: EngineFactory, kv: str
+) -> None:
+    """A verification's rows (one sequence's consecutive positions) run in one fused
+    step beside another sequence's decode, and each gets the logits bits and writes the
+    K/V bytes that one-row steps of the same tokens give: speculation cannot change a
+    token where the steps fuse. An 8-bit cache too: each row writes (growing its
+    block's scales) before it attends, in row order, as one-row steps do."""
+    engine = make_engine(dtype="bfloat16", kv_cache_dtype=kv, num_kv_blocks=64)
+    fused = engine.model.fused
+    assert fused is not None
+    for text in SHORT[:2]:
+        engine.add_request(RequestSpec(engine.tokenizer.encode(text), GREEDY))
+    engine.step()  # both prefilled: now plain decodes
+    first, other = engine.requests.values()
+    bs = engine.config.block_size
+    spare = [b for b in range(64) if b not in first.block_ids + other.block_ids][:2]
+    start = first.num_computed_tokens
+    blocks = first.block_ids + spare  # room for the drafts past the last block
+    verify = [
+        DecodeRow(t, start + i, blocks) for i, t in enumerate([first.token_at(start), 11, 12, 13])
+    ]
+    plain = DecodeRow(
+        other.token_at(other.num_computed_tokens), other.num_computed_tokens, other.block_ids
+    )
+    pool = engine.kv_cache.blocks
+    before = pool.clone()
+    together = fused.decode([plain, *verify], engine.kv_cache)
+    after_together = pool.clone()
+    pool.copy_(before)
+    alone = torch.cat([fused.decode([row], engine.kv_cache) for row in [plain, *verify]])
+    assert torch.equal(together.view(torch.int32), alone.view(torch.int32))
+    assert torch.equal(pool, after_together)
+    # Through the engine: a request verifying drafts is handed over as 1 + k rows.
+    first.draft_token_ids = [11, 12, 13]
+    step = fused.rows_of([(other, 1), (first, 4)], 64, bs)
+    assert step is not None and step.sampling == [other] and step.speculating == [first]
+    assert [(r.token, r.position) for r in step.rows[1:]] == [(r.token, r.position) for r in verify]
+    first.draft_token_ids = []
+    while engine.has_unfinished():
+        engine.step()
+    assert_no_leaks(engine)
+
+
+def test_speculation_fuses_and_changes_no_bf16_token(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In bfloat16, with verifications fused too, greedy and seeded streams are the
+    same with speculation on as off, batched and alone."""
+    widths: list[int] = []
+    decode = fused_decode.FusedDecoder.decode
+
+    def counted(self: fused_decode.FusedDecoder, rows: list[DecodeRow], *args: Any) -> Any:
+        widths.append(len(rows))
+        return decode(self, rows, *args)
+
+    monkeypatch.setattr(fused_decode.FusedDecoder, "decode", counted)
+    doc = " ".join(SHORT[:3])
+    prompt_text = f"Repeat the following text exactly.\n\nText: {doc}\n\nRepeated text:"
+    params = [
+        SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=32, temperature=0.8, seed=5, ignore_eos=True),
+    ]
+    outputs = []
+    for mode in ("off", "on"):
+        engine = make_engine(dtype="bfloat16", speculative_decoding=mode)
+        prompt = engine.tokenizer.encode(prompt_text)
+        batched = engine.generate([prompt, prompt], params)
+        widths.clear()
+        alone = [engine.generate([prompt], p)[0] for p in params]
+        outputs.append(batched + alone)
+        assert_no_leaks(engine)
+    assert engine.speculator.accepted_total > 0
+    assert max(widths) > 1  # one request's step of several rows: a verification, fused
+    assert outputs[0] == outputs[1]
 
 
 def test_where_it_cannot_run_fused_refuses_and_auto_stays_off(
@@ -235,7 +331,7 @@ def test_where_it_cannot_run_fused_refuses_and_auto_stays_off(
     for kw, named in (
         ({"dtype": torch.float32, "kv_dtype": torch.float32}, "dtype bfloat16"),
         ({"quant": WeightQuant.INT8}, "quantization none"),
-        ({"kv_dtype": torch.int8}, "kv_cache_dtype auto"),
+        ({"kv_dtype": torch.float16}, "kv_cache_dtype auto, int8 or fp8"),
         ({"device": torch.device("cuda")}, "device cpu"),
     ):
         assert not wanted(DecodeKernel.AUTO, **kw)
@@ -243,11 +339,32 @@ def test_where_it_cannot_run_fused_refuses_and_auto_stays_off(
             wanted(DecodeKernel.FUSED, **kw)
 
 
-def test_an_8bit_cache_engine_decodes_through_torch(make_engine: EngineFactory) -> None:
-    engine = make_engine(dtype="bfloat16", kv_cache_dtype="int8")
-    assert engine.model.fused is None
-    engine.generate([engine.tokenizer.encode(SHORT[0])], GREEDY)
-    assert engine.runner.fused_steps == 0
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_an_8bit_cache_fuses_no_farther_from_float32_than_torch(
+    make_engine: EngineFactory, kv: str
+) -> None:
+    """An 8-bit cache's decode steps fuse too (its write is the cache's own compiled
+    write, its reads scale each head's scores and weights): on the parity prompts'
+    steps whose context is still float32's, the logits' distance to the float32 model's
+    (unquantized) is no larger than the torch step's over the same cache, which rounds
+    to bfloat16 after every op. A wrong scale or a misplaced byte is far larger."""
+    prompts = SHORT[:4] + CHAT[:2]
+    ref = _logits_per_step(make_engine(), prompts)
+    plain = make_engine(dtype="bfloat16", kv_cache_dtype=kv, decode_kernel="torch")
+    fused = make_engine(dtype="bfloat16", kv_cache_dtype=kv)
+    assert plain.model.fused is None and fused.model.fused is not None
+    torch_8bit, fused_8bit = _logits_per_step(plain, prompts), _logits_per_step(fused, prompts)
+    assert fused.runner.fused_steps == sum(len(t) - 1 for t, _ in fused_8bit)
+    errors: dict[str, list[float]] = {"torch": [], "fused": []}
+    for (want, ref_steps), *runs in zip(ref, torch_8bit, fused_8bit, strict=True):
+        for name, (got, steps) in zip(("torch", "fused"), runs, strict=True):
+            same = next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b),
+                        len(want))  # fmt: skip
+            pairs = zip(ref_steps[: max(same - 1, 0)], steps, strict=False)
+            errors[name] += [float((s - r).norm() / r.norm()) for r, s in pairs]
+    assert len(errors["fused"]) >= 20
+    assert statistics.fmean(errors["fused"]) <= statistics.fmean(errors["torch"])
+    assert_no_leaks(fused)
 
 
 def test_without_numba_the_torch_path_serves(
@@ -304,9 +421,15 @@ def test_larger_decode_steps_attend_through_the_compiled_kernel(
     }
 
 
-@pytest.mark.parametrize("build", [decode_kernel.decode_step, decode_kernel.decode_attention])
+def _int8_step(heads: int, kv_heads: int, hd: int) -> Any:
+    return decode_kernel.decode_step_8bit(heads, kv_heads, hd, 0)
+
+
+@pytest.mark.parametrize(
+    "build", [decode_kernel.decode_step, _int8_step, decode_kernel.decode_attention]
+)
 @pytest.mark.parametrize(("heads", "kv_heads", "hd"), [(9, 2, 64), (9, 0, 64), (9, 3, 0)])
-def test_both_entry_points_refuse_head_counts_they_would_divide_by(
+def test_every_entry_point_refuses_head_counts_it_would_divide_by(
     build: Any, heads: int, kv_heads: int, hd: int
 ) -> None:
     """Compiled under numpy's error model, a bad division would not raise inside."""
