@@ -1,7 +1,8 @@
 """A decode step as one compiled CPU kernel (numba), in bfloat16.
 
 Lifecycle: `engine.fused_decode.FusedDecoder` asks `decode_step(heads, kv_heads,
-head_dim)` for the step compiled for its model's dimensions (numba compiles it at the
+head_dim)` (or, over an 8-bit cache, `decode_step_8bit(..., kind)`) for the step
+compiled for its model's dimensions (numba compiles it at the
 decoder's warm-up and caches it on disk, so later processes load it) and calls it once
 per fused step; nothing here holds state.
 
@@ -15,11 +16,12 @@ memory once per step for every row of it, up to `engine.fused_decode.MAX_ROWS` r
 Measurements (the floor, the torch step, the fused step by batch size): docs/engine.md
 "Kernels".
 
-Numerics: weights, the KV cache and the embeddings are bfloat16, and so are the
-activations entering each projection (rounded once per product, as torch's bf16 path
-holds them); everything else is float32 (the products' sums, the residual stream,
-norms, rotary, attention's scores and sums), and only the K/V stored into the cache
-are rounded to bfloat16 (to nearest even, as torch's cast). The torch path rounds to
+Numerics: weights and the embeddings are bfloat16, and so are the activations
+entering each projection (rounded once per product, as torch's bf16 path holds them);
+everything else is float32 (the products' sums, the residual stream, norms, rotary,
+attention's scores and sums), and only the K/V stored into the cache are rounded: to
+bfloat16 (to nearest even, as torch's cast), or into an 8-bit cache's codes and
+scales by the cache's own write (`engine.kv_quant_kernel.write_layer`). The torch path rounds to
 bfloat16 after every op, so the two differ in the last bits; this one is the nearer to
 the float32 model (`tests/unit/engine/test_fused_decode.py`).
 

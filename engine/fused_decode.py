@@ -10,8 +10,9 @@ the drafts it verifies) and the step has at most `MAX_ROWS` rows
 logits. Every other step runs the torch forward on the same pool, so a sequence moves
 between the two from step to step.
 
-The kernel takes bfloat16 weights and an unquantized bfloat16 cache on the CPU; LoRA
-rows, prefill chunks and prompt scoring stay on the torch path. A verification's rows
+The kernel takes bfloat16 weights and a bfloat16, int8 or fp8 e4m3 cache on the CPU
+(`decode_kernel.decode_step`, `decode_step_8bit`); LoRA rows, prefill chunks and prompt
+scoring stay on the torch path. A verification's rows
 are positions of one sequence, run in order within each layer, so the kernel's causal
 attention needs nothing more than a decode row's; and since a row's arithmetic is its
 own (the products take each row alone, `engine.weight_tiles`), a verified position's
