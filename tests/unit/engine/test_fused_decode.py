@@ -124,10 +124,18 @@ def test_fused_steps_are_nearer_the_float32_model(make_engine: EngineFactory) ->
     AVX-512 BF16). Greedy-token agreement over whole runs is not asserted: on six prompts
     it went either way from run to run (54 against 60 of 72 tokens in one, under the
     suite's parallel phase), since one early flip changes the rest of a sequence."""
+    errors = _distances_to_float32(make_engine)
+    assert statistics.fmean(errors["fused"]) < 0.75 * statistics.fmean(errors["torch"])
+
+
+def _distances_to_float32(make_engine: EngineFactory, **kw: object) -> dict[str, list[float]]:
+    """Relative distances of the torch and the fused bf16 decode steps' logits (engines
+    of `kw`) to the float32 model's, on the parity prompts' steps whose context is
+    still float32's. Checks that every decode step fused and nothing leaked."""
     prompts = SHORT[:4] + CHAT[:2]
     ref = _logits_per_step(make_engine(), prompts)
-    plain = make_engine(dtype="bfloat16", decode_kernel="torch")
-    fused = make_engine(dtype="bfloat16")
+    plain = make_engine(dtype="bfloat16", decode_kernel="torch", **kw)
+    fused = make_engine(dtype="bfloat16", **kw)
     assert plain.model.fused is None and fused.model.fused is not None
     torch_bf16, fused_bf16 = _logits_per_step(plain, prompts), _logits_per_step(fused, prompts)
     assert fused.runner.fused_steps == sum(len(t) - 1 for t, _ in fused_bf16)
@@ -142,8 +150,8 @@ def test_fused_steps_are_nearer_the_float32_model(make_engine: EngineFactory) ->
             pairs = zip(ref_steps[:kept], steps[:kept], strict=True)
             errors[name] += [float((s - r).norm() / r.norm()) for r, s in pairs]
     assert len(errors["fused"]) >= 20
-    assert statistics.fmean(errors["fused"]) < 0.75 * statistics.fmean(errors["torch"])
     assert_no_leaks(fused)
+    return errors
 
 
 def test_only_small_plain_decode_steps_are_fused(
@@ -348,23 +356,8 @@ def test_an_8bit_cache_fuses_no_farther_from_float32_than_torch(
     steps whose context is still float32's, the logits' distance to the float32 model's
     (unquantized) is no larger than the torch step's over the same cache, which rounds
     to bfloat16 after every op. A wrong scale or a misplaced byte is far larger."""
-    prompts = SHORT[:4] + CHAT[:2]
-    ref = _logits_per_step(make_engine(), prompts)
-    plain = make_engine(dtype="bfloat16", kv_cache_dtype=kv, decode_kernel="torch")
-    fused = make_engine(dtype="bfloat16", kv_cache_dtype=kv)
-    assert plain.model.fused is None and fused.model.fused is not None
-    torch_8bit, fused_8bit = _logits_per_step(plain, prompts), _logits_per_step(fused, prompts)
-    assert fused.runner.fused_steps == sum(len(t) - 1 for t, _ in fused_8bit)
-    errors: dict[str, list[float]] = {"torch": [], "fused": []}
-    for (want, ref_steps), *runs in zip(ref, torch_8bit, fused_8bit, strict=True):
-        for name, (got, steps) in zip(("torch", "fused"), runs, strict=True):
-            same = next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b),
-                        len(want))  # fmt: skip
-            pairs = zip(ref_steps[: max(same - 1, 0)], steps, strict=False)
-            errors[name] += [float((s - r).norm() / r.norm()) for r, s in pairs]
-    assert len(errors["fused"]) >= 20
+    errors = _distances_to_float32(make_engine, kv_cache_dtype=kv)
     assert statistics.fmean(errors["fused"]) <= statistics.fmean(errors["torch"])
-    assert_no_leaks(fused)
 
 
 def test_without_numba_the_torch_path_serves(
@@ -422,7 +415,7 @@ def test_larger_decode_steps_attend_through_the_compiled_kernel(
 
 
 def _int8_step(heads: int, kv_heads: int, hd: int) -> Any:
-    return decode_kernel.decode_step_8bit(heads, kv_heads, hd, 0)
+    return decode_kernel.decode_step_8bit(heads, kv_heads, hd, kv_quant_kernel.INT8)
 
 
 @pytest.mark.parametrize(
