@@ -175,6 +175,19 @@ def test_only_small_plain_decode_steps_are_fused(
     assert_no_leaks(engine)
 
 
+def _fused_step_widths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets the row count of every fused step run from now on."""
+    widths: list[int] = []
+    decode = fused_decode.FusedDecoder.decode
+
+    def counted(self: fused_decode.FusedDecoder, rows: list[DecodeRow], *args: Any) -> Any:
+        widths.append(len(rows))
+        return decode(self, rows, *args)
+
+    monkeypatch.setattr(fused_decode.FusedDecoder, "decode", counted)
+    return widths
+
+
 def test_a_fused_row_is_the_same_alone_or_in_a_batch(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -189,14 +202,7 @@ def test_a_fused_row_is_the_same_alone_or_in_a_batch(
     32). So every prompt is two full blocks plus one token, its blocks are put in the
     prefix cache by a run of its own first, and both runs below prefill one token per
     request, the same token from the same cached KV."""
-    batches: list[int] = []
-    decode = fused_decode.FusedDecoder.decode
-
-    def counted(self: fused_decode.FusedDecoder, rows: list[DecodeRow], *args: Any) -> Any:
-        batches.append(len(rows))
-        return decode(self, rows, *args)
-
-    monkeypatch.setattr(fused_decode.FusedDecoder, "decode", counted)
+    batches = _fused_step_widths(monkeypatch)
     engine = make_engine(dtype="bfloat16", kv_cache_bytes=128 << 20)
     # Without AVX-512 BF16 the engine fuses at most FALLBACK_MAX_ROWS rows; the float32
     # fallback's products take the same passes, so the bound is lifted to test them too.
@@ -295,14 +301,7 @@ def test_speculation_fuses_and_changes_no_bf16_token(
 ) -> None:
     """In bfloat16, with verifications fused too, greedy and seeded streams are the
     same with speculation on as off, batched and alone."""
-    widths: list[int] = []
-    decode = fused_decode.FusedDecoder.decode
-
-    def counted(self: fused_decode.FusedDecoder, rows: list[DecodeRow], *args: Any) -> Any:
-        widths.append(len(rows))
-        return decode(self, rows, *args)
-
-    monkeypatch.setattr(fused_decode.FusedDecoder, "decode", counted)
+    widths = _fused_step_widths(monkeypatch)
     doc = " ".join(SHORT[:3])
     prompt_text = f"Repeat the following text exactly.\n\nText: {doc}\n\nRepeated text:"
     params = [
