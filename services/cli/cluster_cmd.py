@@ -77,7 +77,9 @@ def _up(args: argparse.Namespace) -> int:
     try:
         address = cluster.start()
         http = f", OpenAI API http://{cluster.http_address}/v1" if cluster.http_address else ""
-        print(f"pdserve cluster ready: gateway {address}{http}", file=sys.stderr)
+        # The Redis URL is what `pdserve usage` reads the usage ledger from.
+        store = f", Redis {cluster.redis.url}" if cluster.redis is not None else ""
+        print(f"pdserve cluster ready: gateway {address}{http}{store}", file=sys.stderr)
         if args.generate:
             return asyncio.run(
                 stream_completion(

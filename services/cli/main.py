@@ -12,7 +12,15 @@ import logging
 import sys
 
 from engine.errors import EngineError
-from services.cli import cluster_cmd, model_cmd, ray_cmd, rollout_cmd, run_cmd, serve_cmd
+from services.cli import (
+    cluster_cmd,
+    model_cmd,
+    ray_cmd,
+    rollout_cmd,
+    run_cmd,
+    serve_cmd,
+    usage_cmd,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_cmd.register(sub)
     ray_cmd.register(sub)
     rollout_cmd.register(sub)
+    usage_cmd.register(sub)
     return parser
 
 

@@ -146,6 +146,27 @@ class GatewayConfig:
         default=0,
         metadata={"help": "per-tenant token quota per minute, kept in Redis (0 = unlimited)"},
     )
+    usage_ledger: bool = field(
+        default=True,
+        metadata={
+            "help": "write each served request's token usage to the Redis Stream "
+            "<namespace>:usage (needs a Redis; read it with `pdserve usage`)"
+        },
+    )
+    usage_retention_s: float = field(
+        default=86400.0,
+        metadata={
+            "help": "usage ledger entries older than this are trimmed: export them first "
+            "(about 170 bytes of Redis memory per request kept)"
+        },
+    )
+    tenant_label_limit: int = field(
+        default=20,
+        metadata={
+            "help": "tenants by traffic that get their own `tenant` label on the per-tenant "
+            "metrics; the rest count as 'other' (bounds the series)"
+        },
+    )
 
     # Guardrails: no one request may take more than an operator allows.
     max_tokens_limit: int = field(
@@ -217,7 +238,8 @@ class GatewayConfig:
             raise ValueError("timeouts must be > 0")
         for name in ("max_tokens_limit", "request_deadline_s", "slow_client_timeout_s",
                      "stream_buffer_messages", "ttft_budget_critical_s", "ttft_budget_standard_s",
-                     "ttft_budget_sheddable_s", "fair_share_half_life_s"):  # fmt: skip
+                     "ttft_budget_sheddable_s", "fair_share_half_life_s",
+                     "usage_retention_s"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.rollout_refresh_s <= 0 or self.rollout_window_s <= 0:
@@ -230,6 +252,8 @@ class GatewayConfig:
             raise ValueError("local_prefill_max_tokens and local_prefill_busy_s must be >= 0")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.tenant_label_limit < 0:
+            raise ValueError(f"tenant_label_limit must be >= 0, got {self.tenant_label_limit}")
         if self.waiting_room_size < 0:
             raise ValueError(f"waiting_room_size must be >= 0, got {self.waiting_room_size}")
         if self.placement not in ("static", "redis"):

@@ -30,6 +30,7 @@ from services.common.telemetry import Telemetry
 from services.common.telemetry_config import TelemetryConfig
 from services.common.tls import TlsConfig, server_ssl_context
 from services.gateway.access.gate import Access
+from services.gateway.access.usage_ledger import LedgerCollector, LedgerConfig, UsageLedger
 from services.gateway.config import GatewayConfig
 from services.gateway.flow.admission import Admission
 from services.gateway.flow.admission_metrics import AdmissionMetrics
@@ -119,7 +120,9 @@ def build_service(
     )  # fmt: skip
     placements = [first, *(parts.placement(s.pool_namespace) for s in sources[1:])]
     shared = SharedParts(
-        Access.from_config(config, client, router.namespace), WorkerStubs(tls or TlsConfig())
+        Access.from_config(config, client, router.namespace),
+        WorkerStubs(tls or TlsConfig()),
+        ledger=_ledger(config, client, router.namespace),
     )
     specs = []
     for source, placement in zip(sources, placements, strict=True):
@@ -130,7 +133,11 @@ def build_service(
         admission = parts.admission(source.pool_namespace)
         specs.append(ServedModelSpec(source.name, tokenizer, limit, vocab, placement, admission))
     models = build_catalog(specs, shared)
-    tel = GatewayTelemetry.on(telemetry, models.placements) if telemetry else None
+    tel = (
+        GatewayTelemetry.on(telemetry, models.placements, config.tenant_label_limit)
+        if telemetry
+        else None
+    )
     service = GatewayService(config, models, shared, tel)
     if config.lora_dir:
         service.models.primary.adapters = AdapterCatalog(Path(config.lora_dir).expanduser())
@@ -139,7 +146,18 @@ def build_service(
     if telemetry is not None:
         # pdserve_gateway_held{resource}: what live requests hold (a leak check wants 0s).
         telemetry.registry.register(HeldCollector(service.book))
+        if shared.ledger is not None:
+            telemetry.registry.register(LedgerCollector(shared.ledger.counts))
     return service
+
+
+def _ledger(
+    config: GatewayConfig, client: redis.Redis | None, namespace: str
+) -> UsageLedger | None:
+    """The usage ledger on the gateway's Redis (None without one, or turned off)."""
+    if client is None or not config.usage_ledger:
+        return None
+    return UsageLedger(client, namespace, LedgerConfig(retention_s=config.usage_retention_s))
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ everything it holds. Typed errors become gRPC statuses through the one table
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -117,7 +118,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 await model.follower.close()
             for backend in model.backends():
                 await backend.admission.close()
-        await self.stubs.close()
+        await self.stubs.close()  # waits for the records' cleanups, which write usage
+        if self.parts.ledger is not None:
+            await asyncio.to_thread(self.parts.ledger.close)
 
     # -- validation --------------------------------------------------------------
     def prepare(self, client: ClientRequest, principal: Principal = ANONYMOUS) -> Prepared:
@@ -227,6 +230,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             record.take_slot(self.config.max_streams)
         except Refusal as exc:
             self.telemetry.count_refusal(exc, record.req.model)
+            self.telemetry.count_tenant_refusal(record.req.tenant, record.req.priority)
             if not isinstance(exc, Overloaded):  # admission counts its own
                 admission.metrics.refused(record.req.priority, exc.reason)
             raise

@@ -9,18 +9,24 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import cast
 
 import grpc
 import pytest
 
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import ChatMessage
+from engine.tokenizer import ChatMessage, Tokenizer
+from pdserve.v1 import gateway_pb2
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
+from services.common.metrics import scrape
+from services.gateway.access.usage_ledger import UsageOutcome
 from services.gateway.client import GatewayClient, RequestOptions, build_request
 from tests.conftest import MODEL_CACHE, EngineFactory
 from tests.integration.leak_check import assert_cluster_clean, start_probe
+from tests.integration.usage_check import assert_ledger_matches, ledger_entries
 from tests.prompts import long_prompt
 
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -88,7 +94,9 @@ def test_stream_equals_single_engine(cluster: LocalCluster, reference: LLMEngine
     assert last.usage.prompt_tokens == len(prompt)  # type: ignore[attr-defined]
 
 
-def test_cancel_frees_blocks_on_both_workers_within_a_second(cluster: LocalCluster) -> None:
+def test_cancel_frees_blocks_on_both_workers_within_a_second(
+    cluster: LocalCluster, model_dir: Path
+) -> None:
     probe = start_probe(cluster)
 
     async def scenario() -> list[object]:
@@ -96,17 +104,26 @@ def test_cancel_frees_blocks_on_both_workers_within_a_second(cluster: LocalClust
             call = client.generate(
                 build_request(long_prompt(3), RequestOptions(max_tokens=400, ignore_eos=True))
             )
-            seen = 0
-            async for _ in call:
-                seen += 1
-                if seen == 4:
+            seen: list[gateway_pb2.GenerateResponse] = []
+            async for msg in call:
+                seen.append(msg)
+                if len(seen) == 4:
                     break
             call.cancel()
+            received.extend(seen)
         return await _idle(cluster.gateway_address, timeout=1.0)
 
+    received: list[gateway_pb2.GenerateResponse] = []
     workers = run(scenario())
     assert all(w.used_blocks == 0 and w.held_blocks == 0 for w in workers), workers  # type: ignore[attr-defined]
     assert_cluster_clean(probe)
+    # Its usage entry says it was cancelled, with the tokens handed towards the client
+    # (those it read, and any that were on their way when it went).
+    entry = ledger_entries(cluster, [received[0].request_id])[received[0].request_id]
+    tokens = sum(len(m.token_ids) for m in received)
+    assert entry.outcome is UsageOutcome.CANCELLED
+    assert entry.prompt_tokens == len(Tokenizer(model_dir).encode(long_prompt(3)))
+    assert tokens <= entry.completion_tokens < 400
 
 
 @pytest.mark.parametrize(
@@ -149,11 +166,54 @@ def test_dead_prefill_worker_is_retried_on_the_other(cluster: LocalCluster) -> N
     os.kill(victim.proc.pid, signal.SIGKILL)
     victim.proc.wait(timeout=10)
     # Round robin sends one of two consecutive requests to the dead worker first.
+    finals = []
     for _ in range(2):
         msgs = run(_collect(cluster.gateway_address, prompt="The sea is", max_tokens=5))
         assert msgs[-1].finished  # type: ignore[attr-defined]
         assert msgs[0].prefill_worker == "prefill-1"  # type: ignore[attr-defined]
+        finals.append(msgs[-1])
     assert_cluster_clean(probe)
+    assert_ledger_matches(cluster, finals)  # type: ignore[arg-type]  # a retry bills once
+
+
+def test_usage_ledger_and_tenant_metrics_match_the_responses(cluster: LocalCluster) -> None:
+    """Forks and plain requests: each one's ledger entry is its response's usage, and the
+    per-tenant counters (the anonymous tenant here) move by the same sums."""
+    port = cluster.gateways[0].metrics_port
+    assert port is not None
+    before = scrape(port)
+
+    async def scenario() -> list[gateway_pb2.GenerateResponse]:
+        forked = build_request(
+            QUESTION, RequestOptions(max_tokens=6, temperature=0.9, seed=7, ignore_eos=True)
+        )
+        forked.sampling.n = 3
+        plain = build_request("The sea is", RequestOptions(max_tokens=5))
+        async with GatewayClient(cluster.gateway_address) as client:
+            fork_msgs = [m async for m in client.generate(forked)]
+            plain_msgs = [m async for m in client.generate(plain)]
+        fork_tokens = sum(len(m.token_ids) for m in fork_msgs)
+        assert fork_msgs[-1].usage.completion_tokens == fork_tokens == 18  # every fork's
+        return [fork_msgs[-1], plain_msgs[-1]]
+
+    finals = cast(list[gateway_pb2.GenerateResponse], run(scenario()))
+    assert_ledger_matches(cluster, finals)
+    after = scrape(port)
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    tenant = "tenant=-"
+    finished = f"pdserve_tenant_requests_total{{outcome=finished,priority=standard,{tenant}}}"
+    assert moved(finished) == 2
+    for kind, field in (("prompt", "prompt_tokens"), ("completion", "completion_tokens")):
+        want = sum(getattr(m.usage, field) for m in finals)
+        assert moved(f"pdserve_tenant_tokens_total{{kind={kind},{tenant}}}") == want
+    met = {
+        slo: moved(f"pdserve_tenant_slo_met_total{{priority=standard,slo={slo},{tenant}}}")
+        for slo in ("ttft", "itl", "both")
+    }
+    assert met["both"] <= min(met["ttft"], met["itl"]) and max(met.values()) <= 2, met
 
 
 def test_stream_cap_and_dead_decode_worker() -> None:

@@ -60,6 +60,7 @@ from tests.integration.cluster_drills import (
 from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.integration.test_cluster import _cluster, _collect
 from tests.integration.test_router_service import _start_router
+from tests.integration.usage_check import assert_ledger_matches
 from tests.prompts import long_prompt
 
 HEARTBEAT_TTL_S = 4.0  # a dead or frozen worker leaves the registry within this
@@ -190,6 +191,8 @@ def test_kill9_decode_mid_stream_moves_its_streams(cluster: LocalCluster) -> Non
         # The prefill worker exported each moved stream's prompt again (from its prefix
         # cache); the new decode worker imported it and computed only the tokens so far.
         assert _moves_with_imported_kv(cluster) - imported_before == len(gaps)
+        # A moved stream is billed once, for the tokens its client got.
+        assert_ledger_matches(cluster, [s.msgs[-1] for s in streams])
         # Its registration lapses; from then on new requests avoid it.
         _wait_registry(cluster, present=set(), absent=frozenset({victim}))
         pairs = asyncio.run(serve(cluster, 3, "kd-after"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.gateway.access.gate import Access
+from services.gateway.access.usage_ledger import UsageLedger
 from services.gateway.flow.admission import Admission
 from services.gateway.flow.prefill_site import SitePolicy
 from services.gateway.stream.record_book import RecordBook
@@ -35,14 +36,16 @@ class Backend:
 @dataclass(frozen=True)
 class SharedParts:
     """What every version of every model one gateway serves shares: the keys and quotas
-    (`access`), the connections to workers (`stubs`) and the book of live requests."""
+    (`access`), the connections to workers (`stubs`), the book of live requests and the
+    usage ledger (None: no Redis, or turned off)."""
 
     access: Access = field(default_factory=Access.open)
     stubs: WorkerStubs = field(default_factory=WorkerStubs)
     book: RecordBook[RequestRecord] = field(default_factory=RecordBook)
+    ledger: UsageLedger | None = None
 
     def backend(self, version: str, placement: Placement, admission: Admission) -> Backend:
         """One version of a model, served with these keys, stubs and book."""
-        keepers = Keepers(placement, self.access, self.stubs, self.book)
+        keepers = Keepers(placement, self.access, self.stubs, self.book, self.ledger)
         # Routing's site policy is admission's, with its live queue lengths.
         return Backend(version, placement, admission, keepers, admission.capacity.sites)

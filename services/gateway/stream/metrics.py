@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.gateway.stream.tenant_metrics import TenantMetrics, TokenUsage
+
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
@@ -27,10 +29,18 @@ class GatewayMetrics:
     a LoRA adapter's requests count under their base model), so one gateway serving
     several models says which one is slow or failing."""
 
-    def __init__(self, registry: CollectorRegistry, slo_ttft_s: float, slo_itl_s: float) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        slo_ttft_s: float,
+        slo_itl_s: float,
+        tenant_labels: int = 20,
+    ) -> None:
+        """`tenant_labels`: how many tenants get their own label (`TenantMetrics`)."""
         self.registry = registry  # the process's: the HTTP API's /metrics serves it too
         self.slo_ttft_s = slo_ttft_s
         self.slo_itl_s = slo_itl_s
+        self.tenants = TenantMetrics(registry, tenant_labels)
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds",
             "Time from the gateway receiving a request to its first token",
@@ -151,11 +161,13 @@ class GatewayMetrics:
             self.slo_missed.labels("itl", model).inc()
         if ttft_ok and itl_ok:
             self.goodput.labels(model).inc()
+        self.tenants.finished(done.tenant, done.priority, ttft_ok, itl_ok, done.usage)
 
 
 class Finished(NamedTuple):
     """A request that ended normally, as the gateway's metrics judge it: its finish
-    reason, time to first token, end-to-end time, output tokens, class and model."""
+    reason, time to first token, end-to-end time, output tokens, class, model, tenant
+    and usage."""
 
     reason: str
     ttft_s: float
@@ -163,3 +175,5 @@ class Finished(NamedTuple):
     output_tokens: int
     priority: str = "standard"
     model: str = NO_MODEL
+    tenant: str = ""
+    usage: TokenUsage = (0, 0, 0)

@@ -26,7 +26,8 @@ Lifecycle (`RequestState`), driven by `GatewayService.stream` and `RequestStream
                 `StreamBuffer` when the relay fails (a worker's error, the request's
                 deadline) or the client stopped reading, so both workers drop the
                 request at once
-    CLOSED      nothing held; the record has left the book
+    CLOSED      nothing held; the record has left the book; a request that reached a
+                worker has its `UsageEntry` in the gateway's usage ledger
 
 `held` is the set of `Resource`s the record holds right now, and the `RecordBook` counts
 them over all live records (`pdserve_gateway_held`). `close()` gives back exactly what
@@ -59,6 +60,7 @@ from services.common.status import RefusalReason, StreamCapReached
 from services.gateway.access.auth import Principal
 from services.gateway.access.gate import Access
 from services.gateway.access.quota import Grant
+from services.gateway.access.usage_ledger import UsageEntry, UsageLedger, UsageOutcome
 from services.gateway.flow.admission import Admission
 from services.gateway.flow.capacity import Cost, Pass
 from services.gateway.stream.prepared import Prepared
@@ -96,6 +98,7 @@ class Keepers:
     access: Access  # quota charges
     stubs: WorkerStubs  # prefill leases (the Abort RPC); cleanups run in its `cleanups`
     book: RecordBook[RequestRecord]  # live records and the counts of what they hold
+    ledger: UsageLedger | None = None  # where a served request's usage is written
 
 
 class RequestRecord:
@@ -104,6 +107,10 @@ class RequestRecord:
         self.keepers = keepers
         self.state = RequestState.ADMITTING
         self.completion_tokens = 0  # generated so far: what the quota refund leaves charged
+        self.cached_tokens = 0  # prompt tokens a worker served from its prefix cache
+        self._reached_worker = False  # a worker was sent its prompt: it has usage to record
+        self._finished = False
+        self._failed = False
         self._slot = False
         self._pass: Pass | None = None
         self._served = False  # it reached a worker: its prompt tokens count in the quota
@@ -171,6 +178,7 @@ class RequestRecord:
 
     def _sent(self) -> None:
         """Its prompt is in a worker's queue: that worker's next signal counts it."""
+        self._reached_worker = True
         if self._pass is not None and self._pass.sent is None:
             self._pass.sent = time.monotonic()
 
@@ -328,6 +336,29 @@ class RequestRecord:
 
     def finished(self) -> None:
         self._enter(RequestState.FINISHED)
+        self._finished = True
+
+    def failed(self) -> None:
+        """An error status ends the stream (its usage entry says so)."""
+        self._failed = True
+
+    @property
+    def outcome(self) -> UsageOutcome:
+        """How the request ended: finished, failed, or else cancelled by its client."""
+        if self._finished:
+            return UsageOutcome.FINISHED
+        return UsageOutcome.FAILED if self._failed else UsageOutcome.CANCELLED
+
+    def usage_entry(self) -> UsageEntry:
+        """What the request used: the `usage` its last message carries (or would have)."""
+        req = self.req
+        return UsageEntry(
+            tenant=req.tenant, model=req.model, adapter=req.adapter.name if req.adapter else "",
+            priority=req.priority.label, outcome=self.outcome,
+            prompt_tokens=len(req.prompt), cached_tokens=self.cached_tokens,
+            completion_tokens=self.completion_tokens, request_id=req.request_id,
+            ended_ms=int(time.time() * 1000),
+        )  # fmt: skip
 
     # -- the one cleanup path ------------------------------------------------------
     def close(self) -> Awaitable[None]:
@@ -356,6 +387,8 @@ class RequestRecord:
         finally:
             self.state = RequestState.CLOSED
             self.keepers.book.forget(self)
+            if self._reached_worker and self.keepers.ledger is not None:
+                self.keepers.ledger.add(self.usage_entry())
 
     async def _abort_prefill(self) -> None:
         # Every worker that may keep the KV: a prefill that timed out may have exported

@@ -105,7 +105,6 @@ class RequestStream:
         self.detok = detok
         self.open_forks = self.req.params.n  # the stream ends when each fork has
         self.prompt_sent = False  # prompt_logprobs go on the first message only
-        self.cached_tokens = 0
         labels = StreamLabels(
             self.req.request_id, self.req.tenant, len(self.req.prompt), self.req.priority,
             self.req.model or NO_MODEL,
@@ -136,12 +135,14 @@ class RequestStream:
             async for msg in self._decode_with_retry(decision, first.kv_handle):
                 yield msg
         except (StreamError, NoWorkerError) as exc:
+            self.record.failed()
             self.tel.failed(exc.code, str(exc))
             raise
         except (asyncio.CancelledError, GeneratorExit):
             self.tel.cancelled()
             raise
         except Exception as exc:
+            self.record.failed()
             self.tel.failed(grpc.StatusCode.INTERNAL, str(exc))
             raise
         finally:
@@ -191,7 +192,7 @@ class RequestStream:
 
     async def _prefill(self, decision: RouteDecision) -> worker_pb2.PrefillResponse:
         response = await self._prefill_call(decision, self.req.spec)
-        self.cached_tokens = response.cached_tokens
+        self.record.cached_tokens = response.cached_tokens
         self.tel.add_phases(response.phases)
         return response
 
@@ -249,7 +250,7 @@ class RequestStream:
         first = handle is None and not resume  # a mixed request's prefill is here
         while True:
             if first and chunk.cached_tokens:
-                self.cached_tokens = chunk.cached_tokens
+                self.record.cached_tokens = chunk.cached_tokens
             if chunk.phases:
                 self.tel.add_phases(chunk.phases)
             if chunk.token_ids:
@@ -377,7 +378,7 @@ class RequestStream:
         self.record.finished()
         msg.usage.CopyFrom(
             common_pb2.Usage(
-                prompt_tokens=len(self.req.prompt), cached_tokens=self.cached_tokens,
+                prompt_tokens=len(self.req.prompt), cached_tokens=self.record.cached_tokens,
                 completion_tokens=self.record.completion_tokens,
             )
         )  # fmt: skip

@@ -65,13 +65,16 @@ class GatewayTelemetry:
 
     @classmethod
     def on(
-        cls, telemetry: Telemetry, placements: Callable[[], Iterable[Placement]]
+        cls,
+        telemetry: Telemetry,
+        placements: Callable[[], Iterable[Placement]],
+        tenant_labels: int = 20,
     ) -> GatewayTelemetry:
         """Register the gateway's metrics, and the counters of its embedded routers (one
         per model version: `placements` lists them at scrape time, summed), on the
-        process's registry."""
+        process's registry; `tenant_labels` tenants get their own label."""
         cfg = telemetry.config
-        metrics = GatewayMetrics(telemetry.registry, cfg.slo_ttft_s, cfg.slo_itl_s)
+        metrics = GatewayMetrics(telemetry.registry, cfg.slo_ttft_s, cfg.slo_itl_s, tenant_labels)
 
         def routed() -> RouterStats:
             return total(p.router.stats for p in placements() if isinstance(p, RedisPlacement))
@@ -102,6 +105,11 @@ class GatewayTelemetry:
     def count_refusal(self, exc: BaseException, model: str = NO_MODEL) -> None:
         """`count_error` for an exception raised while validating or admitting a request."""
         self.count_error(code_for(exc), model)
+
+    def count_tenant_refusal(self, tenant: str, priority: Priority) -> None:
+        """A tenant's request refused at admission (quota, overload, stream cap)."""
+        if self.metrics is not None:
+            self.metrics.tenants.ended(tenant, priority.label, "refused")
 
 
 @dataclass(frozen=True)
@@ -265,7 +273,12 @@ class StreamTelemetry:
             ttft = (self._first_at or now) - self.start
             model = self._model
             e2e = now - self.start
-            m.record_finished(Finished(reason, ttft, e2e, self._tokens, self._priority, model))
+            u = msg.usage
+            usage = (u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+            tenant = self._tenant
+            m.record_finished(
+                Finished(reason, ttft, e2e, self._tokens, self._priority, model, tenant, usage)
+            )
             m.prompt_tokens.labels(model).inc(msg.usage.prompt_tokens)
             m.cached_tokens.labels(model).inc(msg.usage.cached_tokens)
             m.output_tokens.labels(model).inc(self._tokens)
@@ -277,6 +290,7 @@ class StreamTelemetry:
                 Tracing.fail(self.root, "CANCELLED", "the client went away")
             if self._metrics is not None:
                 self._metrics.cancelled.labels(self._model).inc()
+                self._metrics.tenants.ended(self._tenant, self._priority, "cancelled")
 
     def failed(self, code: grpc.StatusCode, message: str) -> None:
         if not self._outcome:
@@ -285,6 +299,7 @@ class StreamTelemetry:
                 Tracing.fail(self.root, code.name, message)
             if self._metrics is not None:
                 self._metrics.errors.labels(code.name, self._model).inc()
+                self._metrics.tenants.ended(self._tenant, self._priority, "failed")
 
     def end(self) -> None:
         if self._metrics is not None:

@@ -96,6 +96,7 @@ def exported_families() -> dict[str, dict[str, str]]:
     services/engine_host/telemetry.py, the router service)."""
     from engine.stats import EngineStats
     from services.engine_host.metrics import EngineCollector, WorkerMetrics
+    from services.gateway.access.usage_ledger import LedgerCollector, LedgerCounts
     from services.gateway.flow.admission_metrics import AdmissionMetrics
     from services.gateway.stream.metrics import GatewayMetrics
     from services.gateway.stream.record_book import HeldCollector, RecordBook
@@ -114,6 +115,7 @@ def exported_families() -> dict[str, dict[str, str]]:
     AdmissionMetrics(gateway)
     gateway.register(HeldCollector(RecordBook[object]()))
     gateway.register(RouterCollector(RouterStats))
+    gateway.register(LedgerCollector(lambda: LedgerCounts(0, 0, 0)))
     worker = CollectorRegistry()
     WorkerMetrics(worker)
     worker.register(EngineCollector(lambda: stats))
