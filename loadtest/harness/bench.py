@@ -22,6 +22,7 @@ from engine.model_store import resolve_model_dir
 from engine.tokenizer import Tokenizer
 from loadtest.harness.bench_config import BenchConfig
 from loadtest.harness.bench_report import BenchResults, PointResult, write_markdown
+from loadtest.harness.cost import ClusterCost, NodeCosts, count_workers
 from loadtest.harness.metrics import RequestRecord, summarize
 from loadtest.harness.runner import Pace, run_point
 from loadtest.harness.settings import RunSettings
@@ -169,6 +170,12 @@ def plot_points(out_dir: Path, points: list[PointResult], cfg: BenchConfig) -> d
     return {name: f"{name}.png" for name in names}
 
 
+async def price_cluster(cfg: BenchConfig) -> ClusterCost:
+    """The cluster's workers (ClusterStatus) at `--node-cost-per-hour`."""
+    workers = await count_workers(cfg.gateway)
+    return ClusterCost(workers, NodeCosts.parse(cfg.node_cost_per_hour).per_hour(workers))
+
+
 def run_bench(cfg: BenchConfig, traffic: TrafficConfig, settings: RunSettings) -> BenchResults:
     """The whole `pdserve-bench` run; writes results.json, summary.md and the PNGs."""
     result_file = ResultFile(cfg.out_dir / "results.json", collect_provenance(measures=MEASURES))
@@ -176,6 +183,8 @@ def run_bench(cfg: BenchConfig, traffic: TrafficConfig, settings: RunSettings) -
     results = BenchResults(created=now_iso(), bench=cfg, traffic=traffic, slo=cfg.slo)
 
     async def go() -> None:
+        if cfg.node_cost_per_hour:  # priced before the run: a refused status fails fast
+            results.cost = await price_cluster(cfg)
         await warm_up(cfg.gateway, cfg, traffic, synth)
         await run_points(cfg.gateway, cfg, traffic, synth, results, result_file)
 

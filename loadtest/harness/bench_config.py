@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtest.harness.cost import NodeCosts
 from loadtest.harness.metrics import Slo
 from loadtest.harness.runner import ARRIVALS
 from loadtest.harness.settings import parse_numbers
@@ -62,6 +63,14 @@ class BenchConfig:
         metadata={"help": "where results.json, summary.md and the PNG plots go"},
     )
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    node_cost_per_hour: str = field(
+        default="",
+        metadata={
+            "help": "a worker node's cost per hour, one number or per role "
+            "(prefill=2.5,decode=1.8,mixed=2.0): the report gives cost per million output "
+            "tokens at the SLO (workers counted from the gateway's ClusterStatus; empty: none)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.arrival not in ARRIVALS:
@@ -78,6 +87,8 @@ class BenchConfig:
         if self.duration_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("duration_s and request_timeout_s must be > 0")
         _ = self.slo  # builds (and so validates) the SLO
+        if self.node_cost_per_hour:
+            NodeCosts.parse(self.node_cost_per_hour)
 
     @property
     def rate_list(self) -> list[float]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest.harness.bench_config import BenchConfig
+from loadtest.harness.cost import ClusterCost
 from loadtest.harness.metrics import Dist, RequestRecord, RunMetrics, Slo
 from loadtest.harness.traffic import TrafficConfig
 
@@ -46,6 +47,7 @@ class BenchResults:
     slo: Slo
     points: list[PointResult] = field(default_factory=list)
     plots: dict[str, str] = field(default_factory=dict)  # name -> file next to the JSON
+    cost: ClusterCost | None = None  # with --node-cost-per-hour
     schema: str = SCHEMA
 
 
@@ -97,6 +99,17 @@ def detail_lines(label: str, m: RunMetrics) -> list[str]:
     return lines
 
 
+def cost_lines(cost: ClusterCost, points: list[PointResult]) -> list[str]:
+    """The cluster's price and each point's cost per million output tokens at the SLO."""
+    workers = ", ".join(f"{n} {role}" for role, n in sorted(cost.workers.items()))
+    lines = [f"Cost: {workers} worker(s) at {cost.per_hour:g} per hour (the gateway not counted)."]
+    for p in points:
+        each = cost.per_million_tokens(p.metrics.goodput_token_throughput)
+        value = f"{each:.4g}" if each is not None else "- (no output token within the SLO)"
+        lines.append(f"- {p.label}: {value} per million output tokens at the SLO")
+    return lines
+
+
 def write_markdown(path: Path, results: BenchResults) -> Path:
     t = results.traffic
     lines = [
@@ -112,6 +125,8 @@ def write_markdown(path: Path, results: BenchResults) -> Path:
     for p in results.points:
         lines.extend(detail_lines(p.label, p.metrics))
     lines.append("")
+    if results.cost is not None:
+        lines.extend([*cost_lines(results.cost, results.points), ""])
     lines.extend(f"![{name}]({file})" for name, file in results.plots.items())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

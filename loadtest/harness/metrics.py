@@ -146,6 +146,7 @@ class RunMetrics:
     output_token_throughput: float  # generated tokens / s
     total_token_throughput: float  # prompt + generated tokens / s (OK requests)
     goodput: float  # requests meeting the SLO / s
+    goodput_token_throughput: float  # output tokens of requests meeting the SLO / s
     slo_attainment: float
     ttft_attainment: float
     itl_attainment: float
@@ -195,6 +196,7 @@ def summarize(records: Sequence[RequestRecord], slo: Slo) -> RunMetrics:
         output_token_throughput=output * per_s,
         total_token_throughput=(prompt + output) * per_s,
         goodput=met * per_s,
+        goodput_token_throughput=sum(r.output_tokens for r in ok if slo_met(r, slo)) * per_s,
         slo_attainment=_share(met, len(records)),
         ttft_attainment=_share(sum(ttft_met(r, slo) for r in records), len(records)),
         itl_attainment=_share(sum(itl_met(r, slo) for r in records), len(records)),

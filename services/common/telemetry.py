@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from services.common.log_format import configure_logging
 from services.common.metrics import MetricsServer
@@ -32,6 +32,7 @@ class Telemetry:
         configure_logging(config.log_format)
         tracing = Tracing.from_config(config, service_name, worker_id)
         registry = CollectorRegistry(auto_describe=True)
+        node_cost_gauge(registry).set(config.node_cost_per_hour)
         server = None
         if config.metrics_enabled:
             server = MetricsServer(registry, config.metrics_host, config.metrics_port)
@@ -53,3 +54,14 @@ class Telemetry:
             self.server.close()
             self.server = None
         self.tracing.shutdown()
+
+
+def node_cost_gauge(registry: CollectorRegistry) -> Gauge:
+    """`pdserve_node_cost_per_hour`: every process exports what its node costs, so one
+    query over a cluster's pods sums its cost (docs/observability.md#cost)."""
+    return Gauge(
+        "pdserve_node_cost_per_hour",
+        "What this process's node (or its share of one) costs per hour (--node-cost-per-hour;"
+        " 0 = not set)",
+        registry=registry,
+    )

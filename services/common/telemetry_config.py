@@ -53,6 +53,14 @@ class TelemetryConfig:
     log_format: str = field(
         default="text", metadata={"help": "log line format: text or json (request/trace ids)"}
     )
+    node_cost_per_hour: float = field(
+        default=0.0,
+        metadata={
+            "help": "what this process's node (or its share of one) costs per hour, in any "
+            "currency: exported as pdserve_node_cost_per_hour for cost per million tokens "
+            "at SLO (0 = not set)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.trace_exporter not in TRACE_EXPORTERS:
@@ -67,6 +75,8 @@ class TelemetryConfig:
             raise ValueError(f"metrics_port must be < 65536, got {self.metrics_port}")
         if self.slo_ttft_s <= 0 or self.slo_itl_s <= 0:
             raise ValueError("slo_ttft_s and slo_itl_s must be > 0")
+        if not self.node_cost_per_hour >= 0:
+            raise ValueError(f"node_cost_per_hour must be >= 0, got {self.node_cost_per_hour}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
 

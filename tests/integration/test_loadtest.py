@@ -98,6 +98,8 @@ def sweep(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Pa
         "6-10",
         "--ttft-slo-ms",
         "3000",
+        "--node-cost-per-hour",
+        "prefill=3,decode=1.5",
     )
     assert rc == 0
     return out
@@ -178,6 +180,19 @@ def test_plots_and_summary(sweep: Path, results: dict[str, Any]) -> None:
             img.verify()
     summary = (sweep / "summary.md").read_text()
     assert "| rate=2 |" in summary and "| rate=4 |" in summary
+
+
+def test_cost_per_million_tokens_at_the_slo(sweep: Path, results: dict[str, Any]) -> None:
+    """The workers counted from ClusterStatus at their role's price, and each point's
+    cost divided by its output tokens per hour within the SLO."""
+    assert results["cost"] == {"workers": {"prefill": 1, "decode": 1}, "per_hour": 4.5}
+    summary = (sweep / "summary.md").read_text()
+    assert "Cost: 1 decode, 1 prefill worker(s) at 4.5 per hour" in summary
+    for p in results["points"]:
+        m = p["metrics"]
+        assert 0 < m["goodput_token_throughput"] <= m["output_token_throughput"]
+        each = 4.5 / (m["goodput_token_throughput"] * 3600) * 1e6
+        assert f"- {p['label']}: {each:.4g} per million output tokens at the SLO" in summary
 
 
 def test_closed_loop_trace_replay(cluster: LocalCluster, tmp_path: Path) -> None:

@@ -74,6 +74,13 @@ class GatewayMetrics:
             ["model"],
             registry=registry,
         )
+        self.goodput_tokens = Counter(
+            "pdserve_goodput_tokens",
+            "Output tokens of finished requests that met both SLOs (cost per million "
+            "tokens at SLO divides by this)",
+            ["model"],
+            registry=registry,
+        )
         self.slo_missed = Counter(
             "pdserve_slo_violations",
             "Finished requests that missed an SLO, by SLO (ttft or itl)",
@@ -161,6 +168,7 @@ class GatewayMetrics:
             self.slo_missed.labels("itl", model).inc()
         if ttft_ok and itl_ok:
             self.goodput.labels(model).inc()
+            self.goodput_tokens.labels(model).inc(tokens)
         self.tenants.finished(done.tenant, done.priority, ttft_ok, itl_ok, done.usage)
 
 

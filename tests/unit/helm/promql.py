@@ -95,6 +95,7 @@ def exported_families() -> dict[str, dict[str, str]]:
     (registered as the services do: services/gateway/stream/telemetry.py and server.py,
     services/engine_host/telemetry.py, the router service)."""
     from engine.stats import EngineStats
+    from services.common.telemetry import node_cost_gauge
     from services.engine_host.metrics import EngineCollector, WorkerMetrics
     from services.gateway.access.usage_ledger import LedgerCollector, LedgerCounts
     from services.gateway.flow.admission_metrics import AdmissionMetrics
@@ -121,6 +122,8 @@ def exported_families() -> dict[str, dict[str, str]]:
     worker.register(EngineCollector(lambda: stats))
     router = CollectorRegistry()
     router.register(RouterCollector(RouterStats))
+    for registry in (gateway, worker, router):  # Telemetry.start registers it everywhere
+        node_cost_gauge(registry)
     return {"gateway": _families(gateway), "worker": _families(worker), "router": _families(router)}
 
 
