@@ -206,6 +206,15 @@ class GatewayConfig:
     ttft_budget_sheddable_s: float = field(
         default=2.0, metadata={"help": "sheddable: TTFT budget, and its longest wait to start"}
     )
+    itl_budget_s: float = field(
+        default=0.1,
+        metadata={
+            "help": "admit a stream only while the decode step it would join (its "
+            "inter-token latency, predicted from the workers' measured step times by batch "
+            "size) stays within this: critical up to all of it, standard 90%, sheddable "
+            "80%, so the lowest class waits first (0 = off)"
+        },
+    )
     waiting_room_size: int = field(
         default=256,
         metadata={"help": "requests that may wait for capacity on this gateway (0 = none)"},
@@ -252,6 +261,8 @@ class GatewayConfig:
             raise ValueError("local_prefill_max_tokens and local_prefill_busy_s must be >= 0")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.itl_budget_s < 0:
+            raise ValueError(f"itl_budget_s must be >= 0 (0 = off), got {self.itl_budget_s}")
         if self.tenant_label_limit < 0:
             raise ValueError(f"tenant_label_limit must be >= 0, got {self.tenant_label_limit}")
         if self.waiting_room_size < 0:

@@ -65,6 +65,9 @@ class WorkerSignal:
     prefill_tokens_per_s: float
     decode_step_s: float
     age_s: float = 0.0  # seconds since it was published, in Redis server time
+    # (mean batch, seconds per decode step) by batch size, smallest first (empty: no
+    # decode measured yet): `signal_publisher.DecodeCurve`
+    decode_curve: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
@@ -155,8 +158,18 @@ def _encode(signal: WorkerSignal) -> list[str | int | float]:
         ("block_size", signal.block_size),
         ("prefill_tokens_per_s", float(signal.prefill_tokens_per_s)),
         ("decode_step_s", float(signal.decode_step_s)),
+        ("decode_curve", ",".join(f"{b!r}:{t!r}" for b, t in signal.decode_curve)),
     ]
     return [x for pair in pairs for x in pair]
+
+
+def _curve(text: str) -> tuple[tuple[float, float], ...]:
+    """`"1.0:0.02,3.7:0.03"` -> ((1.0, 0.02), (3.7, 0.03)); ValueError when malformed."""
+    points = []
+    for pair in filter(None, text.split(",")):
+        batch, step_s = pair.split(":")
+        points.append((float(batch), float(step_s)))
+    return tuple(points)
 
 
 def _decode(worker_id: str, fields: Mapping[str, str], now_us: int) -> WorkerSignal | None:
@@ -175,6 +188,7 @@ def _decode(worker_id: str, fields: Mapping[str, str], now_us: int) -> WorkerSig
             prefill_tokens_per_s=float(fields["prefill_tokens_per_s"]),
             decode_step_s=float(fields["decode_step_s"]),
             age_s=max(0.0, (now_us - int(fields["published_us"])) / 1e6),
+            decode_curve=_curve(fields.get("decode_curve", "")),
         )
     except (KeyError, ValueError):
         return None

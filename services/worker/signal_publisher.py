@@ -68,8 +68,40 @@ class BusyAverage:
         self.value += (1.0 - math.exp(-busy_s / self.horizon_s)) * (sample - self.value)
 
 
+class DecodeCurve:
+    """Seconds per decode step by batch size: what the gateway's admission predicts a
+    stream's inter-token latency from (`services.gateway.flow.step_model`).
+
+    Each interval that decoded gives one sample: its mean batch (tokens sampled over
+    steps: a step's streams each sample one token, a verification more) and its mean
+    step time. Samples go to the bucket of their batch (powers of two: 1, 2, 3-4, 5-8,
+    ...), where a `BusyAverage` keeps both the batch and the step time, so a point is
+    where that bucket's steps actually ran. The curve is the measured buckets' points.
+    """
+
+    def __init__(self, horizon_s: float = SPEED_HORIZON_S) -> None:
+        self.horizon_s = horizon_s
+        self._buckets: dict[int, tuple[BusyAverage, BusyAverage]] = {}
+
+    def add(self, batch: float, step_s: float, busy_s: float) -> None:
+        if batch <= 0 or step_s <= 0:
+            return
+        bucket = max(0, math.ceil(math.log2(batch)))
+        if bucket not in self._buckets:
+            self._buckets[bucket] = (BusyAverage(self.horizon_s), BusyAverage(self.horizon_s))
+        sizes, times = self._buckets[bucket]
+        sizes.add(batch, busy_s)
+        times.add(step_s, busy_s)
+
+    @property
+    def points(self) -> tuple[tuple[float, float], ...]:
+        """(mean batch, seconds per step) of each measured bucket, smallest first."""
+        return tuple((b.value, t.value) for _, (b, t) in sorted(self._buckets.items()))
+
+
 class EngineSpeeds:
-    """Prefill tokens per second and seconds per decode step, from successive stats."""
+    """Prefill tokens per second and seconds per decode step (overall, and by batch
+    size: `curve`), from successive stats."""
 
     def __init__(
         self, horizon_s: float = SPEED_HORIZON_S, since: EngineStats | None = None
@@ -78,24 +110,31 @@ class EngineSpeeds:
         before it, a cold warm-up, is not a speed); None counts from the engine's start."""
         self.prefill_tokens_per_s = BusyAverage(horizon_s)
         self.decode_step_s = BusyAverage(horizon_s)
+        self.curve = DecodeCurve(horizon_s)
         # The counters at the last update; they start at `since` (else 0, with the engine),
         # so the work done after it and before the first update counts too.
         self._prefill = (0, 0.0)  # (tokens, busy seconds)
-        self._decode = (0, 0.0)  # (steps, busy seconds)
+        self._decode = (0, 0.0, 0)  # (steps, busy seconds, tokens sampled)
         if since is not None:
             self._prefill = (since.prefill_tokens_total, since.prefill_busy_s_total)
-            self._decode = (since.decode_steps_total, since.decode_busy_s_total)
+            self._decode = _decode_counts(since)
 
     def update(self, s: EngineStats) -> None:
         prefill = (s.prefill_tokens_total, s.prefill_busy_s_total)
-        decode = (s.decode_steps_total, s.decode_busy_s_total)
+        decode = _decode_counts(s)
         tokens, prefill_s = prefill[0] - self._prefill[0], prefill[1] - self._prefill[1]
         steps, decode_s = decode[0] - self._decode[0], decode[1] - self._decode[1]
+        sampled = decode[2] - self._decode[2]
         self._prefill, self._decode = prefill, decode
         if tokens > 0 and prefill_s > 0:
             self.prefill_tokens_per_s.add(tokens / prefill_s, prefill_s)
         if steps > 0 and decode_s > 0:
             self.decode_step_s.add(decode_s / steps, decode_s)
+            self.curve.add(sampled / steps, decode_s / steps, decode_s)
+
+
+def _decode_counts(s: EngineStats) -> tuple[int, float, int]:
+    return (s.decode_steps_total, s.decode_busy_s_total, s.decode_tokens_total)
 
 
 class SignalPublisher:
@@ -171,6 +210,7 @@ class SignalPublisher:
             block_size=stats.block_size,
             prefill_tokens_per_s=self.speeds.prefill_tokens_per_s.value,
             decode_step_s=self.speeds.decode_step_s.value,
+            decode_curve=self.speeds.curve.points,
         )
 
     async def publish_once(self) -> bool:

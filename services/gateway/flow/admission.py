@@ -68,6 +68,10 @@ QUEUE_TARGET_S = 1.0
 # way at once, per gateway replica, until there is.
 UNMEASURED_PENDING = 8
 MAX_RETRY_S = 60.0
+# The share of `itl_budget_s` the decode step may reach with a new stream of each class:
+# as the decode pool fills, sheddable streams wait first, then standard ones, and the
+# rest of the budget is headroom that critical streams may take.
+ITL_SHARE = {Priority.CRITICAL: 1.0, Priority.STANDARD: 0.9, Priority.SHEDDABLE: 0.8}
 
 
 class Admission:
@@ -184,7 +188,18 @@ class Admission:
             waited + (delay - idle) <= self._wait_allowed_s(priority, idle)
             and delay <= idle + QUEUE_TARGET_S
             and self.capacity.decode_fits(cost)
+            and self._itl_fits(priority)
         )
+
+    def _itl_fits(self, priority: Priority) -> bool:
+        """Whether the decode step a new stream of `priority` would join stays within its
+        class's share of `itl_budget_s`. True where nothing is measured (fail open) and
+        on a decode worker with no stream: an idle worker serves, however slow."""
+        limit = self.config.itl_budget_s * ITL_SHARE[priority]
+        outlook = self.capacity.decode_step_s_with()
+        if limit <= 0 or outlook is None or outlook.streams == 0:
+            return True
+        return outlook.step_s <= limit
 
     def _wait_allowed_s(self, priority: Priority, idle_s: float) -> float:
         """The most a request whose own prefill takes `idle_s` on an idle pool may wait
@@ -208,13 +223,25 @@ class Admission:
         what = {
             RefusalReason.ROOM_FULL: f"the waiting room is full ({self.room.capacity} places)",
             RefusalReason.DISPLACED: why,
-            RefusalReason.BUDGET: why or f"no capacity within its {ticket.budget_s:g}s TTFT budget",
+            RefusalReason.BUDGET: why or self._no_capacity(ticket),
         }.get(reason, why)
         return Overloaded(
             f"overloaded: {ticket.priority.label} request refused: {what}; retry in {retry:.0f}s",
             reason,
             retry,
         )
+
+    def _no_capacity(self, ticket: Ticket) -> str:
+        """Why a ticket that waited its whole budget never fitted."""
+        what = f"no capacity within its {ticket.budget_s:g}s TTFT budget"
+        outlook = self.capacity.decode_step_s_with() if self.signalled else None
+        if outlook is not None and not self._itl_fits(ticket.priority):
+            limit = self.config.itl_budget_s * ITL_SHARE[ticket.priority]
+            what += (
+                f" (the decode step it would join is predicted at {outlook.step_s * 1000:.0f} "
+                f"ms, over its class's {limit * 1000:.0f} ms of itl_budget_s)"
+            )
+        return what
 
     def _retry_after_s(self, ticket: Ticket) -> float:
         delay = self.capacity.start_delay_s(ticket.cost, ticket.priority)
@@ -263,6 +290,8 @@ class Admission:
             return
         self.signalled = bool(signals)
         self.capacity.update(signals)
+        outlook = self.capacity.decode_step_s_with()
+        self.metrics.set_decode_step(outlook.step_s if outlook is not None else 0.0)
         self._first_read.set()
 
     def _dispatch(self, now: float) -> None:

@@ -17,6 +17,8 @@ sets the gauges on every tick.
   part its weight entitles it to among the tenants in the ledger
 - `pdserve_gateway_fairness_index{class}`: Jain's index of the backlogged tenants'
   weight-normalised service (1.0 is perfectly fair)
+- `pdserve_gateway_decode_step_predicted_seconds`: the decode step a new stream would
+  join (what the ITL check compares with `itl_budget_s`)
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ class AdmissionMetrics:
             "pdserve_gateway_fairness_index", "Jain's index of backlogged tenants' service",
             ["class"], registry=registry,
         )  # fmt: skip
+        self._step = Gauge(
+            "pdserve_gateway_decode_step_predicted_seconds",
+            "The decode step (inter-token latency) a new stream would join, predicted from "
+            "the decode workers' measured step times by batch size (0: none measured)",
+            registry=registry,
+        )
 
     @classmethod
     def disabled(cls) -> AdmissionMetrics:
@@ -82,6 +90,10 @@ class AdmissionMetrics:
             self._refused.labels(priority.label, reason.value).inc()
             if reason in (RefusalReason.BUDGET, RefusalReason.DISPLACED):
                 self._wait.labels(priority.label, "refused").observe(waited_s)
+
+    def set_decode_step(self, step_s: float) -> None:
+        if self.on:
+            self._step.set(step_s)
 
     def set_waiting(self, room: WaitingRoom) -> None:
         if self.on:

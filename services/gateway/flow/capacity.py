@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 from engine.priority import Priority
 from services.common.role import Role
 from services.gateway.flow.prefill_site import SitePolicy
+from services.gateway.flow.step_model import step_s_at
 from services.gateway.flow.worker_loads import WorkerLoads
 
 if TYPE_CHECKING:  # only its fields are read here
@@ -71,6 +72,15 @@ class Estimate:
 
     start_delay_s: float  # until its prefill could be done: the work ahead, then its own
     idle_delay_s: float  # its own prefill alone, were that pool idle: not queueing
+
+
+@dataclass(frozen=True)
+class DecodeOutlook:
+    """The best decode worker for a new stream: its predicted step time with the stream,
+    and how many streams it has without it (counting those admitted but not yet shown)."""
+
+    step_s: float
+    streams: int
 
 
 @dataclass(eq=False)
@@ -296,6 +306,23 @@ class Capacity:
         size = self.decode.block_size
         pending = sum(p.cost.blocks(size) for p in self._unsettled())
         return self.decode.free_blocks - pending >= cost.blocks(size)
+
+    def decode_step_s_with(self) -> DecodeOutlook | None:
+        """The decode step a new stream would see (its inter-token latency): on the
+        decode worker where it is shortest once the streams admitted here that no signal
+        shows yet (spread evenly over the workers) and the new one have joined. None
+        where no decode worker has published its step times (`decode_curve`)."""
+        known = [s for s in self.decode.signals if s.decode_curve]
+        if not known:
+            return None
+        unseen = math.ceil(self.pending / len(self.decode.signals))
+        best: DecodeOutlook | None = None
+        for s in known:
+            streams = s.running + unseen
+            step = step_s_at(s.decode_curve, streams + 1)
+            if step is not None and (best is None or step < best.step_s):
+                best = DecodeOutlook(step, streams)
+        return best
 
     def never_fits(self, cost: Cost) -> bool:
         """Whether no worker of either pool could ever hold the request (its prompt plus

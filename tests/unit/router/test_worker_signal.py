@@ -48,6 +48,21 @@ def test_a_signal_reads_back_exactly(client: redis.Redis, namespace: str) -> Non
     assert client.pttl(Keyspace(namespace).signal("p0")) > 0
 
 
+def test_the_decode_curve_reads_back_and_a_bad_one_drops_the_worker(
+    client: redis.Redis, namespace: str
+) -> None:
+    b = board(client, namespace, ("d0", Role.DECODE), ("d1", Role.DECODE))
+    sent = signal("d0", Role.DECODE, decode_curve=((1.0, 0.0123), (3.6, 0.0219)))
+    b.publish(sent)
+    b.publish(signal("d1", Role.DECODE))  # nothing decoded yet: an empty curve
+    got = {s.worker_id: s for s in b.read([Role.DECODE])}
+    assert got["d0"].decode_curve == sent.decode_curve and got["d1"].decode_curve == ()
+    client.hset(Keyspace(namespace).signal("d1"), "decode_curve", "1.0;0.02")
+    assert [s.worker_id for s in b.read([Role.DECODE])] == ["d0"]
+    client.hdel(Keyspace(namespace).signal("d1"), "decode_curve")  # an older publisher's
+    assert {s.worker_id: s.decode_curve for s in b.read([Role.DECODE])}["d1"] == ()
+
+
 def test_a_republish_replaces_the_signal(client: redis.Redis, namespace: str) -> None:
     b = board(client, namespace, ("p0", Role.PREFILL))
     b.publish(signal("p0", waiting=9))

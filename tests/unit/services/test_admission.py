@@ -8,6 +8,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -226,4 +227,67 @@ async def test_a_long_prompt_waiting_holds_its_class_back_only_briefly() -> None
     with pytest.raises(Overloaded):
         await long
     assert 1.0 <= time.monotonic() - t0 < 1.2
+    await admission.close()
+
+
+class DecodeBoard(FakeBoard):
+    """No prefill queue; the decode worker runs `running` streams and has measured its
+    step times by batch (`curve`)."""
+
+    def __init__(self, running: int, curve: tuple[tuple[float, float], ...]) -> None:
+        super().__init__(queued=0)
+        self.running = running
+        self.curve = curve
+
+    def read(self, roles: Iterable[Role]) -> list[WorkerSignal]:
+        prefill, decode = super().read(roles)
+        return [prefill, replace(decode, running=self.running, decode_curve=self.curve)]
+
+
+# 10 ms at 1 stream, 50 ms at 8: 11 streams predict 50 + 3 x 40/7 = 67 ms.
+CURVE = ((1.0, 0.010), (8.0, 0.050))
+
+
+@run
+async def test_itl_budget_holds_the_lowest_class_first() -> None:
+    """With 80 ms of ITL budget a 67 ms step admits critical (80 ms) and standard (72)
+    streams at once; sheddable (64) waits, is refused at its budget naming the decode
+    step, and is admitted once the batch is smaller."""
+    board = DecodeBoard(running=10, curve=CURVE)
+    admission = await started(board, itl_budget_s=0.08)
+    for priority in (CRIT, STD):
+        granted = await asyncio.wait_for(admission.admit(priority, "a", 1.0, Cost(10, 100)), 0.05)
+        assert granted is not None
+        granted.settled = True  # the stream is on the decode worker: its signal counts it
+    t0 = time.monotonic()
+    with pytest.raises(Overloaded, match=r"decode step it would join is predicted at 67 ms"):
+        await admission.admit(SHED, "a", 1.0, Cost(10, 100))
+    assert time.monotonic() - t0 >= 0.2  # it waited its whole 0.2 s budget
+    board.running = 5  # 6 streams: 33 ms
+    assert await asyncio.wait_for(admission.admit(SHED, "a", 1.0, Cost(10, 100)), 0.2)
+    await admission.close()
+
+
+@run
+async def test_admitted_streams_count_before_the_signal_shows_them() -> None:
+    """Each admitted stream the decode worker has not reported yet joins the batch the
+    next one is predicted at: 8 streams fit 50 ms, the 9th (56 ms) waits."""
+    admission = await started(DecodeBoard(running=0, curve=CURVE), itl_budget_s=0.05)
+    passes = []
+    for _ in range(8):
+        granted = await asyncio.wait_for(admission.admit(CRIT, "a", 1.0, Cost(10, 100)), 0.05)
+        assert granted is not None
+        passes.append(granted)
+    ninth = asyncio.create_task(admission.admit(CRIT, "a", 1.0, Cost(10, 100)))
+    await asyncio.sleep(0.1)
+    assert not ninth.done()
+    passes[0].settled = True  # one ends before the decode worker reported it
+    assert await asyncio.wait_for(ninth, 0.3)
+    await admission.close()
+
+
+@run
+async def test_an_idle_decode_worker_takes_a_stream_however_slow_it_is() -> None:
+    admission = await started(DecodeBoard(running=0, curve=((1.0, 0.5),)), itl_budget_s=0.1)
+    assert await asyncio.wait_for(admission.admit(SHED, "a", 1.0, Cost(10, 100)), 0.05)
     await admission.close()
