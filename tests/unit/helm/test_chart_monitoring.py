@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ DASHBOARD = CHART / "dashboards" / "pdserve.json"
 ALERTS = {
     "PdserveErrorBudgetBurn1h", "PdserveErrorBudgetBurn6h", "PdserveErrorBudgetBurn1d",
     "PdserveErrorBudgetBurn3d", "PdserveTTFTP90High", "PdserveITLP90High",
-    "PdserveKVCacheNearlyFull", "PdserveWorkerErrors",
+    "PdserveKVCacheNearlyFull", "PdserveWorkerErrors", "PdserveITLSLOBurn",
+    "PdserveAdmissionRefusals", "PdserveSpecAcceptanceFalling", "PdservePrefixHitRateFalling",
 }  # fmt: skip
 #: Metric families the dashboard must chart (the issue's list).
 DASHBOARD_FAMILIES = {
@@ -55,6 +57,13 @@ DASHBOARD_FAMILIES = {
 }  # fmt: skip
 GATEWAY = 'namespace="serving",service="rel-pdserve-gateway"'
 DECODE = 'namespace="serving",service="rel-pdserve-decode"'
+PREFILL = 'namespace="serving",service="rel-pdserve-prefill"'
+WORKERS = 'namespace="serving",service=~"rel-pdserve-prefill|rel-pdserve-decode"'
+#: The gateway's and the worker pools' Services together: what the release's pods cost.
+SERVED = 'namespace="serving",service=~"rel-pdserve-gateway|rel-pdserve-prefill|rel-pdserve-decode"'
+COST = "pdserve:cost_per_million_goodput_tokens:rate1h"
+#: A series name and the namespace/service matchers in front of it.
+_SELECTED = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)\{(namespace="[^"]*",service=~?"[^"]*")')
 
 
 def the_rule(docs: list[Manifest]) -> Manifest:
@@ -126,7 +135,7 @@ def test_rule_expressions_read_only_exported_or_recorded_series(slo_docs: list[M
     exported = all_exported()
     recorded = {r["record"] for r in rules(rule) if "record" in r}
     assert recorded == {f"pdserve:slo_error_ratio:rate{w}"
-                        for w in ("5m", "30m", "1h", "2h", "6h", "1d", "3d")}  # fmt: skip
+                        for w in ("5m", "30m", "1h", "2h", "6h", "1d", "3d")} | {COST}  # fmt: skip
     for r in rules(rule):
         read = metric_names(r["expr"])
         assert read and read <= exported | recorded, (r.get("alert") or r["record"], read)
@@ -134,19 +143,29 @@ def test_rule_expressions_read_only_exported_or_recorded_series(slo_docs: list[M
 
 
 def test_rules_select_the_gateway_and_worker_services(slo_docs: list[Manifest]) -> None:
+    """Every series a rule reads is selected by the release's namespace and the Services
+    that export it: the gateway's, the worker pools', or both (the Router's never)."""
     series = exported_series()
-    for r in rules(the_rule(slo_docs)):
+    roles_of = {GATEWAY: {"gateway"}, WORKERS: {"worker"}, SERVED: {"gateway", "worker"}}
+    rule = the_rule(slo_docs)
+    recorded = {r["record"] for r in rules(rule) if "record" in r}
+    for r in rules(rule):
         expr = r["expr"]
-        for name in metric_names(expr) - {"pdserve:slo_error_ratio:rate" + w for w in
-                                          ("5m", "30m", "1h", "2h", "6h", "1d", "3d")}:  # fmt: skip
-            if name in series["worker"] and name not in series["gateway"]:
-                assert 'service=~"rel-pdserve-prefill|rel-pdserve-decode"' in expr, name
-            elif name in series["gateway"] and name not in series["worker"]:
-                assert f"{name}{{{GATEWAY}" in expr, name
+        selected = [(n, sel) for n, sel in _SELECTED.findall(expr) if n not in recorded]
+        assert {n for n, _ in selected} == metric_names(expr) - recorded, expr
+        for name, selector in selected:
+            exporters = {role for role, names in series.items() if name in names}
+            assert roles_of[selector] <= exporters, (name, selector)
+    # pdserve_node_cost_per_hour comes from every process: the cost is the gateway's and
+    # the pools' pods, with the pools the chart runs.
+    cost = next(r["expr"] for r in rules(rule) if r.get("record") == COST)
+    assert f"pdserve_node_cost_per_hour{{{SERVED}}}" in cost
     mixed = the_rule(render({"metrics": {"enabled": True, "prometheusRule": {"enabled": True}},
                              "prefill": {"enabled": False}}))  # fmt: skip
     kv = alerts(mixed)["PdserveKVCacheNearlyFull"]["expr"]
     assert 'service="rel-pdserve-decode"' in kv and "prefill" not in kv
+    cost = next(r["expr"] for r in rules(mixed) if r.get("record") == COST)
+    assert 'service=~"rel-pdserve-gateway|rel-pdserve-decode"}' in cost and "prefill" not in cost
 
 
 def test_burn_rate_alerts_pair_long_and_short_windows(slo_docs: list[Manifest]) -> None:
@@ -167,12 +186,23 @@ def test_burn_rate_alerts_pair_long_and_short_windows(slo_docs: list[Manifest]) 
         assert "\nand\n" in alert["expr"]
         assert alert["labels"]["severity"] == severity
         assert alert["labels"]["team"] == "serving"  # alertLabels
+    itl = by_name["PdserveITLSLOBurn"]
+    assert metric_names(itl["expr"]) == {"pdserve_slo_violations_total", "pdserve_requests_total"}
+    long, short = itl["expr"].split("\nand\n")
+    for part, window in ((long, "1h"), (short, "5m")):
+        assert part.count(f"[{window}]") == 2 and part.endswith(f"> (14.4 * {budget})")
+        assert f'pdserve_slo_violations_total{{{GATEWAY},slo="itl"}}[{window}]' in part
+    assert itl["for"] == "2m"
+    assert itl["labels"] == {"severity": "critical", "namespace": "serving",
+                             "service": "rel-pdserve-gateway", "team": "serving"}  # fmt: skip
 
 
 def test_thresholds_and_durations_come_from_values() -> None:
     mr = {"enabled": True, "objective": 0.95, "ttftP90Seconds": 2.5, "itlP90Seconds": 0.2,
           "quantileWindow": "10m", "latencyFor": "20m", "kvUtilization": 0.85, "kvFor": "15m",
           "workerErrorRatio": 0.1, "workerErrorsFor": "7m",
+          "refusalRatio": 0.02, "refusalsFor": "12m", "baselineWindow": "3d",
+          "dropWindow": "1h", "baselineDrop": 0.5, "dropFor": "45m",
           "sloErrorCodes": ["INTERNAL"],
           "workerErrorIgnoredCodes": ["CANCELLED", "NOT_FOUND"]}  # fmt: skip
     rule = the_rule(render({"metrics": {"enabled": True, "prometheusRule": mr}}))
@@ -186,6 +216,14 @@ def test_thresholds_and_durations_come_from_values() -> None:
     assert errors["expr"].endswith("> 0.1") and errors["for"] == "7m"
     assert 'code!~"CANCELLED|NOT_FOUND"' in errors["expr"]
     assert "(14.4 * (1 - 0.95))" in by_name["PdserveErrorBudgetBurn1h"]["expr"]
+    assert by_name["PdserveITLSLOBurn"]["expr"].count("> (14.4 * (1 - 0.95))") == 2
+    refusals = by_name["PdserveAdmissionRefusals"]
+    assert refusals["expr"].endswith("> 0.02") and refusals["for"] == "12m"
+    for name in ("PdserveSpecAcceptanceFalling", "PdservePrefixHitRateFalling"):
+        drop = by_name[name]
+        assert drop["for"] == "45m" and "\n< (1 - 0.5) * (\n" in drop["expr"]
+        assert drop["expr"].count("[1h]))") == 2  # the recent window
+        assert drop["expr"].count("[3d] offset 1h))") == 2  # the baseline before it
     record = next(r for r in rules(rule) if r.get("record") == "pdserve:slo_error_ratio:rate5m")
     assert 'code=~"INTERNAL"' in record["expr"]
 
@@ -208,6 +246,8 @@ def test_default_thresholds_match_the_gateways_goodput_slos() -> None:
         ({"sloErrorCodes": ["UNAVAILABLE", "TIMEOUT"]}, "sloErrorCodes"),
         ({"latencyFor": "10 minutes"}, "latencyFor"),
         ({"kvUtilization": 1.5}, "kvUtilization"),
+        ({"baselineDrop": 0}, "baselineDrop"),
+        ({"dropWindow": "half an hour"}, "dropWindow"),
     ],
 )
 def test_impossible_alert_values_are_refused(values: dict[str, Any], match: str) -> None:
@@ -326,13 +366,14 @@ def test_alerts_fire_on_what_they_describe_and_not_on_a_healthy_cluster(
     slo_docs: list[Manifest], tmp_path: Path
 ) -> None:
     """The ci values: objective 0.995, TTFT p90 0.5 s, ITL p90 0.05 s, KV 0.9, worker
-    errors 5%; series every minute."""
+    errors 5%, capacity refusals 5%, a 20% drop from the 1d baseline; series every minute."""
     groups = copy.deepcopy(the_rule(slo_docs)["spec"]["groups"])
     for group in groups:  # annotations are text for people; the labels are what routes
         for r in group["rules"]:
             r.pop("annotations", None)
     gateway = {"namespace": "serving", "service": "rel-pdserve-gateway", "team": "serving"}
     decode = {"namespace": "serving", "service": "rel-pdserve-decode", "team": "serving"}
+    prefill = {**decode, "service": "rel-pdserve-prefill"}
     finished = 'finish_reason="stop",priority="standard"'
 
     # 20% of finished requests miss the SLO: both fast-burn pairs page within 30 minutes.
@@ -341,13 +382,50 @@ def test_alerts_fire_on_what_they_describe_and_not_on_a_healthy_cluster(
         "input_series": [
             _series("pdserve_requests_total", GATEWAY, finished, "0+100x60"),
             _series("pdserve_goodput_requests_total", GATEWAY, "", "0+80x60"),
+            _series("pdserve_slo_violations_total", GATEWAY, 'slo="ttft"', "0+20x60"),
+            _series("pdserve_slo_violations_total", GATEWAY, 'slo="itl"', "0+1x60"),
         ],
         "alert_rule_test": [
             _firing("30m", "PdserveErrorBudgetBurn1h", {**gateway, "severity": "critical"}),
             _firing("30m", "PdserveErrorBudgetBurn6h", {**gateway, "severity": "critical"}),
             _firing("30m", "PdserveErrorBudgetBurn1d"),  # its `for` is 1h
+            _firing("30m", "PdserveITLSLOBurn"),  # the misses are TTFT's; ITL's are 1%
         ],
     }
+    # 10% of finished requests miss the ITL SLO (> 14.4 x 0.5%): the ITL burn pages.
+    itl_burning = {
+        "interval": "1m",
+        "input_series": [
+            _series("pdserve_requests_total", GATEWAY, finished, "0+100x60"),
+            _series("pdserve_goodput_requests_total", GATEWAY, "", "0+90x60"),
+            _series("pdserve_slo_violations_total", GATEWAY, 'slo="itl"', "0+10x60"),
+        ],
+        "alert_rule_test": [
+            _firing("1m", "PdserveITLSLOBurn"),  # pending: not yet 2m
+            _firing("30m", "PdserveITLSLOBurn", {**gateway, "severity": "critical"}),
+        ],
+    }
+    # Of 150 admission decisions a minute, 10 are capacity refusals (6.7% > 5%); the 50
+    # quota refusals count only among the decisions.
+    refusing = {
+        "interval": "1m",
+        "input_series": [
+            _series("pdserve_gateway_admitted_total", GATEWAY, 'class="standard",waited="no"',
+                    "0+80x30"),
+            _series("pdserve_gateway_admitted_total", GATEWAY, 'class="standard",waited="yes"',
+                    "0+10x30"),
+            _series("pdserve_gateway_refused_total", GATEWAY, 'class="standard",reason="quota"',
+                    "0+50x30"),
+            _series("pdserve_gateway_refused_total", GATEWAY,
+                    'class="standard",reason="room_full"', "0+6x30"),
+            _series("pdserve_gateway_refused_total", GATEWAY, 'class="batch",reason="budget"',
+                    "0+4x30"),
+        ],
+        "alert_rule_test": [
+            _firing("5m", "PdserveAdmissionRefusals"),  # pending: not yet refusalsFor
+            _firing("20m", "PdserveAdmissionRefusals", {**gateway, "severity": "warning"}),
+        ],
+    }  # fmt: skip
     # All requests good, but server errors (UNAVAILABLE) are 1/6 of the traffic: a burn
     # too; client errors (INVALID_ARGUMENT) alone would not be.
     failing = {
@@ -380,40 +458,112 @@ def test_alerts_fire_on_what_they_describe_and_not_on_a_healthy_cluster(
             _firing("25m", "PdserveITLP90High", {**gateway, "severity": "warning"}),
         ],
     }
-    # Fast requests: nothing fires.
+    # Fast requests, few capacity refusals (6 of 156 decisions; 56 with quota's), steady
+    # speculative acceptance (70%) and prefix hits (50%): nothing fires, neither at 30m
+    # nor at 140m, when the drop alerts have a baseline to compare with.
     fast = {
         "interval": "1m",
         "input_series": [
-            _series("pdserve_time_to_first_token_seconds_bucket", GATEWAY, 'le="0.25"', "0+10x40"),
-            _series("pdserve_time_to_first_token_seconds_bucket", GATEWAY, 'le="+Inf"', "0+10x40"),
-            _series("pdserve_requests_total", GATEWAY, finished, "0+100x40"),
-            _series("pdserve_goodput_requests_total", GATEWAY, "", "0+100x40"),
+            _series("pdserve_time_to_first_token_seconds_bucket", GATEWAY, 'le="0.25"', "0+10x150"),
+            _series("pdserve_time_to_first_token_seconds_bucket", GATEWAY, 'le="+Inf"', "0+10x150"),
+            _series("pdserve_requests_total", GATEWAY, finished, "0+100x150"),
+            _series("pdserve_goodput_requests_total", GATEWAY, "", "0+100x150"),
+            _series("pdserve_slo_violations_total", GATEWAY, 'slo="itl"', "0x150"),
+            _series("pdserve_gateway_admitted_total", GATEWAY, 'class="standard",waited="no"',
+                    "0+100x150"),
+            _series("pdserve_gateway_refused_total", GATEWAY, 'class="standard",reason="quota"',
+                    "0+50x150"),
+            _series("pdserve_gateway_refused_total", GATEWAY,
+                    'class="standard",reason="stream_cap"', "0+6x150"),
+            _series("pdserve_spec_tokens_total", DECODE, 'pod="d0",kind="drafted"', "0+100x150"),
+            _series("pdserve_spec_tokens_total", DECODE, 'pod="d0",kind="accepted"', "0+70x150"),
+            _series("pdserve_prefix_prompt_tokens_total", DECODE, 'pod="d0"', "0+1000x150"),
+            _series("pdserve_prefix_cached_tokens_total", DECODE, 'pod="d0"', "0+500x150"),
         ],
-        "alert_rule_test": [_firing("30m", name) for name in sorted(ALERTS)],
-    }
+        "alert_rule_test": [_firing(at, name) for at in ("30m", "140m") for name in sorted(ALERTS)],
+    }  # fmt: skip
+    # After an hour, the decode pool's acceptance falls from 80% to 40% and the prefill
+    # pool's prefix hits from 60% to 20%; the decode pool's hits stay at 50% and the
+    # prefill pool drafts nothing (0 / 0: no alert). Each drop alert starts pending about
+    # 10 minutes in and fires dropFor (30m) later, for its pool only.
+    regressing = {
+        "interval": "1m",
+        "input_series": [
+            _series("pdserve_spec_tokens_total", DECODE, 'pod="d0",kind="drafted"', "0+100x131"),
+            _series("pdserve_spec_tokens_total", DECODE, 'pod="d0",kind="accepted"',
+                    "0+80x60 4840+40x70"),
+            _series("pdserve_prefix_prompt_tokens_total", DECODE, 'pod="d0"', "0+1000x131"),
+            _series("pdserve_prefix_cached_tokens_total", DECODE, 'pod="d0"', "0+500x131"),
+            _series("pdserve_spec_tokens_total", PREFILL, 'pod="p0",kind="drafted"', "0x131"),
+            _series("pdserve_spec_tokens_total", PREFILL, 'pod="p0",kind="accepted"', "0x131"),
+            _series("pdserve_prefix_prompt_tokens_total", PREFILL, 'pod="p0"', "0+1000x131"),
+            _series("pdserve_prefix_cached_tokens_total", PREFILL, 'pod="p0"',
+                    "0+600x60 36200+200x70"),
+        ],
+        "alert_rule_test": [
+            _firing("80m", "PdserveSpecAcceptanceFalling"),  # pending
+            _firing("80m", "PdservePrefixHitRateFalling"),
+            _firing("115m", "PdserveSpecAcceptanceFalling", {**decode, "severity": "warning"}),
+            _firing("115m", "PdservePrefixHitRateFalling", {**prefill, "severity": "warning"}),
+        ],
+    }  # fmt: skip
     # Decode pool 97% full; its workers fail 50% of their RPCs; a prefill worker that
     # never scheduled anything fails all its RPCs (no queue-time series at all). CANCELLED
     # (the caller went away) is not a worker error.
-    prefill_sel = 'namespace="serving",service="rel-pdserve-prefill"'
     workers = {
         "interval": "1m",
         "input_series": [
             _series("pdserve_kv_blocks", DECODE, 'pod="d0",state="used"', "97x30"),
             _series("pdserve_kv_blocks", DECODE, 'pod="d0",state="total"', "100x30"),
-            _series("pdserve_kv_blocks", prefill_sel, 'pod="p0",state="used"', "10x30"),
-            _series("pdserve_kv_blocks", prefill_sel, 'pod="p0",state="total"', "100x30"),
+            _series("pdserve_kv_blocks", PREFILL, 'pod="p0",state="used"', "10x30"),
+            _series("pdserve_kv_blocks", PREFILL, 'pod="p0",state="total"', "100x30"),
             _series("pdserve_request_errors_total", DECODE, 'pod="d0",code="INTERNAL"', "0+10x30"),
             _series("pdserve_queue_time_seconds_count", DECODE, 'pod="d0",phase="decode"',
                     "0+10x30"),
-            _series("pdserve_request_errors_total", prefill_sel, 'pod="p0",code="UNAVAILABLE"',
+            _series("pdserve_request_errors_total", PREFILL, 'pod="p0",code="UNAVAILABLE"',
                     "0+3x30"),
-            _series("pdserve_request_errors_total", prefill_sel, 'pod="p0",code="CANCELLED"',
+            _series("pdserve_request_errors_total", PREFILL, 'pod="p0",code="CANCELLED"',
                     "0+50x30"),
         ],
         "alert_rule_test": [
             _firing("20m", "PdserveKVCacheNearlyFull", {**decode, "severity": "warning"}),
             _firing("20m", "PdserveWorkerErrors", {**decode, "severity": "warning"},
-                    {**decode, "service": "rel-pdserve-prefill", "severity": "warning"}),
+                    {**prefill, "severity": "warning"}),
         ],
     }  # fmt: skip
-    promtool.run_rule_tests(groups, [burning, failing, slow, fast, workers], tmp_path)
+    cases = [burning, itl_burning, failing, refusing, slow, fast, regressing, workers]
+    promtool.run_rule_tests(groups, cases, tmp_path)
+
+
+@promtool.needs_promtool
+def test_cost_rule_is_the_release_cost_per_million_goodput_tokens(
+    slo_docs: list[Manifest], tmp_path: Path
+) -> None:
+    """Gateways 2 x 3, prefill 8, decode 16 an hour (the Router's 5 and another release's
+    100 not counted): 30 an hour; 10,000 goodput tokens a minute, 0.6 million an hour: 50
+    per million. With no cost set (every pod at 0) the rule records nothing."""
+    groups = the_rule(slo_docs)["spec"]["groups"]
+    router = 'namespace="serving",service="rel-pdserve-router"'
+    other = 'namespace="other",service="rel-pdserve-decode"'
+    tokens = [
+        _series("pdserve_goodput_tokens_total", GATEWAY, f'pod="g{i}",model="m"', "0+5000x80")
+        for i in range(2)
+    ]
+    costs = [(GATEWAY, "g0", 3), (GATEWAY, "g1", 3), (PREFILL, "p0", 8), (DECODE, "d0", 16),
+             (router, "r0", 5), (other, "d0", 100)]  # fmt: skip
+    cost_set = [_series("pdserve_node_cost_per_hour", sel, f'pod="{pod}"', f"{cost}x80")
+                for sel, pod, cost in costs]  # fmt: skip
+    unset = [_series("pdserve_node_cost_per_hour", sel, f'pod="{pod}"', "0x80")
+             for sel, pod, _ in costs]  # fmt: skip
+    expected = [{"labels": f"{COST}{{{GATEWAY}}}", "value": 50}]
+    priced = {
+        "interval": "1m",
+        "input_series": tokens + cost_set,
+        "promql_expr_test": [{"expr": COST, "eval_time": "70m", "exp_samples": expected}],
+    }
+    unpriced = {
+        "interval": "1m",
+        "input_series": tokens + unset,
+        "promql_expr_test": [{"expr": COST, "eval_time": "70m", "exp_samples": []}],
+    }
+    promtool.run_rule_tests(groups, [priced, unpriced], tmp_path)
