@@ -26,7 +26,7 @@ from loadtest.harness.capacity_search import SearchConfig
 #: Gateway flags set only when the run sets them: config field -> flag.
 ADMISSION_FLAGS = (
     "ttft_budget_critical_s", "ttft_budget_standard_s", "ttft_budget_sheddable_s",
-    "waiting_room_size", "admission_control",
+    "waiting_room_size", "admission_control", "itl_budget_s",
 )  # fmt: skip
 
 
@@ -84,6 +84,13 @@ class FlowBenchConfig:
     refusal_slack_ms: float = field(
         default=200.0, metadata={"help": "extra time a refusal at the budget may take"}
     )
+    itl_slo_ms: float | None = field(
+        default=None,
+        metadata={
+            "help": "a served request also meets the SLO only if the p90 of its own token "
+            "gaps is within this (default: not judged, TTFT alone)"
+        },
+    )
     # -- the gateway's admission flags (None: not passed, the gateway's default)
     ttft_budget_critical_s: float | None = field(
         default=None, metadata={"help": "gateway: critical TTFT budget (default: gateway's, 10)"}
@@ -99,6 +106,10 @@ class FlowBenchConfig:
     )
     admission_control: bool | None = field(
         default=None, metadata={"help": "gateway: admission control on/off (default: gateway's)"}
+    )
+    itl_budget_s: float | None = field(
+        default=None,
+        metadata={"help": "gateway: ITL budget of decode-side admission, 0 = off (default: 0.1)"},
     )
 
     def __post_init__(self) -> None:
@@ -134,9 +145,10 @@ class FlowBenchConfig:
             Priority.STANDARD: self.ttft_budget_standard_s,
             Priority.SHEDDABLE: self.ttft_budget_sheddable_s,
         }
+        itl_s = None if self.itl_slo_ms is None else self.itl_slo_ms / 1000
         return FlowSlo.of(
             overrides, self.immediate_refusal_ms / 1000, self.budget_tolerance,
-            self.refusal_slack_ms / 1000,
+            self.refusal_slack_ms / 1000, itl_s,
         )  # fmt: skip
 
     @property

@@ -7,8 +7,11 @@ served), `tenant_stats` for each tenant, `goodput` for the phase, and `jain_inde
 the tenants' served KV-block-seconds. Definitions:
 
 - offered: requests sent in the phase. served: completed (every token streamed).
-- met: served with its first token within its class's TTFT budget (`FlowSlo.met`);
+- met: served with its first token within its class's TTFT budget and, when the run
+  sets an ITL SLO, the p90 of its own token gaps within that (`FlowSlo.met`);
   attainment = met / offered (a refusal or an error is a miss).
+- ITL: the gaps between a served request's tokens (`FlowRecord.token_gaps_s`), pooled
+  per class.
 - goodput: met requests (and their output tokens) per second of the phase's sending
   window, so that the drain after it is not what is measured.
 - refusal latency: send to refusal; timing per `FlowSlo.refusal_timing`.
@@ -66,6 +69,7 @@ class ClassStats:
     errors: dict[str, int]  # failures that were not refusals, by gRPC code
     ttft: Latency  # of the served
     served_past_budget: int  # served with TTFT > budget x (1 + tolerance)
+    itl: Latency  # every token gap of the served
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ def share(n: float, total: float) -> float:
 def class_stats(records: Sequence[FlowRecord], priority: Priority, slo: FlowSlo) -> ClassStats:
     mine = [r for r in records if r.priority == priority]
     served = [r for r in mine if r.completed]
-    met = sum(slo.met(priority, r.completed, r.ttft_s) for r in mine)
+    met = sum(slo.met(priority, r.completed, r.ttft_s, r.itl_p90_s) for r in mine)
     refused = [r for r in mine if r.refusal is not None]
     timing = Counter(
         slo.refusal_timing(priority, r.refusal_latency_s or 0.0).value for r in refused
@@ -118,6 +122,7 @@ def class_stats(records: Sequence[FlowRecord], priority: Priority, slo: FlowSlo)
         errors=dict(Counter(r.code for r in mine if r.failed)),
         ttft=Latency.of_seconds(r.ttft_s for r in served),
         served_past_budget=sum(slo.served_late(priority, r.ttft_s) for r in served),
+        itl=Latency.of_seconds(g for r in served for g in r.token_gaps_s),
     )
 
 
@@ -132,7 +137,7 @@ def tenant_stats(
 ) -> TenantStats:
     mine = [r for r in records if r.tenant == tenant]
     served = [r for r in mine if r.completed]
-    met = sum(slo.met(r.priority, r.completed, r.ttft_s) for r in mine)
+    met = sum(slo.met(r.priority, r.completed, r.ttft_s, r.itl_p90_s) for r in mine)
     return TenantStats(
         tenant=tenant,
         offered=len(mine),
@@ -146,13 +151,14 @@ def tenant_stats(
 
 
 def goodput(records: Sequence[FlowRecord], slo: FlowSlo, window_s: float) -> Goodput:
-    met = [r for r in records if slo.met(r.priority, r.completed, r.ttft_s)]
+    met = [r for r in records if slo.met(r.priority, r.completed, r.ttft_s, r.itl_p90_s)]
     tokens = sum(r.output_tokens for r in met)
     return Goodput(window_s, len(met), share(len(met), window_s), share(tokens, window_s))
 
 
 def attainment(records: Sequence[FlowRecord], slo: FlowSlo) -> float:
-    return share(sum(slo.met(r.priority, r.completed, r.ttft_s) for r in records), len(records))
+    met = sum(slo.met(r.priority, r.completed, r.ttft_s, r.itl_p90_s) for r in records)
+    return share(met, len(records))
 
 
 def jain_index(values: Sequence[float], weights: Sequence[float] | None = None) -> float:

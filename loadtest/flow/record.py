@@ -11,10 +11,11 @@ them after the phase.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.priority import Priority
 from loadtest.flow.refusal import Refusal
+from loadtest.harness.metrics import percentile
 
 OK = "OK"
 
@@ -34,6 +35,26 @@ class FlowRecord:
     prompt_tokens: int = 0  # from the final usage (0 if the stream did not finish)
     output_tokens: int = 0  # from the final usage
     streamed_tokens: int = 0  # tokens received, however the stream ended
+    # Seconds between successive tokens after the first: a message of n tokens after a
+    # gap of g adds n gaps of g / n.
+    token_gaps_s: list[float] = field(default_factory=list)
+    last_token_s: float | None = None
+
+    def took(self, now_s: float, tokens: int) -> None:
+        """A message of `tokens` tokens arrived at `now_s`."""
+        if tokens <= 0:
+            return
+        if self.first_token_s is None:
+            self.first_token_s = now_s
+        elif self.last_token_s is not None:
+            self.token_gaps_s.extend([(now_s - self.last_token_s) / tokens] * tokens)
+        self.last_token_s = now_s
+        self.streamed_tokens += tokens
+
+    @property
+    def itl_p90_s(self) -> float | None:
+        """The 90th percentile of its own token gaps (None with fewer than two tokens)."""
+        return percentile(self.token_gaps_s, 90) if self.token_gaps_s else None
 
     @property
     def completed(self) -> bool:

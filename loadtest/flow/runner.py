@@ -63,10 +63,7 @@ class _Phase:
         )
         try:
             async for msg in call:
-                if msg.token_ids:
-                    if rec.first_token_s is None:
-                        rec.first_token_s = self.now()
-                    rec.streamed_tokens += len(msg.token_ids)
+                rec.took(self.now(), len(msg.token_ids))
                 if msg.finished:
                     rec.prompt_tokens = msg.usage.prompt_tokens
                     rec.output_tokens = msg.usage.completion_tokens

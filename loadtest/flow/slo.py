@@ -48,27 +48,36 @@ class FlowSlo:
     immediate_s: float = 0.05
     tolerance: float = 0.1  # relative, around the budget
     slack_s: float = 0.2  # absolute, on top of the tolerance, for refusals only
+    itl_s: float | None = None  # the p90 of a request's own token gaps (None: not judged)
 
     @classmethod
     def of(
         cls, overrides: Mapping[Priority, float | None], immediate_s: float,
-        tolerance: float, slack_s: float,
+        tolerance: float, slack_s: float, itl_s: float | None = None,
     ) -> FlowSlo:  # fmt: skip
         """The default budgets with the run's overrides (None keeps a default)."""
         budgets = {p: _or(overrides.get(p), DEFAULT_BUDGETS_S[p]) for p in Priority}
-        return cls(MappingProxyType(budgets), immediate_s, tolerance, slack_s)
+        return cls(MappingProxyType(budgets), immediate_s, tolerance, slack_s, itl_s)
 
     def __post_init__(self) -> None:
         if set(self.budgets_s) != set(Priority) or min(self.budgets_s.values()) <= 0:
             raise ValueError("every class needs a TTFT budget > 0")
         if self.immediate_s <= 0 or self.tolerance < 0 or self.slack_s < 0:
             raise ValueError("immediate_s must be > 0, tolerance and slack_s >= 0")
+        if self.itl_s is not None and self.itl_s <= 0:
+            raise ValueError(f"the ITL SLO must be > 0, got {self.itl_s}")
 
     def budget_s(self, priority: Priority) -> float:
         return self.budgets_s[priority]
 
-    def met(self, priority: Priority, completed: bool, ttft_s: float | None) -> bool:
-        return completed and ttft_s is not None and ttft_s <= self.budget_s(priority)
+    def met(
+        self, priority: Priority, completed: bool, ttft_s: float | None,
+        itl_p90_s: float | None = None,
+    ) -> bool:  # fmt: skip
+        """Completed, first token within its class's budget, and (with an ITL SLO) the
+        p90 of its own token gaps within it (a request of one token has no gap)."""
+        in_time = completed and ttft_s is not None and ttft_s <= self.budget_s(priority)
+        return in_time and (self.itl_s is None or itl_p90_s is None or itl_p90_s <= self.itl_s)
 
     def served_late(self, priority: Priority, ttft_s: float | None) -> bool:
         return ttft_s is not None and ttft_s > self.budget_s(priority) * (1 + self.tolerance)
