@@ -117,6 +117,9 @@ bench: model reference
 	# flow control: 3x capacity with a class mix (about 7 minutes), then the noisy
 	# neighbour through one gateway and through two (about 9 minutes)
 	$(BIN)/python -m loadtest.flow.overload_bench --out bench-results/overload.json --duration-s 120
+	# decode-heavy overload: long outputs at 3x capacity, ITL admission on against off
+	# (about 10 minutes)
+	$(BIN)/python -m loadtest.flow.decode_overload_bench --out bench-results/decode_overload.json
 	$(BIN)/python -m loadtest.flow.fairness_bench --out bench-results/fairness.json --phase-s 40
 
 # The performance gate alone (make test runs it first): ratios held to floors.

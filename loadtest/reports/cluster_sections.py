@@ -232,6 +232,35 @@ def overload(data: Json) -> list[str]:
     ]
 
 
+def decode_overload(data: Json) -> list[str]:
+    """Both deployments of the decode-heavy overload, per class, with their ITL."""
+    cap = data.get("capacity", {})
+    header = ["deployment", "class", "offered", "served", "attainment", "refused by reason",
+              "TTFT ms p50 / p90 / max", "ITL ms p50 / p90 / max",
+              "goodput / capacity"]  # fmt: skip
+    rows = []
+    for name, key in (("ITL admission off", "baseline"), ("ITL admission on", "itl_admission")):
+        d = data.get(key, {})
+        for c in d.get("overload", {}).get("classes", []):
+            rows.append([
+                f"{name} ({fmt(d.get('itl_budget_s'), 'g')} s)", c["priority"],
+                str(c.get("offered", "-")), str(c.get("served", "-")), fmt(c.get("attainment")),
+                _counts(c.get("refused_by_reason")), _ms3(c.get("ttft")), _ms3(c.get("itl")),
+                fmt(d.get("goodput_ratio"), ".2f", "x"),
+            ])  # fmt: skip
+    return [
+        f"Unloaded decode step {fmt(data.get('unloaded_step_ms'), '.1f')} ms; ITL SLO "
+        f"{fmt(data.get('itl_slo_ms'), 'g')} ms (the p90 of a request's own token gaps). "
+        f"Capacity {fmt(cap.get('capacity_rate'), '.3f')} req/s ({cap.get('qualifier', '?')}), "
+        f"then {fmt(data.get('overload_rate'), '.3f')} req/s offered to each deployment; "
+        f"critical ITL p90 **{fmt(data.get('critical_itl_p90_ms'), '.0f')} ms** with ITL "
+        f"admission against {fmt(data.get('critical_itl_p90_ms_baseline'), '.0f')} ms "
+        "without.",
+        "",
+        *table(header, rows),
+    ]
+
+
 def fairness(data: Json) -> list[str]:
     rows = [
         [p["label"], t["tenant"], str(t.get("offered", "-")), str(t.get("served", "-")),

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from loadtest.reports.cluster_sections import (
+    decode_overload,
     fairness,
     gateway,
     headline,
@@ -73,6 +74,10 @@ SECTIONS: dict[str, tuple[str, Renderer]] = {
     "pdserve.gateway_bench/1": ("Gateway overhead", gateway),
     "pdserve.tracing_bench/1": ("Tracing cost", tracing),
     "pdserve.overload_bench/1": ("Overload: admission control at 3x capacity", overload),
+    "pdserve.decode_overload_bench/1": (
+        "Decode-heavy overload: ITL admission on against off",
+        decode_overload,
+    ),
     "pdserve.fairness_bench/1": ("Noisy neighbour: fairness between tenants", fairness),
     "pdserve.bench/1": ("Load sweep (pdserve-bench)", sweep),
     "structured_bench/v1": ("Structured output and logit processing: cost per step", structured),

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.engine import bench as engine_bench
-from loadtest.flow import fairness_bench, overload_bench
+from loadtest.flow import decode_overload_bench, fairness_bench, overload_bench
 from loadtest.harness.bench_main import Alias, BenchSpec, parse_args, run_main
 from loadtest.harness.settings import RunSettings, parse_ints, parse_names, recorded_env
 from loadtest.overhead import gateway_bench, tracing_bench
@@ -145,7 +145,7 @@ def test_every_benchmark_parses_its_defaults() -> None:
 def test_every_spec_names_the_module_that_runs_it() -> None:
     """The command a result file records (`spec.prog`) runs the benchmark it came from."""
     for module in (engine_bench, transfer_bench, router_bench, overload_bench, fairness_bench,
-                   gateway_bench, tracing_bench):  # fmt: skip
+                   gateway_bench, tracing_bench, decode_overload_bench):  # fmt: skip
         assert importlib.import_module(module.SPEC.module) is module
         assert module.SPEC.prog == f"python -m {module.__name__}"
 
