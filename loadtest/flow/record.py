@@ -41,7 +41,9 @@ class FlowRecord:
     last_token_s: float | None = None
 
     def took(self, now_s: float, tokens: int) -> None:
-        """A message of `tokens` tokens arrived at `now_s`."""
+        """A message of `tokens` tokens arrived at `now_s` (with n > 1 the forks'
+        messages interleave, so the gaps run across forks: the flow benchmarks send
+        n = 1)."""
         if tokens <= 0:
             return
         if self.first_token_s is None:

@@ -5,7 +5,9 @@ for every worker or one per role (`prefill=2.5,decode=1.8,mixed=2.0`). Before th
 point the bench counts the cluster's workers by role from the gateway's ClusterStatus
 (`count_workers`), prices them once (`ClusterCost`), and each point's report divides
 that by the output tokens per hour of the requests that met the SLO. The gateway and
-Redis are not counted: give their share in the nodes' numbers if it matters.
+Redis are not counted (the chart's live rule counts the gateway's pods too): give their
+share in the nodes' numbers if it matters. Workers are priced by their role when the
+run starts; with elastic roles a worker that changes role keeps its first price.
 """
 
 from __future__ import annotations
@@ -58,9 +60,14 @@ def _cost(value: float) -> float:
 
 
 async def count_workers(address: str) -> dict[str, int]:
-    """The gateway's workers by role (ClusterStatus; an admin call when keys are on)."""
+    """The gateway's workers by role (ClusterStatus; an admin call when keys are on);
+    ValueError naming any worker the gateway could not reach (its role is unknown)."""
     async with GatewayClient(address) as client:
         status = await client.cluster_status()
+    lost = [w.worker_id for w in status.workers if w.role not in ROLES]
+    if lost:
+        raise ValueError(f"node_cost_per_hour: cannot price workers the gateway cannot reach: "
+                         f"{', '.join(lost)}")  # fmt: skip
     return dict(collections.Counter(w.role for w in status.workers))
 
 

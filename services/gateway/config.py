@@ -160,6 +160,13 @@ class GatewayConfig:
             "(about 170 bytes of Redis memory per request kept)"
         },
     )
+    usage_max_entries: int = field(
+        default=2_000_000,
+        metadata={
+            "help": "and the oldest beyond this many are trimmed too, whatever their age "
+            "(2,000,000 is about 340 MB of Redis memory)"
+        },
+    )
     tenant_label_limit: int = field(
         default=20,
         metadata={
@@ -263,6 +270,8 @@ class GatewayConfig:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.itl_budget_s < 0:
             raise ValueError(f"itl_budget_s must be >= 0 (0 = off), got {self.itl_budget_s}")
+        if self.usage_max_entries < 1:
+            raise ValueError(f"usage_max_entries must be >= 1, got {self.usage_max_entries}")
         if self.tenant_label_limit < 0:
             raise ValueError(f"tenant_label_limit must be >= 0, got {self.tenant_label_limit}")
         if self.waiting_room_size < 0:

@@ -157,7 +157,8 @@ def _ledger(
     """The usage ledger on the gateway's Redis (None without one, or turned off)."""
     if client is None or not config.usage_ledger:
         return None
-    return UsageLedger(client, namespace, LedgerConfig(retention_s=config.usage_retention_s))
+    cfg = LedgerConfig(retention_s=config.usage_retention_s, max_entries=config.usage_max_entries)
+    return UsageLedger(client, namespace, cfg)
 
 
 @dataclass(frozen=True)

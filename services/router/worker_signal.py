@@ -158,7 +158,7 @@ def _encode(signal: WorkerSignal) -> list[str | int | float]:
         ("block_size", signal.block_size),
         ("prefill_tokens_per_s", float(signal.prefill_tokens_per_s)),
         ("decode_step_s", float(signal.decode_step_s)),
-        ("decode_curve", ",".join(f"{b!r}:{t!r}" for b, t in signal.decode_curve)),
+        ("decode_curve", ",".join(f"{float(b)!r}:{float(t)!r}" for b, t in signal.decode_curve)),
     ]
     return [x for pair in pairs for x in pair]
 

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Callable
 
 import redis
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 #: Busy seconds over which a speed forgets its past (its time constant).
 SPEED_HORIZON_S = 1.0
+#: Seconds after which a decode-curve point with no new sample is no longer published.
+CURVE_AGE_S = 60.0
 #: What a failed publish or withdraw raises: Redis down or refusing, not a bug here.
 _PUBLISH_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, *REDIS_DOWN_ERRORS)
 
@@ -72,31 +75,40 @@ class DecodeCurve:
     """Seconds per decode step by batch size: what the gateway's admission predicts a
     stream's inter-token latency from (`services.gateway.flow.step_model`).
 
-    Each interval that decoded gives one sample: its mean batch (tokens sampled over
-    steps: a step's streams each sample one token, a verification more) and its mean
-    step time. Samples go to the bucket of their batch (powers of two: 1, 2, 3-4, 5-8,
-    ...), where a `BusyAverage` keeps both the batch and the step time, so a point is
-    where that bucket's steps actually ran. The curve is the measured buckets' points.
+    Each interval that decoded gives one sample: its mean batch (the rows a step
+    decoded: tokens sampled less the drafts speculation accepted, over steps) and its
+    mean step time. Samples go to the bucket of their batch (powers of two: 1, 2, 3-4,
+    5-8, ...), where a `BusyAverage` keeps both the batch and the step time, so a point
+    is where that bucket's steps actually ran. The curve is the measured buckets'
+    points; a bucket with no sample for `max_age_s` is left out, so one slow interval
+    (a warm-up, a noisy neighbour) cannot hold admission below its batch for good.
     """
 
-    def __init__(self, horizon_s: float = SPEED_HORIZON_S) -> None:
+    def __init__(self, horizon_s: float = SPEED_HORIZON_S, max_age_s: float = CURVE_AGE_S) -> None:
         self.horizon_s = horizon_s
-        self._buckets: dict[int, tuple[BusyAverage, BusyAverage]] = {}
+        self.max_age_s = max_age_s
+        self._buckets: dict[int, tuple[BusyAverage, BusyAverage, float]] = {}
 
-    def add(self, batch: float, step_s: float, busy_s: float) -> None:
+    def add(self, batch: float, step_s: float, busy_s: float, now: float) -> None:
+        """One interval's sample, taken at `now` (monotonic seconds)."""
         if batch <= 0 or step_s <= 0:
             return
         bucket = max(0, math.ceil(math.log2(batch)))
-        if bucket not in self._buckets:
-            self._buckets[bucket] = (BusyAverage(self.horizon_s), BusyAverage(self.horizon_s))
-        sizes, times = self._buckets[bucket]
+        sizes, times, _ = self._buckets.get(
+            bucket, (BusyAverage(self.horizon_s), BusyAverage(self.horizon_s), now)
+        )
         sizes.add(batch, busy_s)
         times.add(step_s, busy_s)
+        self._buckets[bucket] = (sizes, times, now)
 
-    @property
-    def points(self) -> tuple[tuple[float, float], ...]:
-        """(mean batch, seconds per step) of each measured bucket, smallest first."""
-        return tuple((b.value, t.value) for _, (b, t) in sorted(self._buckets.items()))
+    def points(self, now: float) -> tuple[tuple[float, float], ...]:
+        """(mean batch, seconds per step) of each bucket measured within `max_age_s` of
+        `now`, smallest first."""
+        return tuple(
+            (b.value, t.value)
+            for _, (b, t, at) in sorted(self._buckets.items())
+            if now - at <= self.max_age_s
+        )
 
 
 class EngineSpeeds:
@@ -114,27 +126,32 @@ class EngineSpeeds:
         # The counters at the last update; they start at `since` (else 0, with the engine),
         # so the work done after it and before the first update counts too.
         self._prefill = (0, 0.0)  # (tokens, busy seconds)
-        self._decode = (0, 0.0, 0)  # (steps, busy seconds, tokens sampled)
+        self._decode = (0, 0.0, 0)  # (steps, busy seconds, rows decoded)
         if since is not None:
             self._prefill = (since.prefill_tokens_total, since.prefill_busy_s_total)
             self._decode = _decode_counts(since)
 
-    def update(self, s: EngineStats) -> None:
+    def update(self, s: EngineStats, now: float | None = None) -> None:
+        """Fold in the stats taken at `now` (monotonic; default: now)."""
+        now = time.monotonic() if now is None else now
         prefill = (s.prefill_tokens_total, s.prefill_busy_s_total)
         decode = _decode_counts(s)
         tokens, prefill_s = prefill[0] - self._prefill[0], prefill[1] - self._prefill[1]
         steps, decode_s = decode[0] - self._decode[0], decode[1] - self._decode[1]
-        sampled = decode[2] - self._decode[2]
+        rows = decode[2] - self._decode[2]
         self._prefill, self._decode = prefill, decode
         if tokens > 0 and prefill_s > 0:
             self.prefill_tokens_per_s.add(tokens / prefill_s, prefill_s)
         if steps > 0 and decode_s > 0:
             self.decode_step_s.add(decode_s / steps, decode_s)
-            self.curve.add(sampled / steps, decode_s / steps, decode_s)
+            self.curve.add(rows / steps, decode_s / steps, decode_s, now)
 
 
 def _decode_counts(s: EngineStats) -> tuple[int, float, int]:
-    return (s.decode_steps_total, s.decode_busy_s_total, s.decode_tokens_total)
+    """(decode steps, their busy seconds, rows they decoded): a row samples one token
+    plus the drafts speculation accepted for it."""
+    rows = s.decode_tokens_total - s.spec_accepted_total
+    return (s.decode_steps_total, s.decode_busy_s_total, rows)
 
 
 class SignalPublisher:
@@ -210,7 +227,7 @@ class SignalPublisher:
             block_size=stats.block_size,
             prefill_tokens_per_s=self.speeds.prefill_tokens_per_s.value,
             decode_step_s=self.speeds.decode_step_s.value,
-            decode_curve=self.speeds.curve.points,
+            decode_curve=self.speeds.curve.points(time.monotonic()),
         )
 
     async def publish_once(self) -> bool:

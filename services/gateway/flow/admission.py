@@ -102,6 +102,7 @@ class Admission:
         self._signals_at = -math.inf
         self._fair_at = time.monotonic()
         self._usage: Callable[[], Iterable[Usage]] = lambda: ()
+        self._warned_slow = False  # logged once: one stream's step is over the ITL budget
 
     @property
     def enabled(self) -> bool:
@@ -193,13 +194,22 @@ class Admission:
 
     def _itl_fits(self, priority: Priority) -> bool:
         """Whether the decode step a new stream of `priority` would join stays within its
-        class's share of `itl_budget_s`. True where nothing is measured (fail open) and
-        on a decode worker with no stream: an idle worker serves, however slow."""
-        limit = self.config.itl_budget_s * ITL_SHARE[priority]
+        class's share of `itl_budget_s`. True where nothing is measured (fail open),
+        while a decode worker would have no stream (an idle worker serves, however
+        slow), and where one stream alone is slower than the whole budget: holding
+        streams back cannot meet it then, and would only serve them one at a time."""
+        budget = self.config.itl_budget_s
         outlook = self.capacity.decode_step_s_with()
-        if limit <= 0 or outlook is None or outlook.streams == 0:
+        if budget <= 0 or outlook is None or outlook.idle:
             return True
-        return outlook.step_s <= limit
+        if outlook.alone_s > budget:
+            if not self._warned_slow:
+                self._warned_slow = True
+                log.warning("a decode step with one stream takes %.0f ms, over itl_budget_s "
+                            "(%.0f ms): ITL admission stands aside until it is raised",
+                            outlook.alone_s * 1000, budget * 1000)  # fmt: skip
+            return True
+        return outlook.step_s <= budget * ITL_SHARE[priority]
 
     def _wait_allowed_s(self, priority: Priority, idle_s: float) -> float:
         """The most a request whose own prefill takes `idle_s` on an idle pool may wait

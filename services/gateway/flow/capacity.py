@@ -77,10 +77,13 @@ class Estimate:
 @dataclass(frozen=True)
 class DecodeOutlook:
     """The best decode worker for a new stream: its predicted step time with the stream,
-    and how many streams it has without it (counting those admitted but not yet shown)."""
+    how many streams it has without it (counting those admitted but not yet shown), and
+    its step with one stream alone; `idle`: some decode worker would have no stream."""
 
     step_s: float
     streams: int
+    alone_s: float
+    idle: bool
 
 
 @dataclass(eq=False)
@@ -92,6 +95,7 @@ class Pass:
     admitted: float = field(default_factory=time.monotonic)
     sent: float | None = None  # when its prompt went to a worker (in that worker's queue)
     settled: bool = False  # its KV reached a decode worker (or it ended)
+    decode_at: float | None = None  # when a decode worker's signals began to count it
     estimate_s: float = 0.0  # the raw start delay estimated when it was admitted
     first_token: float | None = None  # when its first token came back
 
@@ -214,7 +218,9 @@ class Capacity:
             if p.first_token is not None and p.estimate_s > 0:
                 self.calibration.observe(p)
                 p.estimate_s = 0.0  # observed once
-        self._passes = list(self._unsettled())
+        # A settled pass stays until a decode signal taken after its stream began there
+        # shows it: until then only `decode_step_s_with` counts it.
+        self._passes = [p for p in self._passes if not p.settled or self._decode_unseen(p)]
 
     def queue_s(self, worker_id: str) -> float:
         """Seconds of prefill waiting on one worker at its last signal (its queued prompt
@@ -308,21 +314,36 @@ class Capacity:
         return self.decode.free_blocks - pending >= cost.blocks(size)
 
     def decode_step_s_with(self) -> DecodeOutlook | None:
-        """The decode step a new stream would see (its inter-token latency): on the
-        decode worker where it is shortest once the streams admitted here that no signal
-        shows yet (spread evenly over the workers) and the new one have joined. None
-        where no decode worker has published its step times (`decode_curve`)."""
-        known = [s for s in self.decode.signals if s.decode_curve]
-        if not known:
+        """The decode step a new stream would see (its inter-token latency) on the decode
+        worker where it is shortest. Each worker runs the streams its signal shows
+        (running and waiting); the streams admitted here that no decode signal shows yet
+        (`_decode_unseen`) are spread over the workers, each to the least loaded, as the
+        router's load bound would. None where no decode worker has published its step
+        times (`decode_curve`)."""
+        workers = list(self.decode.signals)
+        if not any(s.decode_curve for s in workers):
             return None
-        unseen = math.ceil(self.pending / len(self.decode.signals))
+        streams = [s.running + s.waiting for s in workers]
+        for _ in range(sum(1 for p in self._passes if self._decode_unseen(p))):
+            least = min(range(len(streams)), key=streams.__getitem__)
+            streams[least] += 1
         best: DecodeOutlook | None = None
-        for s in known:
-            streams = s.running + unseen
-            step = step_s_at(s.decode_curve, streams + 1)
-            if step is not None and (best is None or step < best.step_s):
-                best = DecodeOutlook(step, streams)
+        for s, n in zip(workers, streams, strict=True):
+            step, alone = step_s_at(s.decode_curve, n + 1), step_s_at(s.decode_curve, 1)
+            if step is None or alone is None:
+                continue
+            if best is None or step < best.step_s:
+                best = DecodeOutlook(step, n, alone, min(streams) == 0)
         return best
+
+    def _decode_unseen(self, p: Pass) -> bool:
+        """Whether a pass's stream will be, or is, in a decode batch that the decode
+        pool's signals do not show: admitted and not yet on a decode worker (prefilling
+        elsewhere, or waiting), or on one since after the oldest signal was taken. A
+        pass that ended before it decoded counts nowhere."""
+        if p.decode_at is None:
+            return not p.settled
+        return p.decode_at >= self.decode.taken
 
     def never_fits(self, cost: Cost) -> bool:
         """Whether no worker of either pool could ever hold the request (its prompt plus

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 #: t * (PRIOR_ROWS_PER_STEP + n) / (PRIOR_ROWS_PER_STEP + b): the weights' read is worth
 #: this many rows. Smaller is more cautious (steps grow faster with the batch). Measured
 #: on the development host (SmolLM2-135M, bf16 fused decode): 14.6 ms at 1 row, 25.0 ms
-#: at 8, about 13 rows' worth of fixed work; 8 errs on the slow side.
+#: at 8, so 1.5 ms per row and about 9 rows' worth of fixed work; 8 errs on the slow side.
 PRIOR_ROWS_PER_STEP = 8.0
 
 Curve = Sequence[tuple[float, float]]  # (mean batch, seconds per step), batch ascending

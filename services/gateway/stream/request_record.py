@@ -300,9 +300,14 @@ class RequestRecord:
         router then skips it at once). Runs on its own, like the cleanup."""
         self.keepers.stubs.cleanups.start(_awaited(self.keepers.placement.report_down(worker_id)))
 
-    def decode_opened(self, call: Cancellable) -> None:
+    def decode_opened(self, call: Cancellable, *, local: bool = False) -> None:
+        """The Decode call is open; `local`: that worker prefills the prompt itself (a
+        mixed worker, or conditional disaggregation), so its signals count the request
+        from now on."""
         self._enter(RequestState.DECODING)
         self._sent()  # a mixed worker prefills it here
+        if local and self._pass is not None and self._pass.decode_at is None:
+            self._pass.decode_at = time.monotonic()
         self._decode = call
         self._changed()
 
@@ -310,6 +315,8 @@ class RequestRecord:
         """The first chunk came: the decode worker has pulled the KV (an import runs
         before any chunk), and released that prefill worker's lease. The decode worker
         reports the request's blocks itself from now on: its admission pass is settled."""
+        if self._pass is not None and self._pass.decode_at is None:
+            self._pass.decode_at = time.monotonic()  # in the decode worker's batch now
         self._settle_pass()
         if prefill_address is not None:
             self._prefill.discard(prefill_address)

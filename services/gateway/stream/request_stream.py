@@ -242,7 +242,7 @@ class RequestStream:
         call = self.stubs[decision.decode.address].Decode(
             request, timeout=self.deadline.left(), metadata=self.tel.metadata()
         )
-        self.record.decode_opened(call)
+        self.record.decode_opened(call, local=handle is None)
         pulled_from = decision.prefill.address if decision.prefill and handle else None
         chunk = await self._first_chunk(call, first_by, decision, imported=handle is not None)
         # Any chunk comes after the import: the decode worker has the KV now.

@@ -28,6 +28,7 @@ from services.common.telemetry import Telemetry
 from services.common.tracing import Metadata, Phase, Tracing, trace_id_hex
 from services.gateway.flow.prefill_site import SiteChoice
 from services.gateway.stream.metrics import NO_MODEL, Finished, GatewayMetrics
+from services.gateway.stream.tenant_metrics import TenantOutcome
 from services.router.metrics import RouterCollector
 from services.router.placement import Placement, RouteDecision
 from services.router.redis_placement import RedisPlacement
@@ -109,7 +110,7 @@ class GatewayTelemetry:
     def count_tenant_refusal(self, tenant: str, priority: Priority) -> None:
         """A tenant's request refused at admission (quota, overload, stream cap)."""
         if self.metrics is not None:
-            self.metrics.tenants.ended(tenant, priority.label, "refused")
+            self.metrics.tenants.ended(tenant, priority.label, TenantOutcome.REFUSED)
 
 
 @dataclass(frozen=True)
@@ -290,7 +291,7 @@ class StreamTelemetry:
                 Tracing.fail(self.root, "CANCELLED", "the client went away")
             if self._metrics is not None:
                 self._metrics.cancelled.labels(self._model).inc()
-                self._metrics.tenants.ended(self._tenant, self._priority, "cancelled")
+                self._metrics.tenants.ended(self._tenant, self._priority, TenantOutcome.CANCELLED)
 
     def failed(self, code: grpc.StatusCode, message: str) -> None:
         if not self._outcome:
@@ -299,7 +300,7 @@ class StreamTelemetry:
                 Tracing.fail(self.root, code.name, message)
             if self._metrics is not None:
                 self._metrics.errors.labels(code.name, self._model).inc()
-                self._metrics.tenants.ended(self._tenant, self._priority, "failed")
+                self._metrics.tenants.ended(self._tenant, self._priority, TenantOutcome.FAILED)
 
     def end(self) -> None:
         if self._metrics is not None:

@@ -7,15 +7,18 @@ cancelled, failed), and the gateway's admission its refusals.
 Why a bounded label: tenants are as many as API keys, and every label value is a series
 per metric and class. `TenantLabels` gives its own value to at most `limit` tenants, the
 busiest by requests in the last full window (and, until the first window ends, the
-first `limit` seen); every other tenant counts as "other". A tenant that drops out of
-the top keeps its old series (Prometheus marks them stale) and counts as "other" until
-it is back. The usage ledger (`access.usage_ledger`), not these counters, is what to
-bill from: it has every tenant, exactly.
+first `limit` seen); every other tenant counts as "other" (the anonymous tenant is "-",
+and competes for a place like any other). A tenant that drops out of the top has its
+series removed (Prometheus then marks them stale) and counts as "other" until it is
+back, so no more than `limit` tenants' series, and "other"'s, are exported at once.
+The usage ledger (`access.usage_ledger`), not these counters, is what to bill from: it
+has every tenant, exactly.
 """
 
 from __future__ import annotations
 
 import collections
+import enum
 import time
 from collections.abc import Callable
 
@@ -27,8 +30,18 @@ WINDOW_S = 300.0  # traffic over this long decides the top tenants
 TokenUsage = tuple[int, int, int]  # prompt, cached, completion tokens
 
 
+class TenantOutcome(enum.Enum):
+    """How a tenant's request ended, as `pdserve_tenant_requests` counts it."""
+
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    REFUSED = "refused"  # at admission: quota, overload, stream cap
+
+
 class TenantLabels:
-    """Which tenants get their own label value (see the module docstring)."""
+    """Which tenants get their own label value (see the module docstring). `take_left()`
+    hands over the tenants that lost theirs at the last change of the top, once."""
 
     def __init__(
         self, limit: int, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic
@@ -39,27 +52,38 @@ class TenantLabels:
         self._window_end = clock() + window_s
         self._counts: collections.Counter[str] = collections.Counter()
         self._top: set[str] = set()
+        self._left: set[str] = set()
 
     def label(self, tenant: str) -> str:
         """`tenant`'s label value for one request of it (counted towards the next top)."""
         tenant = tenant or ANONYMOUS
         now = self._clock()
         if now >= self._window_end:
-            self._top = {t for t, _ in self._counts.most_common(self.limit)}
+            top = {t for t, _ in self._counts.most_common(self.limit)}
+            self._left |= self._top - top
+            self._top = top
             self._counts.clear()
             self._window_end = now + self.window_s
         self._counts[tenant] += 1
         if tenant not in self._top and len(self._top) < self.limit:
             self._top.add(tenant)  # room left: a quiet deployment labels every tenant
+            self._left.discard(tenant)
         return tenant if tenant in self._top else OTHER
+
+    def take_left(self) -> set[str]:
+        left, self._left = self._left, set()
+        return left
 
 
 class TenantMetrics:
     """`pdserve_tenant_requests`, `pdserve_tenant_slo_met` and `pdserve_tenant_tokens`.
-    Names: docs/observability.md."""
+    Names: docs/observability.md. A tenant that leaves the top has its series removed,
+    so at most `limit` tenants' (and "other"'s) series are exported at once."""
 
-    def __init__(self, registry: CollectorRegistry, limit: int) -> None:
-        self.labels = TenantLabels(limit)
+    def __init__(
+        self, registry: CollectorRegistry, limit: int, labels: TenantLabels | None = None
+    ) -> None:
+        self.labels = labels or TenantLabels(limit)
         self.requests = Counter(
             "pdserve_tenant_requests",
             "Requests by tenant (the busiest; the rest 'other'), class and outcome "
@@ -80,18 +104,32 @@ class TenantMetrics:
             ["tenant", "kind"],
             registry=registry,
         )
+        self._series: dict[str, list[tuple[Counter, tuple[str, ...]]]] = {}
 
     def finished(
         self, tenant: str, priority: str, ttft_ok: bool, itl_ok: bool, usage: TokenUsage
     ) -> None:
-        label = self.labels.label(tenant)
-        self.requests.labels(label, priority, "finished").inc()
+        label = self._label(tenant)
+        self._inc(self.requests, (label, priority, TenantOutcome.FINISHED.value))
         for slo, met in (("ttft", ttft_ok), ("itl", itl_ok), ("both", ttft_ok and itl_ok)):
             if met:
-                self.slo_met.labels(label, priority, slo).inc()
+                self._inc(self.slo_met, (label, priority, slo))
         for kind, n in zip(("prompt", "cached", "completion"), usage, strict=True):
-            self.tokens.labels(label, kind).inc(n)
+            self._inc(self.tokens, (label, kind), n)
 
-    def ended(self, tenant: str, priority: str, outcome: str) -> None:
+    def ended(self, tenant: str, priority: str, outcome: TenantOutcome) -> None:
         """A request that did not finish: cancelled, failed or refused."""
-        self.requests.labels(self.labels.label(tenant), priority, outcome).inc()
+        self._inc(self.requests, (self._label(tenant), priority, outcome.value))
+
+    def _label(self, tenant: str) -> str:
+        label = self.labels.label(tenant)
+        for gone in self.labels.take_left():
+            for counter, values in self._series.pop(gone, []):
+                counter.remove(*values)
+        return label
+
+    def _inc(self, counter: Counter, values: tuple[str, ...], n: float = 1.0) -> None:
+        series = self._series.setdefault(values[0], [])
+        if (counter, values) not in series:
+            series.append((counter, values))
+        counter.labels(*values).inc(n)

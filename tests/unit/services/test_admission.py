@@ -291,3 +291,33 @@ async def test_an_idle_decode_worker_takes_a_stream_however_slow_it_is() -> None
     admission = await started(DecodeBoard(running=0, curve=((1.0, 0.5),)), itl_budget_s=0.1)
     assert await asyncio.wait_for(admission.admit(SHED, "a", 1.0, Cost(10, 100)), 0.05)
     await admission.close()
+
+
+@run
+async def test_a_model_slower_than_the_budget_alone_is_not_serialised() -> None:
+    """One stream alone takes 150 ms against a 100 ms budget: holding streams back
+    cannot meet it, so ITL admission stands aside (and says so once)."""
+    board = DecodeBoard(running=3, curve=((1.0, 0.15), (4.0, 0.20)))
+    admission = await started(board, itl_budget_s=0.1)
+    assert await asyncio.wait_for(admission.admit(SHED, "a", 1.0, Cost(10, 100)), 0.05)
+    await admission.close()
+
+
+@run
+async def test_a_stream_on_the_decode_worker_counts_until_a_signal_shows_it() -> None:
+    """A pass whose stream began decoding after the signal was taken is still counted
+    (the worker's `running` does not have it yet); once a later signal is read, the
+    signal's count stands alone."""
+    board = DecodeBoard(running=7, curve=CURVE)  # 8 streams: 50 ms
+    admission = await started(board, itl_budget_s=0.05)
+    granted = await asyncio.wait_for(admission.admit(CRIT, "a", 1.0, Cost(10, 100)), 0.05)
+    assert granted is not None
+    granted.decode_at = time.monotonic() + 1.0  # it started after any signal so far
+    granted.settled = True
+    waiting = asyncio.create_task(admission.admit(CRIT, "a", 1.0, Cost(10, 100)))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # 7 shown + 1 unseen: a 9th stream would take 56 ms
+    board.running = 6  # one stream ended; the new one is counted in the signal now
+    granted.decode_at = 0.0
+    assert await asyncio.wait_for(waiting, 0.3)
+    await admission.close()

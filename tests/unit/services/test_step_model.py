@@ -4,6 +4,7 @@ publish, and the curve a worker builds from its engine's counters."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -65,14 +66,29 @@ def test_a_worker_builds_its_curve_from_its_counters() -> None:
                                 decode_busy_s_total=totals[-1][1],
                                 decode_tokens_total=totals[-1][2])  # fmt: skip
         speeds.update(s)
-    (b1, t1), (b8, t8) = speeds.curve.points
+    (b1, t1), (b8, t8) = speeds.curve.points(time.monotonic())
     assert (b1, t1) == pytest.approx((1.0, 0.015))
     assert 7.0 < b8 < 8.0 and 0.024 < t8 < 0.025
-    assert step_s_at(speeds.curve.points, 4) is not None
+    assert step_s_at(speeds.curve.points(time.monotonic()), 4) is not None
 
 
-def test_a_curve_ignores_empty_samples() -> None:
-    curve = DecodeCurve()
-    curve.add(0.0, 0.01, 1.0)
-    curve.add(3.0, 0.0, 1.0)
-    assert curve.points == ()
+def test_accepted_drafts_are_not_rows() -> None:
+    """A step that verified drafts samples more tokens than it has rows: 4 streams whose
+    steps each accepted 6 drafts in all sample 10 tokens, but the batch is 4."""
+    speeds = EngineSpeeds()
+    s = dataclasses.replace(IDLE, decode_steps_total=10, decode_busy_s_total=0.3,
+                            decode_tokens_total=100, spec_accepted_total=60)  # fmt: skip
+    speeds.update(s, now=0.0)
+    ((batch, step_s),) = speeds.curve.points(0.0)
+    assert (batch, step_s) == pytest.approx((4.0, 0.03))
+
+
+def test_a_curve_forgets_a_batch_it_no_longer_runs() -> None:
+    curve = DecodeCurve(max_age_s=60.0)
+    curve.add(0.0, 0.01, 1.0, now=0.0)  # empty samples are ignored
+    curve.add(3.0, 0.0, 1.0, now=0.0)
+    assert curve.points(0.0) == ()
+    curve.add(8.0, 0.09, 1.0, now=0.0)  # one slow interval at batch 8
+    curve.add(1.0, 0.01, 1.0, now=50.0)
+    assert [b for b, _ in curve.points(55.0)] == [1.0, 8.0]
+    assert [b for b, _ in curve.points(61.0)] == [1.0]  # batch 8 unseen for over 60 s

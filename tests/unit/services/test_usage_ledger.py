@@ -10,6 +10,7 @@ import time
 
 import pytest
 import redis
+from prometheus_client import CollectorRegistry
 
 from services.cli.main import main
 from services.cli.usage_cmd import parse_time, write_totals
@@ -22,7 +23,12 @@ from services.gateway.access.usage_ledger import (
     stream_key,
     totals,
 )
-from services.gateway.stream.tenant_metrics import OTHER, TenantLabels
+from services.gateway.stream.tenant_metrics import (
+    OTHER,
+    TenantLabels,
+    TenantMetrics,
+    TenantOutcome,
+)
 from services.router.embedded_redis import EmbeddedRedis
 from services.router.redis_client import connect
 
@@ -173,3 +179,49 @@ def test_pdserve_usage_reads_the_ledger(
     assert [e["completion_tokens"] for e in json.loads(capsys.readouterr().out)] == [5, 7, 2]
     assert main([*args[:-1], "yesterday"]) == 2  # a clear error, not a traceback
     assert "neither an ISO time nor a span ago" in capsys.readouterr().err
+
+
+def test_a_redis_that_refuses_writes_keeps_them_queued(client: redis.Redis, namespace: str) -> None:
+    """Not only an outage: a key of the wrong type (as a full or read-only Redis would)
+    refuses the write; the entries wait, and go once it takes writes again."""
+    ledger = UsageLedger(client, namespace, LedgerConfig(flush_interval_s=3600.0, chunk=2))
+    client.set(stream_key(namespace), "not a stream")
+    for i in range(5):
+        ledger.add(entry("a", i))
+    assert not ledger.flush() and ledger.pending == 5
+    client.delete(stream_key(namespace))
+    assert ledger.flush()  # in transactions of 2, 2 and 1
+    assert [e.completion_tokens for e in read(client, namespace)] == [0, 1, 2, 3, 4]
+    ledger.close()
+
+
+def test_the_stream_is_capped_at_max_entries(client: redis.Redis, namespace: str) -> None:
+    ledger = UsageLedger(client, namespace, LedgerConfig(flush_interval_s=3600.0, max_entries=100))
+    for i in range(450):
+        ledger.add(entry("a", i))
+    ledger.flush()
+    # Trimming is approximate (whole nodes of 100): well under what was written.
+    assert client.xlen(stream_key(namespace)) <= 200
+    assert list(read(client, namespace))[-1].completion_tokens == 449
+    ledger.close()
+
+
+def test_a_tenant_leaving_the_top_takes_its_series_with_it() -> None:
+    now = [0.0]
+    registry = CollectorRegistry()
+    metrics = TenantMetrics(registry, 1, TenantLabels(1, window_s=10.0, clock=lambda: now[0]))
+    metrics.finished("a", "standard", True, False, (10, 2, 5))
+    metrics.ended("b", "standard", TenantOutcome.REFUSED)  # no room: "other"
+    for _ in range(3):
+        metrics.ended("b", "standard", TenantOutcome.CANCELLED)
+
+    def tenants() -> set[str]:
+        return {s.labels["tenant"] for m in registry.collect() for s in m.samples
+                if s.name.startswith("pdserve_tenant_") and s.name.endswith("_total")}  # fmt: skip
+
+    assert tenants() == {"a", OTHER}
+    now[0] = 10.0  # b was busier: it takes the one place, and a's series go
+    metrics.ended("b", "critical", TenantOutcome.FAILED)
+    assert tenants() == {"b", OTHER}
+    failed = {"tenant": "b", "priority": "critical", "outcome": "failed"}
+    assert registry.get_sample_value("pdserve_tenant_requests_total", failed) == 1.0
