@@ -209,13 +209,14 @@ class Admission:
         outlook = self.capacity.decode_step_s_with()
         if budget <= 0 or outlook is None or outlook.idle:
             return True
+        step_s = outlook.step_s * self.capacity.itl_calibration.factor
         if outlook.alone_s > budget and not self._warned_slow:
             self._warned_slow = True
             log.warning("a decode step with one stream took %.0f ms, over itl_budget_s "
                         "(%.0f ms): decode workers take a stream only when they have none; "
                         "raise --itl-budget-s if the model cannot do better",
                         outlook.alone_s * 1000, budget * 1000)  # fmt: skip
-        return outlook.step_s <= budget * ITL_SHARE[priority]
+        return step_s <= budget * ITL_SHARE[priority]
 
     def _wait_allowed_s(self, priority: Priority, idle_s: float) -> float:
         """The most a request whose own prefill takes `idle_s` on an idle pool may wait
@@ -254,7 +255,8 @@ class Admission:
         if outlook is not None and not self._itl_fits(ticket.priority):
             limit = self.config.itl_budget_s * ITL_SHARE[ticket.priority]
             what += (
-                f" (the decode step it would join is predicted at {outlook.step_s * 1000:.0f} "
+                " (the decode step it would join is predicted at "
+                f"{outlook.step_s * self.capacity.itl_calibration.factor * 1000:.0f} "
                 f"ms, over its class's {limit * 1000:.0f} ms of itl_budget_s)"
             )
         return what
@@ -307,7 +309,8 @@ class Admission:
         self.signalled = bool(signals)
         self.capacity.update(signals)
         outlook = self.capacity.decode_step_s_with()
-        self.metrics.set_decode_step(outlook.step_s if outlook is not None else 0.0)
+        factor = self.capacity.itl_calibration.factor
+        self.metrics.set_decode_step(outlook.step_s * factor if outlook is not None else 0.0)
         self._first_read.set()
 
     def _dispatch(self, now: float) -> None:

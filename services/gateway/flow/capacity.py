@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from engine.priority import Priority
 from services.common.role import Role
+from services.gateway.flow.itl_calibration import ItlCalibration, ItlMeter
 from services.gateway.flow.prefill_site import SitePolicy
 from services.gateway.flow.step_model import step_s_at
 from services.gateway.flow.worker_loads import WorkerLoads
@@ -96,6 +97,7 @@ class Pass:
     sent: float | None = None  # when its prompt went to a worker (in that worker's queue)
     settled: bool = False  # its KV reached a decode worker (or it ended)
     decode_at: float | None = None  # when a decode worker's signals began to count it
+    itl_estimate_s: float = 0.0  # the decode step predicted when it was admitted (0: none)
     estimate_s: float = 0.0  # the raw start delay estimated when it was admitted
     first_token: float | None = None  # when its first token came back
 
@@ -200,6 +202,7 @@ class Capacity:
         self._passes: list[Pass] = []
         self._arrivals = Arrivals()
         self.calibration = Calibration()
+        self.itl_calibration = ItlCalibration()
 
     def update(self, signals: Sequence[WorkerSignal], now: float | None = None) -> None:
         """Take a tick's signals. Prefill work goes to prefill workers (mixed ones when
@@ -363,10 +366,19 @@ class Capacity:
         return blocks * max(1, cost.max_tokens) * self.decode.decode_step_s
 
     def admitted(self, cost: Cost, priority: Priority) -> Pass:
-        admission = Pass(cost, priority, estimate_s=self.raw_delay_s(cost, priority))
+        outlook = self.decode_step_s_with()
+        admission = Pass(cost, priority, estimate_s=self.raw_delay_s(cost, priority),
+                         itl_estimate_s=outlook.step_s if outlook is not None else 0.0)  # fmt: skip
         self._passes.append(admission)
         self._arrivals.add(admission)
         return admission
+
+    def itl_meter(self, admission: Pass | None) -> ItlMeter | None:
+        """A meter of the admitted stream's gaps that calibrates the ITL prediction, or
+        None when nothing was predicted for it."""
+        if admission is None or admission.itl_estimate_s <= 0:
+            return None
+        return ItlMeter(self.itl_calibration, admission.itl_estimate_s)
 
     @property
     def pending(self) -> int:

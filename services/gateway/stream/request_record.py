@@ -63,6 +63,7 @@ from services.gateway.access.quota import Grant
 from services.gateway.access.usage_ledger import UsageEntry, UsageLedger, UsageOutcome
 from services.gateway.flow.admission import Admission
 from services.gateway.flow.capacity import Cost, Pass
+from services.gateway.flow.itl_calibration import ItlMeter
 from services.gateway.stream.prepared import Prepared
 from services.gateway.stream.record_book import RecordBook, Resource
 from services.gateway.stream.worker_stubs import WorkerStubs
@@ -111,6 +112,7 @@ class RequestRecord:
         self._reached_worker = False  # a worker was sent its prompt: it has usage to record
         self._finished = False
         self._failed = False
+        self._itl: ItlMeter | None = None  # times its tokens against the predicted step
         self._slot = False
         self._pass: Pass | None = None
         self._served = False  # it reached a worker: its prompt tokens count in the quota
@@ -174,6 +176,7 @@ class RequestRecord:
         # n forks share the prompt's KV; each may write max_tokens of its own.
         cost = Cost(len(req.prompt), req.params.max_tokens * req.params.n)
         self._pass = await admission.admit(req.priority, req.tenant, req.weight, cost)
+        self._itl = admission.capacity.itl_meter(self._pass)
         self._changed()
 
     def _sent(self) -> None:
@@ -340,10 +343,14 @@ class RequestRecord:
         being closed (a cancel racing a worker's answer) is neither billed nor counted."""
         if self._closing is None:
             self.completion_tokens += tokens
+            if self._itl is not None:
+                self._itl.took(tokens)
 
     def finished(self) -> None:
         self._enter(RequestState.FINISHED)
         self._finished = True
+        if self._itl is not None:
+            self._itl.report()
 
     def failed(self) -> None:
         """An error status ends the stream (its usage entry says so)."""

@@ -330,3 +330,17 @@ async def test_a_stream_on_the_decode_worker_counts_until_a_signal_shows_it() ->
     granted.decode_at = 0.0
     assert await asyncio.wait_for(waiting, 0.3)
     await admission.close()
+
+
+@run
+async def test_calibrated_streams_gaps_tighten_admission() -> None:
+    """Streams' gaps ran 1.5x the predicted step: 6 streams (39 ms, 58 ms calibrated)
+    no longer fit a 50 ms budget; uncalibrated they did."""
+    admission = await started(DecodeBoard(running=5, curve=CURVE), itl_budget_s=0.05)
+    granted = await asyncio.wait_for(admission.admit(CRIT, "a", 1.0, Cost(10, 100)), 0.05)
+    assert granted is not None and granted.itl_estimate_s == pytest.approx(0.0386, abs=1e-3)
+    granted.settled = True
+    admission.capacity.itl_calibration.factor = 1.5
+    with pytest.raises(Overloaded, match="predicted at 58 ms"):
+        await admission.admit(SHED, "a", 1.0, Cost(10, 100))
+    await admission.close()

@@ -1,5 +1,6 @@
 """Predicting a decode worker's step time at a batch size, from curves the workers
-publish, and the curve a worker builds from its engine's counters."""
+publish; the curve a worker builds from its engine's counters; and the calibration of
+the prediction by the gaps finished streams saw."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 import pytest
 
 from engine.stats import EngineStats
+from services.gateway.flow.itl_calibration import ItlCalibration, ItlMeter
 from services.gateway.flow.step_model import PRIOR_ROWS_PER_STEP, step_s_at
 from services.worker.signal_publisher import DecodeCurve, EngineSpeeds
 
@@ -92,3 +94,25 @@ def test_a_curve_forgets_a_batch_it_no_longer_runs() -> None:
     curve.add(1.0, 0.01, 1.0, now=50.0)
     assert [b for b, _ in curve.points(55.0)] == [1.0, 8.0]
     assert [b for b, _ in curve.points(61.0)] == [1.0]  # batch 8 unseen for over 60 s
+
+
+def test_a_finished_streams_p90_gap_calibrates_the_prediction() -> None:
+    calibration = ItlCalibration(alpha=0.5)
+    meter = ItlMeter(calibration, predicted_s=0.040)
+    meter.took(1, now=0.0)  # the first token: no gap yet
+    for i in range(1, 20):  # 19 gaps of 40 ms, then one message of 2 tokens 240 ms later
+        meter.took(1, now=0.04 * i)
+    meter.took(2, now=0.04 * 19 + 0.24)
+    assert len(meter.gaps) == 21 and meter.gaps[-1] == pytest.approx(0.12)
+    meter.report()  # p90 of 19 x 40 ms and 2 x 120 ms: 40 ms (the 19th of 21)
+    assert calibration.factor == pytest.approx(1.0)
+    slow = ItlMeter(calibration, predicted_s=0.040)
+    for i in range(12):
+        slow.took(1, now=0.08 * i)  # every gap 80 ms: twice the prediction
+    slow.report()
+    assert calibration.factor == pytest.approx(1.5)  # half way to 2 (alpha 0.5)
+    short = ItlMeter(calibration, predicted_s=0.040)
+    for i in range(4):
+        short.took(1, now=1.0 * i)  # 3 gaps: too few to say anything
+    short.report()
+    assert calibration.factor == pytest.approx(1.5)
