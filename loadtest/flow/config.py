@@ -109,7 +109,7 @@ class FlowBenchConfig:
     )
     itl_budget_s: float | None = field(
         default=None,
-        metadata={"help": "gateway: ITL budget of decode-side admission, 0 = off (default: 0.1)"},
+        metadata={"help": "gateway: ITL budget of decode-side admission (default: gateway's, off)"},
     )
 
     def __post_init__(self) -> None:

@@ -214,12 +214,13 @@ class GatewayConfig:
         default=2.0, metadata={"help": "sheddable: TTFT budget, and its longest wait to start"}
     )
     itl_budget_s: float = field(
-        default=0.1,
+        default=0.0,
         metadata={
             "help": "admit a stream only while the decode step it would join (its "
             "inter-token latency, predicted from the workers' measured step times by batch "
             "size) stays within this: critical up to all of it, standard 90%, sheddable "
-            "80%, so the lowest class waits first (0 = off)"
+            "80%, so the lowest class waits first (0 = off, the default: on a host whose "
+            "steps pass it, it also holds short requests back; see docs/design.md)"
         },
     )
     waiting_room_size: int = field(

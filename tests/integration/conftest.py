@@ -5,8 +5,7 @@ The gateway's default budgets (critical 10 s, standard 5 s, sheddable 2 s) are f
 serving fleet; here one CPU core prefills the default model at a few hundred tokens per
 second, and the fault drills, the fuzzer and the disconnect tests send prompts that take
 longer than that. They test faults, input and cleanup, not admission, so their clusters
-get 120 s budgets (and a 10 s ITL budget) through the env vars the gateway children
-inherit. The admission tests
+get 120 s budgets through the env vars the gateway children inherit. The admission tests
 set their own (`test_admission.py` through env vars, `test_fairness.py` through gateway
 flags, which win over env vars).
 """
@@ -20,9 +19,6 @@ import pytest
 from engine.priority import Priority
 
 TEST_BUDGET_S = "120"
-# On, but never binding: two cores shared by every process of a test cluster decode far
-# slower than a serving node (the ITL test sets its own).
-TEST_ITL_BUDGET_S = "10"
 
 
 # Per module, not per session: set before each module's cluster starts (autouse runs
@@ -32,5 +28,4 @@ def generous_ttft_budgets() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as env:
         for p in Priority:
             env.setenv(f"PDSERVE_TTFT_BUDGET_{p.name}_S", TEST_BUDGET_S)
-        env.setenv("PDSERVE_ITL_BUDGET_S", TEST_ITL_BUDGET_S)
         yield

@@ -58,3 +58,14 @@ def test_targets_hold_each_rate_to_zero_and_the_crash_to_the_lease_ttl() -> None
     assert [t.met for t in leaky] == [True, False, True, False]
     assert leaky[1].measured == 100.0  # one lease per 10 aborts
     assert leaky[-1].measured == 35.0  # never back: the drill's whole bound
+
+
+def test_refusals_by_admission_are_expected_up_to_a_share() -> None:
+    """Refused requests hold nothing (the leak probe checks): a few pass; a soak that
+    mostly refused did not soak the served path, and fails."""
+    some = SoakReport(100, 1.0, {"ok": 85, "cancelled": 10, "refused": 5}, [], _leaks(), 0,
+                      {}, {})  # fmt: skip
+    assert some.passed and some.to_json()["unexpected_errors"] == 0
+    most = SoakReport(100, 1.0, {"ok": 60, "cancelled": 10, "refused": 30}, [], _leaks(), 0,
+                      {}, {})  # fmt: skip
+    assert not most.passed
