@@ -97,6 +97,10 @@ bench: model reference
 	$(BIN)/python -m loadtest.transfer.bench --out bench-results/transfer.json
 	# 8-bit KV capacity and batch-32 throughput, offload-tier TTFT (about 10 minutes)
 	$(BIN)/python -m loadtest.engine.kv_bench --out bench-results/kv.json
+	# a tenant's hot prefix under another's flood, fair against one shared list (about 1 minute)
+	$(BIN)/python -m loadtest.engine.cache_fairness_bench --out bench-results/cache_fairness.json
+	# resume after preemption, swap against recompute, at 512-2048 tokens (about 3 minutes)
+	$(BIN)/python -m loadtest.engine.preemption_bench --out bench-results/preemption.json
 	# speculative decoding on and off at batch 1, repetitive and chat (about 4 minutes)
 	$(BIN)/python -m loadtest.engine.spec_bench --out bench-results/spec.json
 	$(BIN)/python -m loadtest.overhead.gateway_bench --out bench-results/gateway.json

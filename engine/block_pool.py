@@ -3,8 +3,9 @@
 Lifecycle of a block id:
   free (uncached) --allocate--> in use (ref >= 1) --cache_full_block--> in use + hashed
   in use --free (ref hits 0)--> free: uncached blocks go to the uncached free list, hashed
-  blocks to the LRU cached free list, where they stay reusable by `touch` on a prefix hit.
-  allocate takes uncached blocks first and evicts cached ones least recently used first,
+  ones are parked with their tenant's share of the cache (engine/cache_share.py), where
+  they stay reusable by `touch` on a prefix hit. allocate takes uncached blocks first,
+  then evicts parked ones, the most over-share tenant's least recently freed first,
   dropping their hash, so cached KV is the last thing given up. With an offload tier,
   `on_evict(block_id, hash)` runs before an evicted block is handed out again, so the
   tier can copy its bytes away (engine/kv_offload.py). With a residency log, every hash
@@ -20,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from engine.cache_share import NO_OWNER, CacheOwner, CacheShares
 from engine.errors import OutOfBlocksError
 from engine.residency import ResidencyLog
 
@@ -36,7 +38,8 @@ class BlockPoolStats:
 
 
 class BlockPool:
-    """Reference-counted KV block ids with an LRU prefix cache of freed, hashed blocks."""
+    """Reference-counted KV block ids with a prefix cache of freed, hashed blocks, evicted
+    by tenant share and then least recently freed first."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
@@ -44,10 +47,11 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._ref = [0] * num_blocks
         self._hash_of: list[int | None] = [None] * num_blocks
+        self._tenant_of: list[str] = [""] * num_blocks  # meaningful while in use or parked
         self._by_hash: dict[int, int] = {}
         # Plain dicts keep insertion order; OrderedDict gives O(1) pop from the front.
         self._free_uncached: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._shares = CacheShares()  # hashed blocks by tenant; the free ones parked
         #: Called with (block_id, hash) when a cached block is evicted for reuse.
         self.on_evict: Callable[[int, int], None] | None = None
         #: Told of every hash the pool starts or stops holding (the worker's index feed).
@@ -56,7 +60,7 @@ class BlockPool:
     # -- queries -----------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free_uncached) + len(self._free_cached)
+        return len(self._free_uncached) + self._shares.num_parked
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
@@ -89,36 +93,66 @@ class BlockPool:
             free=free,
             used=self.num_blocks - free,
             cached=len(self._by_hash),
-            cached_free=len(self._free_cached),
+            cached_free=self._shares.num_parked,
         )
 
     # -- mutations ---------------------------------------------------------------
-    def grow(self, block_ids: list[int], num_tokens: int, block_size: int) -> bool:
-        """Extend a block table (in place) to cover `num_tokens`; False, allocating
-        nothing, when the pool is short."""
+    def grow(
+        self, block_ids: list[int], num_tokens: int, block_size: int,
+        owner: CacheOwner = NO_OWNER, *, headroom: int | None = None,
+    ) -> bool:  # fmt: skip
+        """Extend a block table (in place) to cover `num_tokens`, for `owner`; False,
+        allocating nothing, when the pool is short. With `headroom`, an admission: only
+        blocks its tenant may evict count (`allocate`), and `headroom` of them must be
+        left over (the next blocks of the tenant's running requests)."""
         need = -(-num_tokens // block_size) - len(block_ids)
         if need <= 0:
             return True
-        if need > self.num_free:
+        admission = headroom is not None
+        if need + (headroom or 0) > self.num_free_for(owner if admission else None):
             return False
-        block_ids.extend(self.allocate(need))
+        block_ids.extend(self.allocate(need, owner, admission=admission))
         return True
 
-    def allocate(self, n: int) -> list[int]:
-        """Take `n` blocks with ref 1; raises OutOfBlocksError (and takes none) if short."""
-        if n > self.num_free:
-            raise OutOfBlocksError(f"need {n} KV blocks, {self.num_free} free")
+    def headroom(self, busy: int) -> int | None:
+        """What an admission for a tenant with `busy` requests running must leave (`grow`):
+        where tenants share the pool, a busy tenant waits for its own blocks rather than
+        take a lighter tenant's, and leaves its running requests a block each to grow
+        into (engine/cache_share.py). None: it may take any block (it has nothing
+        running, which always progresses, or holds the pool alone)."""
+        return busy + 1 if busy and self._shares.num_tenants > 1 else None
+
+    def num_free_for(self, owner: CacheOwner | None) -> int:
+        """Blocks an admission for `owner` could take (None: anyone's, `num_free`)."""
+        if owner is None:
+            return self.num_free
+        return len(self._free_uncached) + self._shares.evictable(owner.tenant)
+
+    def allocate(
+        self, n: int, owner: CacheOwner = NO_OWNER, *, admission: bool = False
+    ) -> list[int]:
+        """Take `n` blocks with ref 1, held in `owner`'s share; raises OutOfBlocksError
+        (and takes none) if short. Uncached blocks go first, then parked ones by tenant
+        share (engine/cache_share.py); an `admission` evicts only its own tenant's and
+        those of tenants holding at least as much per weight as its own."""
+        tenant = owner.tenant if admission else None
+        available = self.num_free_for(owner if admission else None)
+        if n > available:
+            raise OutOfBlocksError(f"need {n} KV blocks, {available} free")
+        floor = self._shares.load(owner.tenant)
         out: list[int] = []
         for _ in range(n):
             if self._free_uncached:
                 block_id, _ = self._free_uncached.popitem(last=False)
             else:
-                block_id, _ = self._free_cached.popitem(last=False)
+                block_id = self._shares.evict(tenant, floor)
                 block_hash = self._hash_of[block_id]
                 if self.on_evict is not None and block_hash is not None:
                     self.on_evict(block_id, block_hash)
                 self._evict(block_id)
             self._ref[block_id] = 1
+            self._tenant_of[block_id] = owner.tenant
+            self._shares.hold(owner)
             out.append(block_id)
         return out
 
@@ -126,8 +160,12 @@ class BlockPool:
         """Take one more reference on blocks found in the prefix cache."""
         for block_id in block_ids:
             if self._ref[block_id] == 0:
-                self._free_cached.pop(block_id, None)
-                self._free_uncached.pop(block_id, None)
+                if self._hash_of[block_id] is None:
+                    self._free_uncached.pop(block_id)  # an id no request held: unowned
+                    self._tenant_of[block_id] = NO_OWNER.tenant
+                    self._shares.hold(NO_OWNER)
+                else:
+                    self._shares.unpark(block_id, self._tenant_of[block_id])
             self._ref[block_id] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -144,11 +182,16 @@ class BlockPool:
             if ref == 1:
                 if self._hash_of[block_id] is None:
                     self._free_uncached[block_id] = None
+                    self._shares.release(self._tenant_of[block_id])
                 else:
-                    self._free_cached[block_id] = None
+                    self._shares.park(block_id, self._tenant_of[block_id])
 
-    def cache_full_block(self, block_id: int, block_hash: int) -> bool:
-        """Publish a full block under its chained hash; False if another block has it.
+    def cache_full_block(
+        self, block_id: int, block_hash: int, owner: CacheOwner | None = None
+    ) -> bool:
+        """Publish a full block under its chained hash (moved to `owner`'s share when one
+        is given and the block was allocated for another); False if another block has
+        the hash.
 
         Only a block in use may be published: a free one could be handed out again with
         its hash still pointing at it.
@@ -161,23 +204,32 @@ class BlockPool:
             return False
         self._hash_of[block_id] = block_hash
         self._by_hash[block_hash] = block_id
+        if owner is not None and owner.tenant != self._tenant_of[block_id]:
+            self._shares.release(self._tenant_of[block_id])
+            self._tenant_of[block_id] = owner.tenant
+            self._shares.hold(owner)
         if self.residency is not None:
             self.residency.add(block_hash)
         return True
 
     def reset_prefix_cache(self) -> int:
         """Forget every free cached block's hash; returns how many were dropped."""
-        dropped = list(self._free_cached)
-        for block_id in dropped:
+        dropped = 0
+        for block_id in self._shares.drain():
             self._evict(block_id)
             self._free_uncached[block_id] = None
-        self._free_cached.clear()
-        return len(dropped)
+            dropped += 1
+        return dropped
+
+    def held_by(self, tenant: str) -> int:
+        """Blocks `tenant` holds now: in use, or free and cached."""
+        return self._shares.held(tenant)
 
     def _evict(self, block_id: int) -> None:
         block_hash = self._hash_of[block_id]
         if block_hash is not None:
             self._hash_of[block_id] = None
+            self._shares.release(self._tenant_of[block_id])
             if self._by_hash.get(block_hash) == block_id:
                 del self._by_hash[block_hash]
                 if self.residency is not None:

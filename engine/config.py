@@ -65,6 +65,15 @@ class SpecMode(enum.StrEnum):
     ON = "on"
 
 
+class KvRestore(enum.StrEnum):
+    """`--kv-restore`: whether blocks in the offload tier (a prefix hit's, a preempted
+    request's) are copied back or computed again (`engine.restore_gate`)."""
+
+    FASTER = "faster"  # copy back while copying measures faster than prefill per block
+    ALWAYS = "always"  # copy back (preemption by swap)
+    NEVER = "never"  # compute again (preemption by recompute; the tier only measures)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """The speculator's knobs (EngineConfig carries them as flags)."""
@@ -109,6 +118,21 @@ class EngineConfig:
         metadata={
             "help": "host-memory budget of the prefix cache's second tier, where evicted "
             "blocks spill and prefix hits are copied back from (0: none)"
+        },
+    )
+    memory_bandwidth_gb_s: float = field(
+        default=0.0,
+        metadata={
+            "help": "the device's read bandwidth, for the decode-roof metrics (0: measured "
+            "at start by reading 256 MiB)"
+        },
+    )
+    kv_restore: KvRestore = field(
+        default=KvRestore.FASTER,
+        metadata={
+            "help": "offload-tier blocks a request needs again (a prefix hit, a preempted "
+            "request's): faster (copy back while that measures faster than recomputing "
+            "them), always, or never"
         },
     )
     num_kv_blocks: int | None = field(
@@ -219,6 +243,10 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive multiple of 8, got {self.block_size}")
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if not self.memory_bandwidth_gb_s >= 0:
+            raise ValueError(
+                f"memory_bandwidth_gb_s must be >= 0, got {self.memory_bandwidth_gb_s}"
+            )
         if self.kv_offload_bytes < 0:
             raise ValueError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
@@ -237,6 +265,7 @@ class EngineConfig:
         object.__setattr__(
             self, "decode_kernel", _member(DecodeKernel, "decode_kernel", self.decode_kernel)
         )
+        object.__setattr__(self, "kv_restore", _member(KvRestore, "kv_restore", self.kv_restore))
         object.__setattr__(
             self,
             "attention_backend",

@@ -36,6 +36,7 @@ import torch
 from engine.adapter_ref import AdapterRef
 from engine.builder import build_parts
 from engine.config import EngineConfig
+from engine.decode_roof import DecodeRoof
 from engine.engine_stats import StatsSources, collect_stats
 from engine.fork import Forker, fork_id
 from engine.grammar import LazyGrammarCompiler
@@ -43,9 +44,11 @@ from engine.intake import Intake, IntakeParts
 from engine.kv_handoff import HandoffParts, HeldKvIndex, KvHandoff
 from engine.lora import LoraAdapter
 from engine.output_stage import OutputParts, OutputStage, output_of
+from engine.precision import WeightQuant
 from engine.request import Request, RequestOutput
 from engine.request_check import RequestLimits
 from engine.request_spec import RequestSpec
+from engine.restore_gate import RestoreGate
 from engine.sampling_params import MAX_FORKS, SamplingParams
 from engine.stats import ClassCounts, EngineStats
 from engine.step_gate import StepGate
@@ -70,7 +73,10 @@ class LLMEngine:
         self.scheduler.on_retire = self._let_go
         self.gate = StepGate()
         self.lock = self.gate.lock  # held for a whole step
-        self._meter = StepMeter()
+        self._meter = StepMeter(self._roof())
+        if self.offload is not None:
+            gate = RestoreGate(config.kv_restore, self.offload, self._meter, config.block_size)
+            self.scheduler.restore_pays = gate.pays
         self.grammars = LazyGrammarCompiler(self.tokenizer, self.spec.vocab_size)
         self.intake = Intake(
             IntakeParts(self._limits(), self.spec.fingerprint, self.loras, self.grammars,
@@ -91,6 +97,14 @@ class LLMEngine:
         )  # fmt: skip
         self._held = held
         self._last_stats = self._collect_stats()
+
+    def _roof(self) -> DecodeRoof:
+        quantized = self.config.quantization is WeightQuant.INT8
+        element = 1 if quantized else self.config.torch_dtype.itemsize
+        return DecodeRoof.for_engine(
+            self.spec, element, self.layout.bytes_per_token, self.config.memory_bandwidth_gb_s,
+            self.config.torch_device,
+        )  # fmt: skip
 
     def _limits(self) -> RequestLimits:
         capacity = self.pool.num_blocks * self.config.block_size

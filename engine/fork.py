@@ -55,8 +55,8 @@ class Forker:
         sampling = parent.sampling.fork(index)
         child = Request(
             request_id=fork_id(parent.group, index), prompt_token_ids=parent.prompt_token_ids,
-            sampling=sampling, hash_seed=parent.hash_seed, priority=parent.priority,
-            deadline=parent.deadline, group_id=parent.group, index=index,
+            sampling=sampling, hash_seed=parent.hash_seed, cache_owner=parent.cache_owner,
+            priority=parent.priority, deadline=parent.deadline, group_id=parent.group, index=index,
             generator=None if sampling.greedy else new_generator(sampling.seed),
             lora=parent.lora,
         )  # fmt: skip
@@ -92,7 +92,7 @@ class Forker:
         self.pool.touch(shared)
         child.block_ids = list(shared)
         if partial:
-            (copy,) = self.pool.allocate(1)
+            (copy,) = self.pool.allocate(1, child.cache_owner)
             self.kv_cache.copy_block(parent.block_ids[full], copy)
             child.block_ids.append(copy)
         child.block_hashes = list(parent.block_hashes[:full])

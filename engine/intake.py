@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from engine.cache_share import CacheOwner
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler
 from engine.lora import LoraAdapter
@@ -88,6 +89,7 @@ class Intake:
             prompt_token_ids=list(spec.prompt_token_ids),
             sampling=sampling,
             hash_seed=self.hash_seed_for(spec.cache_salt, lora),
+            cache_owner=CacheOwner(spec.cache_salt, spec.cache_weight),
             lora=lora,
             hold_kv=hold_kv,
             priority=Priority(spec.priority),

@@ -12,6 +12,14 @@ bytes back and frees the slot. An entry lives until it is restored, evicted by n
 spills, or the tier is reset. With a residency log, each entry's hash is reported to
 it as the entry comes and goes (engine/residency.py).
 
+Preemption by swap: the scheduler `keep`s the hashes of a preempted request's full
+blocks until it resumes or ends (`unkeep`). Its blocks reach the tier the way any
+evicted block does, when the pool gives them up (a block the pool never needed is not
+copied at all), and a full tier drops its oldest entry that is not kept before any
+kept one, so a preempted request gets its KV back on resume unless the kept entries
+alone overflow the tier. `restore` times its copies (`OffloadStats.restore_s`), for the
+scheduler's choice between copying back and recomputing (engine/restore_gate.py).
+
 Where the arena lives: host memory in both cases; pinned on CUDA so the copies run at
 PCIe speed, a plain (huge-page advised) tensor on CPU, where the "second tier" buys
 room beyond the pool's own budget rather than a faster medium. A copy is one block row
@@ -22,7 +30,9 @@ Not thread-safe: the engine calls it from its step thread, as it does the pool.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +53,8 @@ class OffloadStats:
     restored: int  # blocks copied back (prefix hits served by the tier)
     dropped: int  # entries evicted by newer spills
     reserved: int  # slots taken and not yet restored (0 between steps)
+    kept: int = 0  # hashes kept for preempted requests (held here or still in the pool)
+    restore_s: float = 0.0  # wall time of the `restored` copies
 
 
 class OffloadTier:
@@ -64,6 +76,8 @@ class OffloadTier:
         self._free = list(range(slots - 1, -1, -1))
         self.capacity_blocks = slots
         self._spilled = self._restored = self._dropped = 0
+        self._restore_s = 0.0
+        self._kept: Counter[int] = Counter()  # hash -> preempted requests keeping it
         #: Told of every hash the tier starts or stops holding (the worker's index feed).
         self.residency: ResidencyLog | None = None
 
@@ -83,8 +97,8 @@ class OffloadTier:
             self._slot_of.move_to_end(block_hash)
             return
         if not self._free:
-            dropped, slot = self._slot_of.popitem(last=False)
-            self._free.append(slot)
+            dropped = self._drop_candidate()
+            self._free.append(self._slot_of.pop(dropped))
             self._dropped += 1
             self._forgot(dropped)
         slot = self._free.pop()
@@ -94,6 +108,27 @@ class OffloadTier:
         if self.residency is not None:
             self.residency.add(block_hash)
 
+    def _drop_candidate(self) -> int:
+        """The entry a full tier gives up: the oldest not kept, else the oldest."""
+        if self._kept:
+            for block_hash in self._slot_of:
+                if block_hash not in self._kept:
+                    return block_hash
+        return next(iter(self._slot_of))
+
+    def keep(self, hashes: Iterable[int]) -> None:
+        """Drop these hashes' entries (now or once spilled) only after every other."""
+        self._kept.update(hashes)
+
+    def unkeep(self, hashes: Iterable[int]) -> None:
+        """Undo one `keep` of these hashes."""
+        for block_hash in hashes:
+            left = self._kept[block_hash] - 1
+            if left > 0:
+                self._kept[block_hash] = left
+            else:
+                self._kept.pop(block_hash, None)
+
     def take(self, block_hash: int) -> int:
         """Remove a hash's entry and return its slot, reserved until `restore`."""
         slot = self._slot_of.pop(block_hash)
@@ -102,7 +137,9 @@ class OffloadTier:
 
     def restore(self, slot: int, block_id: int) -> None:
         """Copy a taken slot's bytes into a pool block and free the slot."""
-        self._pool[block_id].copy_(self._arena[slot])
+        start = time.perf_counter()
+        self._pool[block_id].copy_(self._arena[slot])  # synchronous, so the timing holds
+        self._restore_s += time.perf_counter() - start
         self._free.append(slot)
         self._restored += 1
 
@@ -128,4 +165,6 @@ class OffloadTier:
             restored=self._restored,
             dropped=self._dropped,
             reserved=self.capacity_blocks - len(self._free) - len(self._slot_of),
+            kept=len(self._kept),
+            restore_s=self._restore_s,
         )

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cache_share import NO_OWNER, CacheOwner
 from engine.errors import DeadlineExceededError
 from engine.finish_reason import FinishReason
 from engine.grammar import Grammar
@@ -77,6 +78,8 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     hash_seed: int
+    # Whose share of the prefix cache its blocks count in (engine/cache_share.py).
+    cache_owner: CacheOwner = NO_OWNER
     hold_kv: bool = False
     priority: Priority = Priority.STANDARD
     deadline: float | None = None  # time.monotonic() seconds; None: no deadline
@@ -92,6 +95,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    swapped_blocks: int = 0  # leading block hashes the offload tier keeps while preempted
     prefix_counted: bool = False
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

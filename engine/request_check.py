@@ -35,6 +35,8 @@ class RequestLimits:
 def check_request(spec: RequestSpec, limits: RequestLimits) -> None:
     """Raise InvalidRequestError for the first thing in `spec` that breaks `limits`."""
     _check_priority(spec.priority)
+    if not 0 < spec.cache_weight < float("inf"):
+        raise InvalidRequestError("cache_weight", "must be a finite number > 0", spec.cache_weight)
     _check_prompt(spec.prompt_token_ids, limits)
     _check_token_fields(spec, limits.vocab_size)
     _check_length(spec, limits)

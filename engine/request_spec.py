@@ -25,7 +25,8 @@ class RequestSpec:
     """One generation request.
 
     `request_id` is the id the engine tracks it by ("": the engine makes one up);
-    `cache_salt` keys its prefix-cache blocks (the tenant: tenants never share blocks);
+    `cache_salt` keys its prefix-cache blocks (the tenant: tenants never share blocks),
+    and `cache_weight` is that tenant's share of the cache when it must evict (> 0);
     `priority` orders admission and preemption; past `deadline` (`time.monotonic()`
     seconds, None: none) a preempted request ends with FinishReason.DEADLINE instead of
     being recomputed; `adapter` names a LoRA adapter (None: the base model);
@@ -38,6 +39,7 @@ class RequestSpec:
     sampling: SamplingParams
     request_id: str = ""
     cache_salt: str = ""
+    cache_weight: float = 1.0
     priority: Priority = Priority.STANDARD
     deadline: float | None = None
     adapter: AdapterRef | None = None

@@ -10,7 +10,9 @@ pool runs dry it preempts by recompute: the victim is the lowest priority class'
 recently admitted request, never one of a higher class than the request that needs room
 (that one preempts itself instead). The victim's blocks are freed and it goes back to
 the head of its class in the queue, keeping its output tokens; or, already past its
-deadline, it ends with DEADLINE instead (`ScheduledBatch.expired`). Then, if nothing was
+deadline, it ends with DEADLINE instead (`ScheduledBatch.expired`). Its full blocks stay
+cached, kept by an offload tier once the pool gives them up (swap); on resume it claims
+them as a prefix hit, copied back where `restore_pays` (restore_gate.py). Then, if nothing was
 preempted, it admits WAITING requests, highest class first and in arrival order within
 a class (`waiting_queue.py`), while the budget, `max_num_seqs` and free blocks allow,
 reusing cached prefix blocks. After the model runs, the engine calls `advance` for each
@@ -77,7 +79,13 @@ class Scheduler:
         self.prefix_query_tokens = 0
         #: The prefix cache's second tier (None: evicted blocks are gone).
         self.tier: OffloadTier | None = None
+        #: Asked before each block restored from the tier (False: compute it again).
+        self.restore_pays: Callable[[], bool] = lambda: True
         self.offload_hit_tokens = 0
+        # Tokens preempted requests got back on resume: restored from the tier (swap),
+        # and computed again (recompute; hits still in the pool are in neither).
+        self.swapped_in_tokens = 0
+        self.recomputed_tokens = 0
         #: Called once for each request that leaves (the engine lets go of its adapter).
         self.on_retire: Callable[[Request], None] | None = None
 
@@ -87,8 +95,7 @@ class Scheduler:
         self.waiting.append(req)
         self.requests[req.request_id] = req
 
-    def has_work(self) -> bool:
-        """Whether a step has anything to schedule (hand-off states never are)."""
+    def has_work(self) -> bool:  # (hand-off states are never scheduled)
         return bool(self.waiting or self.running)
 
     # -- one step ----------------------------------------------------------------
@@ -205,15 +212,18 @@ class Scheduler:
                 self._expire(req, batch)
                 continue
             # A fresh or preempted request claims cached prefix blocks; an imported one
-            # already holds its prompt's blocks and must keep them if it has to wait.
+            # holds its prompt's blocks already, and keeps them if it has to wait.
             claimed = not req.block_ids
             hits = self._claim_prefix(req) if claimed else []
             n = min(_remaining(req), budget)
-            if not self._grow(req, req.num_computed_tokens + n):
+            if not self._grow(req, req.num_computed_tokens + n, admission=True):
                 if claimed:
                     self._unclaim_prefix(req, hits)
                 return
             self.waiting.popleft()
+            if req.num_preemptions and claimed:  # resumed: the tier may let go of its KV
+                self._keep_swapped(req, 0)
+                self.recomputed_tokens += _remaining(req)
             self._count_prefix(req)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
@@ -223,9 +233,15 @@ class Scheduler:
             budget -= n
 
     # -- blocks ------------------------------------------------------------------
-    def _grow(self, req: Request, num_tokens: int) -> bool:
-        """Make the block table cover `num_tokens`; False (allocating nothing) if short."""
-        return self.pool.grow(req.block_ids, num_tokens, self.config.block_size)
+    def _grow(self, req: Request, num_tokens: int, admission: bool = False) -> bool:
+        """Cover `num_tokens`; False (allocating nothing) if short (`BlockPool.grow`)."""
+        room = self.pool.headroom(self._busy(req)) if admission else None
+        bs = self.config.block_size
+        return self.pool.grow(req.block_ids, num_tokens, bs, req.cache_owner, headroom=room)
+
+    def _busy(self, req: Request) -> int:  # its tenant's requests holding blocks
+        mine, held = req.cache_owner.tenant, (*self.held.values(), *self.importing.values())
+        return sum(r.cache_owner.tenant == mine for r in (*self.running, *held))
 
     def _claim_prefix(self, req: Request) -> list[int]:
         """Reuse cached blocks for the longest cached prefix (always computing >= 1 token)."""
@@ -255,7 +271,7 @@ class Scheduler:
         could not start would give its restored blocks back and restore them again on
         every step it waits."""
         tier, bs = self.tier, self.config.block_size
-        if tier is None:
+        if tier is None or not self.restore_pays():
             return []
         rest = req.num_tokens - last * bs
         reserve = -(-min(max(rest, 1), self.config.max_num_batched_tokens) // bs)
@@ -268,11 +284,13 @@ class Scheduler:
                 break
             else:
                 slot = tier.take(block_hash)  # reserved: the allocation's spill can't reuse it
-                (cached,) = self.pool.allocate(1)
+                (cached,) = self.pool.allocate(1, req.cache_owner)
                 tier.restore(slot, cached)
-                self.pool.cache_full_block(cached, block_hash)
+                self.pool.cache_full_block(cached, block_hash, req.cache_owner)
                 if req.num_preemptions == 0:
                     self.offload_hit_tokens += bs
+                else:
+                    self.swapped_in_tokens += bs
             out.append(cached)
         return out
 
@@ -311,7 +329,7 @@ class Scheduler:
         n_full = req.num_computed_tokens // self.config.block_size
         for j in range(n_full):
             if self.pool.block_hash(req.block_ids[j]) is None:
-                self.pool.cache_full_block(req.block_ids[j], req.block_hashes[j])
+                self.pool.cache_full_block(req.block_ids[j], req.block_hashes[j], req.cache_owner)
 
     def advance(self, req: Request, num_new: int) -> None:
         """Record that the model computed `num_new` more tokens of `req`."""
@@ -322,6 +340,7 @@ class Scheduler:
         """Free a (no longer running) request's blocks; requeue it at the head of its class
         for recompute, or end it with DEADLINE if that has passed."""
         self.pool.free(reversed(req.block_ids))
+        self._keep_swapped(req, req.num_computed_tokens // self.config.block_size)
         req.block_ids = []
         req.draft_token_ids = []
         req.num_computed_tokens = 0
@@ -334,6 +353,13 @@ class Scheduler:
             return
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
+
+    def _keep_swapped(self, req: Request, n_full: int) -> None:
+        """The tier keeps `req`'s first `n_full` block hashes (0: lets go of older ones)."""
+        if self.tier is not None:
+            self.tier.unkeep(req.block_hashes[: req.swapped_blocks])
+            self.tier.keep(req.block_hashes[:n_full])
+        req.swapped_blocks = n_full
 
     def _expire(self, req: Request, batch: ScheduledBatch) -> None:
         """End a preempted request with DEADLINE (never held for export: nobody waits for
@@ -383,6 +409,7 @@ class Scheduler:
     def _retire(self, req: Request, reason: FinishReason) -> None:
         """The request leaves the scheduler: blocks freed, FINISHED_*, forgotten."""
         self.pool.free(reversed(req.block_ids))
+        self._keep_swapped(req, 0)
         req.block_ids = []
         req.finish_reason = reason
         req.status = RequestStatus.finished_with(reason)
@@ -411,13 +438,11 @@ class Scheduler:
         """
         self._extend_hashes(req, req.num_prompt_tokens)
         hits = self.pool.longest_cached_prefix(req.block_hashes)
-        need = -(-req.num_prompt_tokens // self.config.block_size) - len(hits)
-        # Touching a free cached hit takes it off the free list: it cannot also be allocated.
-        unpinned = sum(1 for b in hits if self.pool.ref_count(b) == 0)
-        if need > self.pool.num_free - unpinned:
-            raise OutOfBlocksError(f"import of {req.request_id} needs {need} KV blocks")
-        self.pool.touch(hits)
-        req.block_ids = hits + self.pool.allocate(need)
+        self.pool.touch(hits)  # off the free list first: a hit cannot also be allocated
+        req.block_ids = list(hits)
+        if not self._grow(req, req.num_prompt_tokens, admission=True):
+            self._unclaim_prefix(req, hits)
+            raise OutOfBlocksError(f"import of {req.request_id}: too few KV blocks")
         req.num_cached_tokens = len(hits) * self.config.block_size
         self._count_prefix(req)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
@@ -466,8 +491,7 @@ class Scheduler:
         )
 
 
-def _by_class(req: Request) -> int:
-    """Sort key: higher classes first."""
+def _by_class(req: Request) -> int:  # a sort key: higher classes first
     return -req.priority
 
 

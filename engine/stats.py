@@ -71,6 +71,11 @@ class EngineStats:
     decode_steps_total: int = 0
     decode_busy_s_total: float = 0.0
     busy_s_total: float = 0.0
+    # Steps that ran only decodes: their wall time, and the least their reads could take
+    # (engine/decode_roof.py); the ratio of the two's rates is the fraction of the roof.
+    decode_only_busy_s_total: float = 0.0
+    decode_roof_s_total: float = 0.0
+    memory_bandwidth_bytes_s: float = 0.0
     # The offload tier (all 0 without one): entries now, its size, prefix tokens it
     # served (within prefix_hit_tokens), blocks spilled into it and restored from it.
     offload_blocks: int = 0
@@ -78,6 +83,10 @@ class EngineStats:
     offload_hit_tokens: int = 0
     offload_spilled_total: int = 0
     offload_restored_total: int = 0
+    # Tokens preempted requests got back on resume: copied from the tier (swap), and
+    # computed again (recompute); hits still in the pool count in neither.
+    swapped_in_tokens_total: int = 0
+    recomputed_tokens_total: int = 0
     # Speculative decoding (all 0 when off): draft tokens verified, of those kept, and the
     # request-steps that verified drafts (tokens per verification = 1 + kept / steps).
     spec_drafted_total: int = 0

@@ -8,6 +8,11 @@ step, adding its wall time to the busy totals when it counted work (a step that 
 nothing adds none). The totals only grow: a reader computes throughput from the
 difference of two snapshots (`EngineStats.*_total`), and nothing here resets.
 
+With a `DecodeRoof` (engine/decode_roof.py), a step that ran only decodes also adds its
+wall time to `decode_only_busy_s` and its roof, the least time its reads could take at
+its rows' context, to `decode_roof_s`: their ratio is how close decode runs to memory
+bandwidth.
+
 `prefill_backlog` reads the other side, what is still to prefill, from the scheduler's
 queues at snapshot time.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from engine.decode_roof import DecodeRoof
 from engine.priority import Priority
 from engine.request import Request
 from engine.scheduled_batch import ScheduledBatch
@@ -26,7 +32,10 @@ class StepMeter:
     """Cumulative counters since the engine started. Not thread-safe: the engine calls it
     under its step lock and copies the totals into each stats snapshot."""
 
-    def __init__(self) -> None:
+    def __init__(self, roof: DecodeRoof | None = None) -> None:
+        self.roof = roof
+        self.decode_only_busy_s = 0.0  # wall time of steps that ran only decodes
+        self.decode_roof_s = 0.0  # the roof of those steps (`DecodeRoof.step_s`)
         self.prefill_tokens = 0  # tokens computed by prefill chunks (recomputes included)
         self.prefill_busy_s = 0.0  # wall time of steps that ran a prefill chunk
         self.decode_tokens = 0  # tokens sampled (every generated token, the first included)
@@ -36,6 +45,7 @@ class StepMeter:
         # The step in flight: what `count` saw, settled by `stop`.
         self._step_prefill = 0
         self._step_decodes = 0
+        self._step_context = 0  # the decode rows' context tokens (their KV read)
 
     def count(self, batch: ScheduledBatch) -> None:
         """Split a step's batch into prefill tokens and decodes. Call before `advance`:
@@ -47,9 +57,11 @@ class StepMeter:
                 prefill += 1
             else:
                 decodes += 1
+                self._step_context += req.num_computed_tokens
         for req, n in batch.prefills:
             if req.draft_token_ids:  # a decode verifying drafts (speculation)
                 decodes += 1
+                self._step_context += req.num_computed_tokens
             else:
                 prefill += n
         self._step_prefill += prefill
@@ -68,7 +80,10 @@ class StepMeter:
             self.decode_busy_s += seconds
         if self._step_prefill or self._step_decodes:
             self.busy_s += seconds
-        self._step_prefill = self._step_decodes = 0
+        if self._step_decodes and not self._step_prefill and self.roof is not None:
+            self.decode_only_busy_s += seconds
+            self.decode_roof_s += self.roof.step_s(self._step_context)
+        self._step_prefill = self._step_decodes = self._step_context = 0
 
 
 def prefill_backlog(*queues: Iterable[Request]) -> ClassCounts:

@@ -37,11 +37,11 @@ from pathlib import Path
 import torch
 
 from engine.config import DEFAULT_MODEL_CACHE
+from engine.decode_roof import Projection, projections
 from engine.linear_kernel import LinearKernel, OneDnnLinear, TiledLinear, TorchLinear
 from engine.model_spec import ModelSpec
 from engine.model_store import prepare_default_model
 from engine.precision import cpu_has_native_bf16
-from loadtest.engine.machine_roof import Projection, projections
 from loadtest.reports.bench_cli import BenchCli, bench_main
 
 #: The source paths these numbers describe (`loadtest.reports.sources`): a change to

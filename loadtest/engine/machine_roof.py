@@ -5,6 +5,9 @@ Lifecycle: `roofline_bench` calls `read_bandwidth()` once, then `roof(spec, dtyp
 ...)` for each point, in the same run (and thread count) as the engine measurements it
 divides by them.
 
+The model's projection shapes, their FLOPs and their weights' bytes are the engine's
+(`engine.decode_roof`, which the workers' live roof gauge uses too).
+
 A roof must be an upper bound: a fraction above 1 says the roof was measured wrong, not
 that the engine beat the machine (issue 43: on a host with half-width AVX-512 units the
 engine's batch-1 decode measured 1.25 of its "roof" when that was the projections'
@@ -45,6 +48,7 @@ import numpy as np
 import torch
 
 from engine.config import DecodeKernel
+from engine.decode_roof import Projection, linear_flops, projections
 from engine.fused_decode import fused_decode_wanted, max_rows
 from engine.model_spec import ModelSpec
 from engine.precision import WeightQuant
@@ -55,35 +59,6 @@ BANDWIDTH_BYTES = 512 << 20
 #: (rows, input features, output features) of the products `peak_gflops` tries: large
 #: enough to be bound by arithmetic on a CPU, square and wide.
 PEAK_SHAPES = ((512, 2048, 2048), (1024, 1024, 4096), (2048, 2048, 2048))
-
-
-@dataclass(frozen=True)
-class Projection:
-    rows_in: int  # the weight's input features
-    rows_out: int  # its output features
-
-
-def projections(spec: ModelSpec, *, lm_head: bool) -> list[Projection]:
-    """One layer's projections (the step repeats them num_layers times) and the LM head."""
-    q = spec.num_heads * spec.head_dim
-    kv = spec.num_kv_heads * spec.head_dim
-    h, inter = spec.hidden_size, spec.intermediate_size
-    out = [Projection(h, q + 2 * kv), Projection(q, h), Projection(h, 2 * inter),
-           Projection(inter, h)]  # fmt: skip
-    return [*out, Projection(h, spec.vocab_size)] if lm_head else out
-
-
-def linear_flops(spec: ModelSpec, rows: int, *, lm_head: bool) -> float:
-    """FLOPs (2 per multiply-add) of every projection of the model at `rows` rows."""
-    layer = sum(p.rows_in * p.rows_out for p in projections(spec, lm_head=False))
-    head = spec.hidden_size * spec.vocab_size if lm_head else 0
-    return 2.0 * rows * (layer * spec.num_layers + head)
-
-
-def linear_weight_bytes(spec: ModelSpec, element_size: float) -> float:
-    """Bytes of every projection weight and the LM head, stored `element_size` wide."""
-    params = linear_flops(spec, 1, lm_head=True) / 2
-    return params * element_size
 
 
 def seconds_per_call(fn: Callable[[], object]) -> float:

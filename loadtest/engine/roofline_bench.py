@@ -38,19 +38,13 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.decode_roof import linear_flops, linear_weight_bytes
 from engine.engine import LLMEngine
 from engine.model_spec import ModelSpec
 from engine.precision import DType, WeightQuant, resolve_dtype
 from engine.request_spec import RequestSpec
 from engine.sampling_params import SamplingParams
-from loadtest.engine.machine_roof import (
-    Roof,
-    linear_flops,
-    linear_weight_bytes,
-    peak_gflops,
-    read_bandwidth,
-    roof,
-)
+from loadtest.engine.machine_roof import Roof, peak_gflops, read_bandwidth, roof
 from loadtest.reports.provenance import collect_provenance
 from loadtest.reports.result_file import write_result
 

@@ -332,3 +332,53 @@ def _median(values: object) -> float | None:
     listed = values if isinstance(values, list) else []
     got = [v for v in (num(x) for x in listed) if v is not None]
     return statistics.median(got) if got else None
+
+
+def cache_fairness(data: Json) -> list[str]:
+    """The hot tenant's prefix hit rate alone, under a flood, and under one shared list."""
+    rows = [
+        [str(m.get("mode")), fmt(num(m.get("hit_rate")), ".3f"),
+         f"{m.get('hot_cached_tokens')}/{m.get('hot_prompt_tokens')}",
+         str(m.get("flood_requests")), fmt(num(m.get("wall_s")), ".1f")]
+        for m in dicts(data.get("modes"))
+    ]  # fmt: skip
+    return [
+        f'Tenant "hot": one request a round with a {data.get("system_tokens")}-token '
+        f'system prompt; tenant "flood": {data.get("flood_per_round")} unique '
+        f"{data.get('flood_tokens')}-token prompts a round; a {data.get('pool_blocks')}-block "
+        f'pool; {data.get("rounds")} rounds, deterministic (counts, not samples). "shared '
+        "list\" counts both tenants' blocks as one tenant's: one least-recently-freed list, "
+        "as before cache fairness.",
+        "",
+        *table(
+            ["mode", "hot hit rate", "cached / prompt tokens", "flood requests", "wall s"], rows
+        ),
+        "",
+        f"Fair / solo: {fmt(num(data.get('fair_vs_solo')), '.2f', 'x')}; shared list / solo: "
+        f"{fmt(num(data.get('shared_vs_solo')), '.2f', 'x')}.",
+    ]
+
+
+def preemption(data: Json) -> list[str]:
+    """Resume time after a preemption, by swap and by recompute, per context length."""
+    rows = [
+        [str(c.get("context")), fmt(_ms(c.get("swap_median_s")), ".1f"),
+         str(c.get("swapped_tokens")), fmt(_ms(c.get("recompute_median_s")), ".1f"),
+         str(c.get("recomputed_tokens")), fmt(num(c.get("paired_ratio")), ".2f", "x"),
+         "yes" if c.get("same_tokens") else "**no**"]
+        for c in dicts(data.get("contexts"))
+    ]  # fmt: skip
+    header = ["context", "swap ms", "tokens copied", "recompute ms", "tokens computed",
+              "recompute / swap", "same tokens"]  # fmt: skip
+    return [
+        f"A sheddable request preempted by a critical one resumes; resume time from the "
+        f"step that ends the critical request to the sheddable one's next token, medians "
+        f"of {data.get('rounds')} paired rounds (ratio: median of the rounds' ratios).",
+        "",
+        *table(header, rows),
+    ]
+
+
+def _ms(seconds: object) -> float | None:
+    value = num(seconds)
+    return None if value is None else value * 1000

@@ -32,10 +32,12 @@ from loadtest.reports.cluster_sections import (
 from loadtest.reports.elastic_sections import peer, shifting
 from loadtest.reports.engine_sections import (
     accuracy,
+    cache_fairness,
     engine,
     invariance,
     kv_memory,
     lora,
+    preemption,
     roofline,
     row_attention,
     speculation,
@@ -70,6 +72,11 @@ SECTIONS: dict[str, tuple[str, Renderer]] = {
     "pdserve.transfer_bench/1": ("KV transfer", transfer),
     "pdserve.kv_bench/1": ("KV memory: 8-bit caches and the offload tier", kv_memory),
     "pdserve.spec_bench/1": ("Speculative decoding", speculation),
+    "pdserve.cache_fairness_bench/1": (
+        "Cache fairness: a hot prefix under a flood",
+        cache_fairness,
+    ),
+    "pdserve.preemption_bench/1": ("Preemption: swap against recompute", preemption),
     "pdserve.router_bench/1": ("Router", router),
     "pdserve.gateway_bench/1": ("Gateway overhead", gateway),
     "pdserve.tracing_bench/1": ("Tracing cost", tracing),

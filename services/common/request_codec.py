@@ -6,7 +6,8 @@ handler decodes the message once (`spec_of`) and hands the spec to its engine or
 importer. Nothing else on either side reads or writes these fields.
 
 What travels where:
-- the prompt, sampling (`services.common.sampling`), request id and cache salt as fields;
+- the prompt, sampling (`services.common.sampling`), request id, cache salt and cache
+  weight as fields (an unset weight reads as 1);
 - the priority class in the `Priority` enum, whose values are the engine's plus one (0
   is "unspecified"); a worker runs a request at the class the gateway sent, STANDARD if
   none or one it does not know (a worker never refuses a request for its class); a
@@ -41,6 +42,7 @@ def prefill_request(spec: RequestSpec) -> worker_pb2.PrefillRequest:
         prompt_token_ids=spec.prompt_token_ids,
         sampling=sampling.to_proto(spec.sampling),
         cache_salt=spec.cache_salt,
+        cache_weight=spec.cache_weight,
         priority=priority_to_proto(spec.priority),
         adapter=_adapter_message(spec.adapter),
     )
@@ -55,6 +57,7 @@ def decode_request(
         prompt_token_ids=spec.prompt_token_ids,
         sampling=sampling.to_proto(spec.sampling),
         cache_salt=spec.cache_salt,
+        cache_weight=spec.cache_weight,
         priority=priority_to_proto(spec.priority),
         resume_token_ids=spec.resume_token_ids,
         adapter=_adapter_message(spec.adapter),
@@ -74,6 +77,7 @@ def spec_of(msg: WorkerRequest, time_remaining_s: float | None = None) -> Reques
         sampling=sampling.from_proto(msg.sampling),
         request_id=msg.request_id,
         cache_salt=msg.cache_salt,
+        cache_weight=msg.cache_weight or 1.0,  # unset (0): an even share
         priority=_worker_priority(msg.priority),
         deadline=deadline,
         adapter=adapter_of(msg.adapter),

@@ -100,6 +100,27 @@ def _offload_metrics(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetr
     yield moved
 
 
+def _roof_metrics(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Decode against the memory roof: rate(roof) / rate(busy) is the fraction reached
+    (the recording rule pdserve:decode_roof_fraction:rate5m)."""
+    yield CounterMetricFamily(
+        "pdserve_decode_only_busy_seconds",
+        "Wall time of steps that ran only decodes",
+        value=s.decode_only_busy_s_total,
+    )
+    yield CounterMetricFamily(
+        "pdserve_decode_roof_seconds",
+        "The least time those steps' reads could take: weights and context KV over the "
+        "memory bandwidth",
+        value=s.decode_roof_s_total,
+    )
+    yield GaugeMetricFamily(
+        "pdserve_memory_bandwidth_bytes_per_second",
+        "The read bandwidth the decode roof assumes (--memory-bandwidth-gb-s, or measured)",
+        value=s.memory_bandwidth_bytes_s,
+    )
+
+
 def _spec_metrics(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     """Speculative decoding (all 0 unless `--speculative-decoding` is on)."""
     tokens = CounterMetricFamily(
@@ -192,8 +213,18 @@ class EngineCollector(Collector):
             value=s.prefix_hit_ratio,
         )
         yield CounterMetricFamily(
-            "pdserve_preemptions", "Requests preempted by recompute", value=s.num_preemptions
+            "pdserve_preemptions", "Requests preempted for KV blocks", value=s.num_preemptions
         )
+        resumed = CounterMetricFamily(
+            "pdserve_preemption_resume_tokens",
+            "Tokens preempted requests got back on resume: copied from the offload tier "
+            "(swapped) or computed again (recomputed)",
+            labels=["how"],
+        )
+        resumed.add_metric(["swapped"], s.swapped_in_tokens_total)
+        resumed.add_metric(["recomputed"], s.recomputed_tokens_total)
+        yield resumed
+        yield from _roof_metrics(s)
         yield from _offload_metrics(s)
         yield from _spec_metrics(s)
         yield from _lora_metrics(s)

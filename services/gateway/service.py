@@ -136,6 +136,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             sampling=client.sampling,
             request_id=worker_request_id(rid),
             cache_salt=principal.tenant,
+            cache_weight=principal.weight,
             adapter=adapter,
         )
         limits = RequestLimits(

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xce\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12&\n\x08priority\x18\x05 \x01(\x0e\x32\x14.pdserve.v1.Priority\x12$\n\x07\x61\x64\x61pter\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Adapter\"\xe7\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\'\n\tkv_handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\'\n\x06phases\x18\x07 \x03(\x0b\x32\x17.pdserve.v1.PhaseTiming\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x31\n\x0e\x66irst_logprobs\x18\t \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x16\n\x0e\x66ork_token_ids\x18\n \x03(\r\"\x90\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\'\n\tkv_handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12&\n\x08priority\x18\x06 \x01(\x0e\x32\x14.pdserve.v1.Priority\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\r\x12$\n\x07\x61\x64\x61pter\x18\x08 \x01(\x0b\x32\x13.pdserve.v1.Adapter\"\xa5\x02\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x04\x12\'\n\x06phases\x18\x06 \x03(\x0b\x32\x17.pdserve.v1.PhaseTiming\x12\r\n\x05index\x18\x07 \x01(\r\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x1e\n\x0eSetRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\"1\n\x0fSetRoleResponse\x12\x10\n\x08previous\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\"\xb6\x03\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x13\n\x0bused_blocks\x18\x05 \x01(\r\x12\x15\n\rcached_blocks\x18\x06 \x01(\r\x12\x13\n\x0bheld_blocks\x18\x07 \x01(\r\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x15\n\ractive_leases\x18\n \x01(\r\x12\x16\n\x0e\x65xpired_leases\x18\x0b \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x0c \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\r \x01(\x04\x12\x1d\n\x15kv_layout_fingerprint\x18\x0e \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x0f \x01(\t\x12\x16\n\x0eoffload_blocks\x18\x10 \x01(\r\x12\x1f\n\x17offload_capacity_blocks\x18\x11 \x01(\r\x12\x15\n\rlora_adapters\x18\x12 \x03(\t\x12\x11\n\tlora_held\x18\x13 \x01(\r2\xca\x02\n\x06Worker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12\x42\n\x07SetRole\x12\x1a.pdserve.v1.SetRoleRequest\x1a\x1b.pdserve.v1.SetRoleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xe4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12&\n\x08priority\x18\x05 \x01(\x0e\x32\x14.pdserve.v1.Priority\x12$\n\x07\x61\x64\x61pter\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Adapter\x12\x14\n\x0c\x63\x61\x63he_weight\x18\x07 \x01(\x02\"\xe7\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\'\n\tkv_handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\'\n\x06phases\x18\x07 \x03(\x0b\x32\x17.pdserve.v1.PhaseTiming\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x31\n\x0e\x66irst_logprobs\x18\t \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x16\n\x0e\x66ork_token_ids\x18\n \x03(\r\"\xa6\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\'\n\tkv_handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12&\n\x08priority\x18\x06 \x01(\x0e\x32\x14.pdserve.v1.Priority\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\r\x12$\n\x07\x61\x64\x61pter\x18\x08 \x01(\x0b\x32\x13.pdserve.v1.Adapter\x12\x14\n\x0c\x63\x61\x63he_weight\x18\t \x01(\x02\"\xa5\x02\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x04\x12\'\n\x06phases\x18\x06 \x03(\x0b\x32\x17.pdserve.v1.PhaseTiming\x12\r\n\x05index\x18\x07 \x01(\r\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x1e\n\x0eSetRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\"1\n\x0fSetRoleResponse\x12\x10\n\x08previous\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\"\xb6\x03\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x13\n\x0bused_blocks\x18\x05 \x01(\r\x12\x15\n\rcached_blocks\x18\x06 \x01(\r\x12\x13\n\x0bheld_blocks\x18\x07 \x01(\r\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x15\n\ractive_leases\x18\n \x01(\r\x12\x16\n\x0e\x65xpired_leases\x18\x0b \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x0c \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\r \x01(\x04\x12\x1d\n\x15kv_layout_fingerprint\x18\x0e \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x0f \x01(\t\x12\x16\n\x0eoffload_blocks\x18\x10 \x01(\r\x12\x1f\n\x17offload_capacity_blocks\x18\x11 \x01(\r\x12\x15\n\rlora_adapters\x18\x12 \x03(\t\x12\x11\n\tlora_held\x18\x13 \x01(\r2\xca\x02\n\x06Worker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12\x42\n\x07SetRole\x12\x1a.pdserve.v1.SetRoleRequest\x1a\x1b.pdserve.v1.SetRoleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,25 +33,25 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=65
-  _globals['_PREFILLREQUEST']._serialized_end=271
-  _globals['_PREFILLRESPONSE']._serialized_start=274
-  _globals['_PREFILLRESPONSE']._serialized_end=633
-  _globals['_DECODEREQUEST']._serialized_start=636
-  _globals['_DECODEREQUEST']._serialized_end=908
-  _globals['_DECODECHUNK']._serialized_start=911
-  _globals['_DECODECHUNK']._serialized_end=1204
-  _globals['_ABORTREQUEST']._serialized_start=1206
-  _globals['_ABORTREQUEST']._serialized_end=1240
-  _globals['_ABORTRESPONSE']._serialized_start=1242
-  _globals['_ABORTRESPONSE']._serialized_end=1272
-  _globals['_STATSREQUEST']._serialized_start=1274
-  _globals['_STATSREQUEST']._serialized_end=1288
-  _globals['_SETROLEREQUEST']._serialized_start=1290
-  _globals['_SETROLEREQUEST']._serialized_end=1320
-  _globals['_SETROLERESPONSE']._serialized_start=1322
-  _globals['_SETROLERESPONSE']._serialized_end=1371
-  _globals['_WORKERSTATS']._serialized_start=1374
-  _globals['_WORKERSTATS']._serialized_end=1812
-  _globals['_WORKER']._serialized_start=1815
-  _globals['_WORKER']._serialized_end=2145
+  _globals['_PREFILLREQUEST']._serialized_end=293
+  _globals['_PREFILLRESPONSE']._serialized_start=296
+  _globals['_PREFILLRESPONSE']._serialized_end=655
+  _globals['_DECODEREQUEST']._serialized_start=658
+  _globals['_DECODEREQUEST']._serialized_end=952
+  _globals['_DECODECHUNK']._serialized_start=955
+  _globals['_DECODECHUNK']._serialized_end=1248
+  _globals['_ABORTREQUEST']._serialized_start=1250
+  _globals['_ABORTREQUEST']._serialized_end=1284
+  _globals['_ABORTRESPONSE']._serialized_start=1286
+  _globals['_ABORTRESPONSE']._serialized_end=1316
+  _globals['_STATSREQUEST']._serialized_start=1318
+  _globals['_STATSREQUEST']._serialized_end=1332
+  _globals['_SETROLEREQUEST']._serialized_start=1334
+  _globals['_SETROLEREQUEST']._serialized_end=1364
+  _globals['_SETROLERESPONSE']._serialized_start=1366
+  _globals['_SETROLERESPONSE']._serialized_end=1415
+  _globals['_WORKERSTATS']._serialized_start=1418
+  _globals['_WORKERSTATS']._serialized_end=1856
+  _globals['_WORKER']._serialized_start=1859
+  _globals['_WORKER']._serialized_end=2189
 # @@protoc_insertion_point(module_scope)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
+from engine.cache_share import NO_OWNER, CacheOwner
 from engine.finish_reason import FinishReason
 from engine.prefix_hash import hash_seed
 from engine.priority import Priority
@@ -34,6 +35,7 @@ def make_req(
     seed: int = SEED,
     priority: Priority = Priority.STANDARD,
     deadline: float | None = None,
+    owner: CacheOwner = NO_OWNER,
 ) -> Request:
     return Request(
         request_id=rid,
@@ -43,6 +45,7 @@ def make_req(
         hold_kv=hold_kv,
         priority=priority,
         deadline=deadline,
+        cache_owner=owner,
     )
 
 

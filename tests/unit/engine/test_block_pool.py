@@ -18,6 +18,7 @@ from hypothesis.stateful import (
 )
 
 from engine.block_pool import BlockPool, BlockPoolStats
+from engine.cache_share import CacheOwner
 from engine.errors import OutOfBlocksError
 
 
@@ -254,6 +255,21 @@ def test_out_of_blocks_error_is_a_memory_error() -> None:
 NUM_BLOCKS = 6
 HASH_VALUES = range(8)  # few hashes, so duplicates happen
 HASHES = st.sampled_from(HASH_VALUES)
+#: Two tenants' weights, chosen so that no two tenants with a free cached block can tie
+#: on blocks per weight within NUM_BLOCKS (the machine checks an exact eviction order).
+TENANTS = {"even": 1.0, "odd": 2.5}
+
+
+def _hash_owner(block_hash: int) -> CacheOwner:
+    """Tenants never share a hash: even hashes are one tenant's, odd ones the other's."""
+    tenant = "even" if block_hash % 2 == 0 else "odd"
+    return CacheOwner(tenant, TENANTS[tenant])
+
+
+def _owner(block_id: int, pool: BlockPool) -> CacheOwner:
+    block_hash = pool.block_hash(block_id)
+    assert block_hash is not None
+    return _hash_owner(block_hash)
 
 
 class BlockPoolMachine(RuleBasedStateMachine):
@@ -278,6 +294,18 @@ class BlockPoolMachine(RuleBasedStateMachine):
             self.clock += 1
             self.freed_at[block_id] = self.clock
 
+    def _expected_evictions(self, n: int) -> list[int]:
+        """The cached free blocks `allocate` must evict for `n` blocks, in order."""
+        parked = {t: sorted((b for b in self._free_cached() if _owner(b, self.pool).tenant == t),
+                            key=lambda b: self.freed_at[b]) for t in TENANTS}  # fmt: skip
+        held = {t: self.pool.held_by(t) for t in TENANTS}
+        out = []
+        for _ in range(n):
+            tenant = max((t for t in TENANTS if parked[t]), key=lambda t: held[t] / TENANTS[t])
+            out.append(parked[tenant].pop(0))
+            held[tenant] -= 1
+        return out
+
     def _free_cached(self) -> list[int]:
         return [
             b
@@ -299,15 +327,16 @@ class BlockPoolMachine(RuleBasedStateMachine):
             for b in range(NUM_BLOCKS)
             if self.pool.ref_count(b) == 0 and self.pool.block_hash(b) is None
         }
-        cached_lru = sorted(self._free_cached(), key=lambda b: self.freed_at[b])
+        evictions = self._expected_evictions(n - min(n, len(free_uncached)))
         got = self.pool.allocate(n)
         assert len(got) == len(set(got)) == n
         assert all(self.pool.ref_count(b) == 1 for b in got)
         assert not set(got) & set(self.held)
-        # Uncached first; then cached ones, least recently freed first.
+        # Uncached first; then cached ones, the most over-share tenant's least recently
+        # freed first.
         n_unc = min(n, len(free_uncached))
         assert set(got[:n_unc]) <= free_uncached
-        assert got[n_unc:] == cached_lru[: n - n_unc]
+        assert got[n_unc:] == evictions
         assert all(self.pool.block_hash(b) is None for b in got[n_unc:])
         self.held.extend(got)
 
@@ -379,7 +408,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def _publish(self, block_id: int, block_hash: int) -> None:
         old = self.pool.block_hash(block_id)
         owner = self.pool.lookup(block_hash)
-        ok = self.pool.cache_full_block(block_id, block_hash)
+        ok = self.pool.cache_full_block(block_id, block_hash, _hash_owner(block_hash))
         if old is not None:
             assert ok == (old == block_hash)
             assert self.pool.block_hash(block_id) == old
@@ -412,7 +441,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @invariant()
     def each_block_free_once_or_in_use(self) -> None:
         uncached = self.pool._free_uncached
-        cached = self.pool._free_cached
+        cached = self.pool._shares.parked()
+        assert len(cached) == len(set(cached))
         for b in range(NUM_BLOCKS):
             on_lists = (b in uncached) + (b in cached)
             if self.pool.ref_count(b) > 0:
@@ -431,6 +461,11 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert s.used == sum(1 for b in range(NUM_BLOCKS) if self.pool.ref_count(b) > 0)
         assert s.cached == sum(1 for b in range(NUM_BLOCKS) if self.pool.block_hash(b) is not None)
         assert s.cached_free == len(self._free_cached())
+        for tenant in TENANTS:
+            hashed = [b for b in range(NUM_BLOCKS) if self.pool.block_hash(b) is not None]
+            assert self.pool.held_by(tenant) == sum(
+                1 for b in hashed if _owner(b, self.pool).tenant == tenant
+            )
 
     @invariant()
     def hashes_point_back(self) -> None:

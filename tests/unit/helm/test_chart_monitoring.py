@@ -50,7 +50,8 @@ DASHBOARD_FAMILIES = {
     "pdserve_kv_blocks", "pdserve_kv_offload_blocks", "pdserve_kv_offload_hit_tokens",
     "pdserve_kv_offload_blocks_moved", "pdserve_kv_transfer_bytes",
     "pdserve_kv_transfer_seconds", "pdserve_router_decisions", "pdserve_router_fail_open",
-    "pdserve_slo_violations", "pdserve_gateway_waiting_room",
+    "pdserve_slo_violations", "pdserve_gateway_waiting_room", "pdserve_decode_roof_seconds",
+    "pdserve_decode_only_busy_seconds", "pdserve_preemption_resume_tokens",
 }  # fmt: skip
 GATEWAY = 'namespace="serving",service="rel-pdserve-gateway"'
 DECODE = 'namespace="serving",service="rel-pdserve-decode"'
@@ -59,6 +60,7 @@ WORKERS = 'namespace="serving",service=~"rel-pdserve-prefill|rel-pdserve-decode"
 #: The gateway's and the worker pools' Services together: what the release's pods cost.
 SERVED = 'namespace="serving",service=~"rel-pdserve-gateway|rel-pdserve-prefill|rel-pdserve-decode"'
 COST = "pdserve:cost_per_million_goodput_tokens:rate1h"
+ROOF = "pdserve:decode_roof_fraction:rate5m"
 #: A series name and the namespace/service matchers in front of it.
 _SELECTED = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)\{(namespace="[^"]*",service=~?"[^"]*")')
 
@@ -131,8 +133,8 @@ def test_rule_expressions_read_only_exported_or_recorded_series(slo_docs: list[M
     rule = the_rule(slo_docs)
     exported = all_exported()
     recorded = {r["record"] for r in rules(rule) if "record" in r}
-    assert recorded == {f"pdserve:slo_error_ratio:rate{w}"
-                        for w in ("5m", "30m", "1h", "2h", "6h", "1d", "3d")} | {COST}  # fmt: skip
+    windows = ("5m", "30m", "1h", "2h", "6h", "1d", "3d")
+    assert recorded == {f"pdserve:slo_error_ratio:rate{w}" for w in windows} | {COST, ROOF}
     for r in rules(rule):
         read = metric_names(r["expr"])
         assert read and read <= exported | recorded, (r.get("alert") or r["record"], read)

@@ -23,6 +23,7 @@ from tests.unit.helm.test_chart_monitoring import (
     DECODE,
     GATEWAY,
     PREFILL,
+    ROOF,
     SLO_VALUES,
     dashboard_queries,
     the_rule,
@@ -265,3 +266,27 @@ def test_cost_rule_is_the_release_cost_per_million_goodput_tokens(
         "promql_expr_test": [{"expr": COST, "eval_time": "70m", "exp_samples": []}],
     }
     promtool.run_rule_tests(groups, [priced, unpriced], tmp_path)
+
+
+@promtool.needs_promtool
+def test_roof_rule_is_each_workers_decode_roof_over_its_decode_time(
+    slo_docs: list[Manifest], tmp_path: Path
+) -> None:
+    """Worker d0: 0.3 s of roof per 0.6 s of decode-only steps a minute: 0.5. Worker p0
+    ran no decode-only step: no sample. A gateway's series are not workers'."""
+    groups = the_rule(slo_docs)["spec"]["groups"]
+    series = [
+        _series("pdserve_decode_roof_seconds_total", DECODE, 'pod="d0"', "0+0.3x20"),
+        _series("pdserve_decode_only_busy_seconds_total", DECODE, 'pod="d0"', "0+0.6x20"),
+        _series("pdserve_decode_roof_seconds_total", PREFILL, 'pod="p0"', "0x20"),
+        _series("pdserve_decode_only_busy_seconds_total", PREFILL, 'pod="p0"', "0x20"),
+        _series("pdserve_decode_roof_seconds_total", GATEWAY, 'pod="g0"', "0+1x20"),
+        _series("pdserve_decode_only_busy_seconds_total", GATEWAY, 'pod="g0"', "0+1x20"),
+    ]
+    expected = [{"labels": f'{ROOF}{{{DECODE},pod="d0"}}', "value": 0.5}]
+    case = {
+        "interval": "1m",
+        "input_series": series,
+        "promql_expr_test": [{"expr": ROOF, "eval_time": "15m", "exp_samples": expected}],
+    }
+    promtool.run_rule_tests(groups, [case], tmp_path)

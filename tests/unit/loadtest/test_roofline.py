@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from engine.decode_roof import linear_flops, linear_weight_bytes, projections
 from engine.model_spec import ModelSpec
 from loadtest.engine import machine_roof
-from loadtest.engine.machine_roof import gemm_roof, linear_flops, linear_weight_bytes, projections
+from loadtest.engine.machine_roof import gemm_roof
 from loadtest.engine.roofline_bench import (
     DecodePoint,
     PrecisionResult,

@@ -10,6 +10,7 @@ import pytest
 from engine.adapter_ref import AdapterRef
 from engine.errors import InvalidRequestError
 from engine.priority import Priority
+from engine.request_check import RequestLimits, check_request
 from engine.request_spec import RequestSpec
 from engine.sampling_params import GuidedKind, GuidedSpec, SamplingParams
 from pdserve.v1 import common_pb2, worker_pb2
@@ -23,6 +24,7 @@ SPEC = RequestSpec(
     ),
     request_id="r.1",
     cache_salt="tenant-a",
+    cache_weight=2.5,
     priority=Priority.CRITICAL,
     adapter=AdapterRef("alpha", "d" * 32),
 )  # fmt: skip
@@ -66,6 +68,17 @@ def test_unknown_value_from_a_client_names_the_field() -> None:
     assert request_codec.priority_from_proto(common_pb2.PRIORITY_UNSPECIFIED) is None
     with pytest.raises(InvalidRequestError, match="priority"):
         request_codec.priority_from_proto(99)
+
+
+def test_an_unset_cache_weight_is_an_even_share_and_a_bad_one_is_refused() -> None:
+    msg = request_codec.prefill_request(SPEC)
+    msg.ClearField("cache_weight")  # an older gateway
+    assert request_codec.spec_of(msg).cache_weight == 1.0
+    msg.cache_weight = -2.0
+    limits = RequestLimits(max_model_len=64, vocab_size=100)
+    with pytest.raises(InvalidRequestError) as info:
+        check_request(request_codec.spec_of(msg), limits)
+    assert info.value.field == "cache_weight"
 
 
 def test_a_bad_sampling_field_is_named_with_its_path() -> None:
