@@ -62,3 +62,20 @@ def test_cuda_offload_tier_is_pinned_and_restores(model: Path) -> None:
     assert got == want and gpu.stats().offload_restored_total > 0
     assert torch.cuda.is_available()
     assert_no_leaks(gpu)
+
+
+def test_cuda_restores_are_timed_and_the_decode_roof_measured(model: Path) -> None:
+    """The restore gate's copy time and the decode roof's bandwidth, on the device: a
+    pinned-to-device copy is timed (it is synchronous), and the start-up probe reads
+    device memory (a GPU's is far above a CPU's 10-30 GB/s)."""
+    gpu = _engine(model, "cuda", num_kv_blocks=12, kv_offload_bytes=64 << 20)
+    first, other = [3 + i % 50 for i in range(120)], [60 + i % 40 for i in range(120)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    gpu.generate([first], params)
+    gpu.generate([other], params)
+    gpu.generate([first], params)
+    tier = gpu.offload.stats() if gpu.offload is not None else None
+    assert tier is not None and tier.restored > 0 and tier.restore_s > 0
+    assert gpu.stats().memory_bandwidth_bytes_s > 100e9
+    assert gpu.stats().decode_roof_s_total > 0
+    assert_no_leaks(gpu)
