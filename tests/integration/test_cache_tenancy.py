@@ -44,9 +44,10 @@ from tests.conftest import MODEL_CACHE, EngineFactory
 from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.prompts import long_prompt
 
-# Runs beside one other pairable file in make test (tests/conftest.py): nothing here is
-# timed, and the preemption needs only that both streams outgrow the pool together.
-pytestmark = pytest.mark.pairable
+# Not pairable: what the flood holds when it evicts depends on how its requests overlap
+# on the prefill worker, and a second cluster on the same cores spaces them out (see
+# docs/engine.md, "Cache fairness": a flood with nothing in flight may evict a tenant
+# that holds more than it does).
 
 KEYS = {
     "hot": ("hot-tenant-key-000000001", "max_class=critical"),
