@@ -14,6 +14,7 @@ stay short.
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
@@ -291,14 +292,19 @@ async def _prefill(
 
 def test_fuzzed_prefill_calls_get_documented_statuses(rig: Rig, probe: LeakProbe) -> None:
     @settings(FUZZ, max_examples=PREFILL_CASES)
-    @given(tokens=_TOKENS, sampling=_sampling(), salt=st.text(max_size=16))
-    def case(tokens: list[int], sampling: common_pb2.SamplingParams, salt: str) -> None:
+    @given(tokens=_TOKENS, sampling=_sampling(), salt=st.text(max_size=16),
+           weight=st.floats(width=32))  # fmt: skip
+    def case(
+        tokens: list[int], sampling: common_pb2.SamplingParams, salt: str, weight: float
+    ) -> None:
         request = worker_pb2.PrefillRequest(
             request_id=uuid.uuid4().hex, prompt_token_ids=tokens, sampling=sampling,
-            cache_salt=salt,
+            cache_salt=salt, cache_weight=weight,
         )  # fmt: skip
         code, details, reply = rig.run(_prefill(rig.worker("prefill"), request))
         assert code in GATEWAY_CODES - {grpc.StatusCode.NOT_FOUND}, (code, details, request)
+        if weight != 0 and not 0 < weight < math.inf:  # 0 is unset: an even share
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details, request)
         if reply is not None:
             assert reply.finished or len(reply.kv_handle.block_ids) > 0
 
