@@ -102,44 +102,42 @@ class BlockPool:
         owner: CacheOwner = NO_OWNER, *, headroom: int | None = None,
     ) -> bool:  # fmt: skip
         """Extend a block table (in place) to cover `num_tokens`, for `owner`; False,
-        allocating nothing, when the pool is short. With `headroom`, an admission: only
-        blocks its tenant may evict count (`allocate`), and `headroom` of them must be
-        left over (the next blocks of the tenant's running requests)."""
+        allocating nothing, when the pool is short. With `headroom`, a guarded allocation
+        (engine/cache_guard.py): only blocks its tenant may evict count (`allocate`), and
+        `headroom` of them must be left over."""
         need = -(-num_tokens // block_size) - len(block_ids)
         if need <= 0:
             return True
-        admission = headroom is not None
-        if need + (headroom or 0) > self.num_free_for(owner if admission else None):
+        guarded = headroom is not None
+        if need + (headroom or 0) > self.num_free_for(owner if guarded else None):
             return False
-        block_ids.extend(self.allocate(need, owner, admission=admission))
+        block_ids.extend(self._take(need, owner, guarded))
         return True
 
-    def headroom(self, busy: int) -> int | None:
-        """What an admission for a tenant with `busy` requests running must leave (`grow`):
-        where tenants share the pool, a busy tenant waits for its own blocks rather than
-        take a lighter tenant's, and leaves its running requests a block each to grow
-        into (engine/cache_share.py). None: it may take any block (it has nothing
-        running, which always progresses, or holds the pool alone)."""
-        return busy + 1 if busy and self._shares.num_tenants > 1 else None
+    @property
+    def num_tenants(self) -> int:
+        """Tenants holding at least one block, in use or free and cached."""
+        return self._shares.num_tenants
 
     def num_free_for(self, owner: CacheOwner | None) -> int:
-        """Blocks an admission for `owner` could take (None: anyone's, `num_free`)."""
+        """Blocks a guarded allocation for `owner` could take (None: anyone's, `num_free`)."""
         if owner is None:
             return self.num_free
         return len(self._free_uncached) + self._shares.evictable(owner.tenant)
 
-    def allocate(
-        self, n: int, owner: CacheOwner = NO_OWNER, *, admission: bool = False
-    ) -> list[int]:
+    def allocate(self, n: int, owner: CacheOwner = NO_OWNER, *, guarded: bool = False) -> list[int]:
         """Take `n` blocks with ref 1, held in `owner`'s share; raises OutOfBlocksError
         (and takes none) if short. Uncached blocks go first, then parked ones by tenant
-        share (engine/cache_share.py); an `admission` evicts only its own tenant's and
-        those of tenants holding at least as much per weight as its own."""
-        tenant = owner.tenant if admission else None
-        available = self.num_free_for(owner if admission else None)
+        share (engine/cache_share.py); a `guarded` allocation evicts only its own
+        tenant's and those of tenants holding at least as much per weight as its own."""
+        available = self.num_free_for(owner if guarded else None)
         if n > available:
             raise OutOfBlocksError(f"need {n} KV blocks, {available} free")
-        floor = self._shares.load(owner.tenant)
+        return self._take(n, owner, guarded)
+
+    def _take(self, n: int, owner: CacheOwner, guarded: bool) -> list[int]:
+        # The guard's floor is the owner's load before this allocation raises it.
+        tenant, floor = (owner.tenant, self._shares.load(owner.tenant)) if guarded else (None, 0.0)
         out: list[int] = []
         for _ in range(n):
             if self._free_uncached:

@@ -156,6 +156,11 @@ class OffloadTier:
         if self.residency is not None:
             self.residency.remove(block_hash)
 
+    def restore_s_per_block(self) -> float | None:
+        """Mean wall time of one restore's copy so far (None before the first); cheaper
+        than `stats()` for the per-block question the restore gate asks."""
+        return self._restore_s / self._restored if self._restored else None
+
     def stats(self) -> OffloadStats:
         return OffloadStats(
             blocks=len(self._slot_of),

@@ -42,8 +42,7 @@ class RestoreGate:
 
     def costs(self) -> tuple[float | None, float | None]:
         """(seconds to restore a block, seconds to recompute one); None: not measured."""
-        stats = self._tier.stats()
-        copy_s = stats.restore_s / stats.restored if stats.restored else None
+        copy_s = self._tier.restore_s_per_block()
         meter = self._meter
         recompute_s = (
             meter.prefill_busy_s / meter.prefill_tokens * self._block_size

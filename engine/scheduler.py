@@ -12,12 +12,13 @@ recently admitted request, never one of a higher class than the request that nee
 the head of its class in the queue, keeping its output tokens; or, already past its
 deadline, it ends with DEADLINE instead (`ScheduledBatch.expired`). Its full blocks stay
 cached, kept by an offload tier once the pool gives them up (swap); on resume it claims
-them as a prefix hit, copied back where `restore_pays` (restore_gate.py). Then, if nothing was
-preempted, it admits WAITING requests, highest class first and in arrival order within
-a class (`waiting_queue.py`), while the budget, `max_num_seqs` and free blocks allow,
-reusing cached prefix blocks. After the model runs, the engine calls `advance` for each
-scheduled request (which publishes newly full blocks to the prefix cache) and `finish`
-when a request stops. Nothing here runs the model or samples.
+them as a prefix hit, copied back where `restore_pays` (restore_gate.py). Then, if
+nothing was preempted, it admits WAITING requests, highest class first and in arrival
+order within a class (`waiting_queue.py`), while the budget, `max_num_seqs` and free
+blocks allow, reusing cached prefix blocks. Where tenants share the pool, admissions
+and growth are held to the tenant's share (`cache_guard.py`). After the model runs, the
+engine calls `advance` for each scheduled request (which publishes newly full blocks to
+the prefix cache) and `finish` when a request stops. It never runs the model or samples.
 
 Hand-off states (see `engine/request.py`), outside the step's queues and never scheduled:
   prefill: `finish` of a hold_kv request (a stop or length) -> HELD_FOR_EXPORT in `held`,
@@ -36,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
+from engine.cache_guard import CacheGuard
 from engine.errors import OutOfBlocksError, UnknownRequestError
 from engine.finish_reason import FinishReason
 from engine.kv_offload import OffloadTier
@@ -71,6 +73,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.held: dict[str, Request] = {}  # HELD_FOR_EXPORT
         self.importing: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
+        self.guard = CacheGuard(pool, config.block_size, self.running, self.held, self.importing)
         # Imports aborted while their bytes may still be landing (see the module doc).
         self._abort_on_landing: set[str] = set()
         self.num_preemptions = 0
@@ -160,8 +163,9 @@ class Scheduler:
         # Leave a block per running request: the next decodes of this step come first.
         spare = self.pool.num_free - len(self.running)
         while drafts:
-            need = -(-(req.num_computed_tokens + 1 + len(drafts)) // bs) - len(req.block_ids)
-            if need <= max(0, spare) and self._grow(req, req.num_computed_tokens + 1 + len(drafts)):
+            target = req.num_computed_tokens + 1 + len(drafts)
+            need = -(-target // bs) - len(req.block_ids)
+            if need <= max(0, spare) and self._grow(req, target, self.guard.growth_room(req)):
                 break
             drafts = drafts[:-1]
         req.draft_token_ids = drafts
@@ -184,8 +188,9 @@ class Scheduler:
         The victim may already be in this batch (requests are placed out of admission
         order): it is taken out again. False when `req` itself had to go.
         """
-        while not self._grow(req, req.num_computed_tokens + n):
-            victim = self.running.pop(self._victim())
+        target = req.num_computed_tokens + n
+        while not self._grow(req, target, self.guard.growth_room(req)):
+            victim = self.running.pop(self._victim(req, target))
             batch.drop(victim)
             self._preempt(victim, batch)
             if victim is req:
@@ -193,15 +198,13 @@ class Scheduler:
         batch.add(req, n)
         return True
 
-    def _victim(self) -> int:
-        """Where in `running` the request to preempt is: the lowest class's most recently
-        admitted one.
-
-        The request that needs room is running too, so the victim is never of a higher
-        class than it, nor an older request of its own class: when nothing newer or lower
-        is left, the victim is the request itself (it waits rather than take from above).
-        """
-        newest_first = range(len(self.running) - 1, -1, -1)
+    def _victim(self, req: Request, num_tokens: int) -> int:
+        """Where in `running` the request to preempt for `req`'s growth is: the lowest
+        class's most recently admitted one (of `req`'s tenant when only the tenant guard
+        stopped it, engine/cache_guard.py). `req` runs too, so the victim is never of a
+        higher class, nor an older request of its class: when nothing newer or lower is
+        left, the victim is `req` itself (it waits rather than take from above)."""
+        newest_first = reversed(self.guard.gives_way(req, num_tokens))
         return min(newest_first, key=lambda i: self.running[i].priority)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
@@ -216,7 +219,8 @@ class Scheduler:
             claimed = not req.block_ids
             hits = self._claim_prefix(req) if claimed else []
             n = min(_remaining(req), budget)
-            if not self._grow(req, req.num_computed_tokens + n, admission=True):
+            target = req.num_computed_tokens + n
+            if not self._grow(req, target, self.guard.admission_room(req, target)):
                 if claimed:
                     self._unclaim_prefix(req, hits)
                 return
@@ -233,15 +237,11 @@ class Scheduler:
             budget -= n
 
     # -- blocks ------------------------------------------------------------------
-    def _grow(self, req: Request, num_tokens: int, admission: bool = False) -> bool:
-        """Cover `num_tokens`; False (allocating nothing) if short (`BlockPool.grow`)."""
-        room = self.pool.headroom(self._busy(req)) if admission else None
+    def _grow(self, req: Request, num_tokens: int, room: int | None = None) -> bool:
+        """Cover `num_tokens`; False (allocating nothing) if short (`BlockPool.grow`;
+        `room`: the tenant guard's headroom, engine/cache_guard.py)."""
         bs = self.config.block_size
         return self.pool.grow(req.block_ids, num_tokens, bs, req.cache_owner, headroom=room)
-
-    def _busy(self, req: Request) -> int:  # its tenant's requests holding blocks
-        mine, held = req.cache_owner.tenant, (*self.held.values(), *self.importing.values())
-        return sum(r.cache_owner.tenant == mine for r in (*self.running, *held))
 
     def _claim_prefix(self, req: Request) -> list[int]:
         """Reuse cached blocks for the longest cached prefix (always computing >= 1 token)."""
@@ -440,7 +440,8 @@ class Scheduler:
         hits = self.pool.longest_cached_prefix(req.block_hashes)
         self.pool.touch(hits)  # off the free list first: a hit cannot also be allocated
         req.block_ids = list(hits)
-        if not self._grow(req, req.num_prompt_tokens, admission=True):
+        room = self.guard.admission_room(req, req.num_tokens)
+        if not self._grow(req, req.num_prompt_tokens, room):
             self._unclaim_prefix(req, hits)
             raise OutOfBlocksError(f"import of {req.request_id}: too few KV blocks")
         req.num_cached_tokens = len(hits) * self.config.block_size
@@ -485,10 +486,8 @@ class Scheduler:
 
     def handoff_blocks(self) -> tuple[int, int]:
         """(blocks held for export, blocks reserved for imports)."""
-        return (
-            sum(len(r.block_ids) for r in self.held.values()),
-            sum(len(r.block_ids) for r in self.importing.values()),
-        )
+        held, importing = self.held.values(), self.importing.values()
+        return sum(len(r.block_ids) for r in held), sum(len(r.block_ids) for r in importing)
 
 
 def _by_class(req: Request) -> int:  # a sort key: higher classes first

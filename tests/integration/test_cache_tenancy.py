@@ -44,10 +44,11 @@ from tests.conftest import MODEL_CACHE, EngineFactory
 from tests.integration.leak_check import assert_cluster_clean, start_probe
 from tests.prompts import long_prompt
 
-# Not pairable: what the flood holds when it evicts depends on how its requests overlap
-# on the prefill worker, and a second cluster on the same cores spaces them out (see
-# docs/engine.md, "Cache fairness": a flood with nothing in flight may evict a tenant
-# that holds more than it does).
+# Serial, not pairable: how the flood's requests overlap on the prefill worker decides
+# which of the guard's cases each allocation meets (docs/engine.md, "Cache fairness").
+# Its chunked growth evicting the hot prefix (fixed by the growth rule) failed CI
+# serially and a paired run before that; this stays serial until paired runs have
+# shown the fix holds there too.
 
 KEYS = {
     "hot": ("hot-tenant-key-000000001", "max_class=critical"),

@@ -13,6 +13,7 @@ import pytest
 
 from engine.cache_share import CacheOwner, CacheShares
 from engine.prefix_hash import hash_seed
+from engine.priority import Priority
 from tests.unit.engine.scheduler_sim import make_req, make_sim
 
 
@@ -102,10 +103,14 @@ FLOOD = 5  # the flood's requests between two of the hot tenant's
 FLOOD_TOKENS = 96  # 6 blocks each: 30 blocks a round, more than the pool's 24
 
 
-def _hot_hit_tokens(hot: CacheOwner, flood: CacheOwner) -> list[int]:
-    """The hot tenant's cached tokens per request, with the flood in between."""
-    # A step's budget admits the whole flood at once: its requests are in flight together.
-    sim = make_sim(num_blocks=24, block_size=16, budget=1024)
+def _hot_hit_tokens(
+    hot: CacheOwner, flood: CacheOwner, *, budget: int = 1024, num_blocks: int = 24,
+    flood_tokens: int = FLOOD_TOKENS,
+) -> list[int]:  # fmt: skip
+    """The hot tenant's cached tokens per request, with the flood in between. The default
+    budget admits the whole flood in one step (its requests are in flight together); a
+    smaller one splits each flood prompt into chunks, so the flood grows as it runs."""
+    sim = make_sim(num_blocks=num_blocks, block_size=16, budget=budget)
     hot_seed, flood_seed = hash_seed("m", "hot"), hash_seed("m", "flood")
     hits = []
     for r in range(ROUNDS):
@@ -115,7 +120,7 @@ def _hot_hit_tokens(hot: CacheOwner, flood: CacheOwner) -> list[int]:
         sim.run()
         hits.append(req.num_cached_tokens)
         for i in range(FLOOD):
-            prompt = [7000 + 1000 * r + 100 * i + t % 97 for t in range(FLOOD_TOKENS)]
+            prompt = [7000 + 1000 * r + 100 * i + t % 97 for t in range(flood_tokens)]
             sim.add(make_req(f"flood{r}.{i}", prompt, 2, seed=flood_seed, owner=flood))
         sim.run()
     sim.assert_no_leaks()
@@ -128,3 +133,47 @@ def test_a_flood_of_unique_prompts_does_not_evict_another_tenants_hot_prefix() -
     # One list for both (today's least recently freed order): the flood evicts it.
     shared = _hot_hit_tokens(CacheOwner("one"), CacheOwner("one"))
     assert shared == [0] * ROUNDS
+
+
+def test_a_chunked_flood_preempts_its_own_requests_rather_than_evict_another_tenant() -> None:
+    # 48-token steps: each 256-token flood prompt (16 blocks of the pool's 24) is admitted
+    # a chunk at a time and grows as it runs, next to other flood requests, while the
+    # hot tenant's prefix is parked. Short only because of the guard, the growing
+    # request preempts the flood's newest instead of evicting the hot tenant's blocks.
+    chunked = {"budget": 48, "flood_tokens": 256}
+    fair = _hot_hit_tokens(CacheOwner("hot"), CacheOwner("flood"), **chunked)
+    assert fair == [0] + [64] * (ROUNDS - 1)
+    shared = _hot_hit_tokens(CacheOwner("one"), CacheOwner("one"), **chunked)
+    assert shared == [0] * ROUNDS
+
+
+def test_a_request_too_big_for_the_rest_of_the_pool_still_runs() -> None:
+    # 20 blocks: one 256-token flood prompt (17 with its output) cannot fit beside the
+    # hot tenant's 5, and the flood's only running request may take them: progress wins
+    # over the share. The hot tenant keeps what the flood did not need.
+    hits = _hot_hit_tokens(
+        CacheOwner("hot"), CacheOwner("flood"), budget=64, num_blocks=20, flood_tokens=256
+    )
+    assert hits == [0] + [48] * (ROUNDS - 1)
+
+
+def test_a_pool_short_for_everyone_still_preempts_by_class_across_tenants() -> None:
+    # Nothing is parked: no tenant's share is at stake, so the guard leaves the victim
+    # to the classes: the other tenant's sheddables go, newest first, though the
+    # critical request's own tenant runs another request it could have preempted.
+    sim = make_sim(num_blocks=5, block_size=4)
+    mine, theirs = CacheOwner("mine"), CacheOwner("theirs")
+    s1 = make_req("s1", range(3), 6, priority=Priority.SHEDDABLE, owner=theirs)
+    s2 = make_req("s2", range(100, 103), 6, priority=Priority.SHEDDABLE, owner=theirs)
+    std = make_req("std", range(300, 303), 8, owner=mine)
+    sim.add(s1, s2, std)
+    sim.step()
+    crit = make_req("crit", range(200, 203), 8, priority=Priority.CRITICAL, owner=mine)
+    sim.add(crit)
+    sim.step()
+    assert sim.pool.num_tenants == 2 and sim.pool.stats().cached_free == 0
+    victims: list[str] = []
+    while sim.sched.has_work():
+        victims += [v.request_id for v in sim.step().preempted]
+    assert victims[:2] == ["s2", "s1"] and crit.num_preemptions == 0
+    sim.assert_no_leaks()
