@@ -15,13 +15,17 @@ Lifecycle of `python -m loadtest.flow.decode_overload_bench`:
    `overload_factor` x that for `duration_s`: the baseline's overload.
 3. Start a second cluster, ITL admission on with `--itl-budget-s` = `itl_budget_share`
    x the SLO (the budget bounds the mean decode step, the SLO a request's p90 gap), and
-   offer it the same overload.
-4. Report both overloads per class (ITL p90 of the served beside TTFT and refusals),
-   goodput against goodput at capacity, and whether every refusal carried a retry hint;
-   the leak probe after each.
+   run `rounds` paired rounds on it: the capacity rate for `duration_s`, then the same
+   overload for as long. Each round's goodput ratio is its overload's goodput over its
+   own capacity run's, so drift of the shared host between rounds cancels.
+4. Report both overloads per class (ITL p90 of the served beside TTFT and refusals; the
+   rounds' overloads pooled), the paired rounds' goodputs and ratios, and whether every
+   refusal carried a retry hint; the leak probe after each deployment.
 
 Targets (with ITL admission on; PASS/FAIL, exit status 0 either way): critical ITL p90
-within the SLO, goodput ratio >= 0.9, every refusal with a retry hint, nothing leaked.
+within the SLO, the median of the rounds' goodput ratios >= 0.9, every refusal with a
+retry hint, nothing leaked. The baseline's ratio is one overload run against the
+search's probe at capacity.
 The baseline's numbers stand beside them. The JSON (`--out`, default
 bench-results/decode_overload.json) carries the run's provenance.
 """
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from engine.priority import Priority
 from loadtest.flow.cluster import FlowCluster, LeakCheck, check_leaks, start_leak_probes
 from loadtest.flow.cluster import warm_up as warm_cluster
+from loadtest.flow.metrics import attainment, goodput, share
 from loadtest.flow.overload_bench import TENANTS, streams_at
 from loadtest.flow.overload_config import OverloadBenchConfig
 from loadtest.flow.phase import PhaseSummary, find_capacity, run_phase, summarize_phase
@@ -67,7 +72,13 @@ class DecodeOverloadConfig(OverloadBenchConfig):
     prompt_tokens: int = field(default=64, metadata={"help": "prompt tokens per request"})
     output_tokens: int = field(default=192, metadata={"help": "output tokens per request"})
     duration_s: float = field(
-        default=90.0, metadata={"help": "seconds of overload traffic per deployment"}
+        default=60.0,
+        metadata={"help": "seconds of traffic per run: the baseline's overload, and each "
+                  "paired round's capacity run and overload"},
+    )  # fmt: skip
+    rounds: int = field(
+        default=3,
+        metadata={"help": "paired rounds (capacity, then overload) with ITL admission on"},
     )
     request_timeout_s: float = field(
         default=120.0, metadata={"help": "client deadline of one stream"}
@@ -85,17 +96,45 @@ class DecodeOverloadConfig(OverloadBenchConfig):
         super().__post_init__()
         if self.itl_slo_factor <= 1 or not 0 < self.itl_budget_share <= 1:
             raise ValueError("itl_slo_factor must be > 1 and itl_budget_share in (0, 1]")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+
+
+@dataclass(frozen=True)
+class PairedRound:
+    """One round with ITL admission on: goodput at the capacity rate, then overloaded.
+
+    Goodput at capacity is the rate times the share of its requests that met the SLO,
+    not met requests over the window: how many arrive in a Poisson window varies by
+    about 1/sqrt(n) (9% for 120), which would swing the ratio by as much while the
+    overload's goodput, bound by service, hardly moves with its arrivals."""
+
+    capacity_rate: float
+    capacity_attainment: float
+    capacity_goodput_rps: float
+    overload_goodput_rps: float
+
+    @classmethod
+    def of(cls, capacity_rate: float, attainment: float, overload_rps: float) -> PairedRound:
+        return cls(capacity_rate, attainment, capacity_rate * attainment, overload_rps)
+
+    @property
+    def ratio(self) -> float:
+        return share(self.overload_goodput_rps, self.capacity_goodput_rps)
 
 
 @dataclass(frozen=True)
 class Deployment:
-    """One cluster's overload: its ITL budget (0: admission on TTFT alone) and results."""
+    """One cluster's overload: its ITL budget (0: admission on TTFT alone) and results.
+    `goodput_ratio`: overload / capacity, the median over `rounds` when it has any
+    (ITL admission on), else against the baseline's search probe at capacity."""
 
     itl_budget_s: float
-    overload: PhaseSummary
+    overload: PhaseSummary  # every overload run's requests pooled
     refusals_without_hint: int
     leaks: LeakCheck
-    goodput_ratio: float  # under overload / at capacity (the baseline's search)
+    goodput_ratio: float
+    rounds: list[PairedRound] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -135,19 +174,53 @@ def refusals_without_hint(records: Sequence[FlowRecord]) -> int:
     return sum(1 for r in records if r.refusal is not None and not r.refusal.retry_after_s)
 
 
+def _summary(
+    cfg: DecodeOverloadConfig, label: str, rate: float, runs: int, records: list[FlowRecord]
+) -> PhaseSummary:
+    weights = {t.name: t.weight for t in TENANTS.values()}
+    streams = streams_at(cfg)(rate)
+    return summarize_phase(label, streams, runs * cfg.duration_s, records, cfg.slo(), weights)
+
+
 async def overload(
-    fc: FlowCluster, cfg: DecodeOverloadConfig, synth: TextSynth, rate: float, label: str,
+    fc: FlowCluster, cfg: DecodeOverloadConfig, synth: TextSynth, rate: float,
     goodput_at_capacity: float,
 ) -> Deployment:  # fmt: skip
-    streams = streams_at(cfg)(rate)
+    """The baseline: one overload run, against the search's goodput at capacity."""
     probes = await start_leak_probes(fc)
-    records = await run_phase(fc, streams, cfg.duration_s, cfg, synth, label)
-    weights = {t.name: t.weight for t in TENANTS.values()}
-    summary = summarize_phase(label, streams, cfg.duration_s, records, cfg.slo(), weights)
+    records = await run_phase(fc, streams_at(cfg)(rate), cfg.duration_s, cfg, synth, "baseline")
+    summary = _summary(cfg, "baseline", rate, 1, records)
     leaks = await check_leaks(probes)
-    ratio = summary.goodput.requests_per_s / goodput_at_capacity if goodput_at_capacity else 0.0
+    ratio = share(summary.goodput.requests_per_s, goodput_at_capacity)
     return Deployment(cfg.itl_budget_s or 0.0, summary, refusals_without_hint(records), leaks,
                       ratio)  # fmt: skip
+
+
+async def paired_rounds(
+    fc: FlowCluster, cfg: DecodeOverloadConfig, synth: TextSynth, capacity_rate: float,
+    rate: float,
+) -> Deployment:  # fmt: skip
+    """`cfg.rounds` rounds of the capacity rate then the overload, on one cluster."""
+    probes = await start_leak_probes(fc)
+    slo, pooled, rounds = cfg.slo(), [], []
+    for i in range(cfg.rounds):
+        at_capacity = await run_phase(fc, streams_at(cfg)(capacity_rate), cfg.duration_s, cfg,
+                                      synth, f"capacity{i}")  # fmt: skip
+        overloaded = await run_phase(fc, streams_at(cfg)(rate), cfg.duration_s, cfg, synth,
+                                     f"itl_admission{i}")  # fmt: skip
+        pair = PairedRound.of(capacity_rate, attainment(at_capacity, slo),
+                           goodput(overloaded, slo, cfg.duration_s).requests_per_s)  # fmt: skip
+        progress(
+            f"round {i + 1} of {cfg.rounds}: goodput {pair.capacity_goodput_rps:.3f} req/s "
+            f"at capacity, {pair.overload_goodput_rps:.3f} overloaded: {pair.ratio:.2f}x"
+        )
+        rounds.append(pair)
+        pooled += overloaded
+    leaks = await check_leaks(probes)
+    summary = _summary(cfg, "itl_admission", rate, cfg.rounds, pooled)
+    ratio = statistics.median(r.ratio for r in rounds)
+    return Deployment(cfg.itl_budget_s or 0.0, summary, refusals_without_hint(pooled), leaks,
+                      ratio, rounds)  # fmt: skip
 
 
 def critical_itl_p90_ms(d: Deployment) -> float:
@@ -161,11 +234,19 @@ def targets(cfg: DecodeOverloadConfig, on: Deployment, slo_ms: float) -> list[Ta
         TargetResult.check("critical ITL p90 (ms) with ITL admission", critical_itl_p90_ms(on),
                            "<=", slo_ms, "the ITL SLO"),
         TargetResult.check("goodput ratio (overload / capacity)", on.goodput_ratio, ">=",
-                           cfg.goodput_ratio_target),
+                           cfg.goodput_ratio_target, _rounds_context(on.rounds)),
         TargetResult.check("refusals without a retry hint", on.refusals_without_hint, "<=", 0,
                            f"of {refused} refusals"),
         TargetResult.check("leak check clean (1 = yes)", float(on.leaks.clean), ">=", 1),
     ]  # fmt: skip
+
+
+def _rounds_context(rounds: Sequence[PairedRound]) -> str:
+    if not rounds:
+        return ""
+    ratios = [r.ratio for r in rounds]
+    return (f"median of {len(rounds)} paired rounds; rounds from {min(ratios):.2f}x "
+            f"to {max(ratios):.2f}x")  # fmt: skip
 
 
 def run(settings: RunSettings, cfg: DecodeOverloadConfig) -> DecodeOverloadReport:
@@ -181,7 +262,7 @@ def run(settings: RunSettings, cfg: DecodeOverloadConfig) -> DecodeOverloadRepor
 
         async def measure() -> Deployment:
             await warm_cluster(fc, on_cfg.warmup_requests, 16)
-            return await overload(fc, on_cfg, synth, rate, "itl_admission", goodput_at_capacity)
+            return await paired_rounds(fc, on_cfg, synth, search.capacity_rate, rate)
 
         on = asyncio.run(measure())
     slo_ms = slo_cfg.itl_slo_ms or 0.0
@@ -212,16 +293,20 @@ async def _baseline(
         raise RuntimeError("no rate held the attainment target: capacity 0, nothing to overload")
     rate = cfg.overload_factor * search.capacity_rate
     progress(f"capacity {search.capacity_rate:.3f} req/s; offering {rate:.3f} req/s to each")
-    base = await overload(fc, cfg, synth, rate, "baseline", search.baseline.goodput_rps)
+    base = await overload(fc, cfg, synth, rate, search.baseline.goodput_rps)
     return step_s, cfg, search, rate, base
 
 
 def _deployment_lines(name: str, d: Deployment) -> list[str]:
     o = d.overload
+    rounds = [f"  round {i + 1}: goodput {r.capacity_goodput_rps:.3f} req/s at capacity, "
+              f"{r.overload_goodput_rps:.3f} overloaded: {r.ratio:.2f}x"
+              for i, r in enumerate(d.rounds)]  # fmt: skip
     return [
         f"{name} (--itl-budget-s {d.itl_budget_s:g}): {o.offered} requests, attainment "
         f"{o.attainment:.2f}, goodput {o.goodput.requests_per_s:.3f} req/s "
         f"({d.goodput_ratio:.2f}x capacity's), refusals without a hint {d.refusals_without_hint}",
+        *rounds,
         CLASS_HEADER,
         *(class_row(c) + f"  ITL p90 {c.itl.p90_ms:.0f} ms" for c in o.classes),
         leak_line(d.leaks),
@@ -233,7 +318,8 @@ def format_table(r: DecodeOverloadReport) -> str:
         f"unloaded decode step {r.unloaded_step_ms:.1f} ms; ITL SLO {r.itl_slo_ms:g} ms "
         "(p90 of a request's own gaps)",
         *capacity_lines(r.capacity),
-        f"overload: {r.overload_rate:.3f} req/s for {r.config.duration_s:g} s on each",
+        f"overload: {r.overload_rate:.3f} req/s for {r.config.duration_s:g} s, once with ITL "
+        f"admission off and in each of {r.config.rounds} paired rounds with it on",
         *_deployment_lines("baseline, ITL admission off", r.baseline),
         *_deployment_lines("ITL admission on", r.itl_admission),
         f"critical ITL p90: {r.critical_itl_p90_ms:.0f} ms with ITL admission, "

@@ -258,6 +258,26 @@ def decode_overload(data: Json) -> list[str]:
         "without.",
         "",
         *table(header, rows),
+        *_paired_rounds(data.get("itl_admission", {})),
+    ]
+
+
+def _paired_rounds(d: Json) -> list[str]:
+    """The ITL-admission deployment's paired rounds (capacity run, then overload)."""
+    rounds = d.get("rounds") or []
+    if not rounds:
+        return []
+    ratios = ", ".join(
+        f"{fmt(r.get('overload_goodput_rps'), '.3f')} / {fmt(r.get('capacity_goodput_rps'), '.3f')}"
+        for r in rounds
+    )
+    return [
+        "",
+        f"Goodput ratio with ITL admission: **{fmt(d.get('goodput_ratio'), '.2f', 'x')}**, the "
+        f"median of {len(rounds)} paired rounds on one cluster, each the overload's goodput "
+        f"over that round's goodput at the capacity rate (the rate times the attainment of "
+        f"its run there), req/s: {ratios}. The baseline's ratio is its one overload run "
+        "against the search's probe at capacity.",
     ]
 
 

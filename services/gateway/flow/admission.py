@@ -206,8 +206,10 @@ class Admission:
         one stream's step passed the budget let the critical class's ITL p90 reach
         186 ms against a 67 ms SLO (docs/history.md, "ITL admission standing aside")."""
         budget = self.config.itl_budget_s
+        if budget <= 0:  # off (the default): no need to predict
+            return True
         outlook = self.capacity.decode_step_s_with()
-        if budget <= 0 or outlook is None or outlook.idle:
+        if outlook is None or outlook.idle:
             return True
         step_s = outlook.step_s * self.capacity.itl_calibration.factor
         if outlook.alone_s > budget and not self._warned_slow:

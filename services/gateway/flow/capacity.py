@@ -77,12 +77,11 @@ class Estimate:
 
 @dataclass(frozen=True)
 class DecodeOutlook:
-    """The best decode worker for a new stream: its predicted step time with the stream,
-    how many streams it has without it (counting those admitted but not yet shown), and
-    its step with one stream alone; `idle`: some decode worker would have no stream."""
+    """The best decode worker for a new stream: its predicted step time with the stream
+    (counting the streams admitted but not yet shown) and its step with one stream
+    alone; `idle`: some decode worker would have no stream."""
 
     step_s: float
-    streams: int
     alone_s: float
     idle: bool
 
@@ -336,7 +335,7 @@ class Capacity:
             if step is None or alone is None:
                 continue
             if best is None or step < best.step_s:
-                best = DecodeOutlook(step, n, alone, min(streams) == 0)
+                best = DecodeOutlook(step, alone, min(streams) == 0)
         return best
 
     def _decode_unseen(self, p: Pass) -> bool:

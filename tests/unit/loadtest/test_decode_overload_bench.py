@@ -4,6 +4,7 @@ targets and the terminal table."""
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from pathlib import Path
 
@@ -120,3 +121,37 @@ def test_the_docs_section_shows_both_deployments(tmp_path: Path) -> None:
     assert "critical ITL p90 **40 ms** with ITL admission against 90 ms without" in page
     assert "| ITL admission off (0 s) | critical |" in page
     assert "| ITL admission on (0.048 s) | critical |" in page
+
+
+def test_paired_rounds_give_the_median_ratio_and_show_each_round(tmp_path: Path) -> None:
+    cfg = bench.DecodeOverloadConfig(itl_slo_ms=60.0, duration_s=10)
+    # Goodput at capacity is the rate times its attainment, whatever the window held.
+    rounds = [bench.PairedRound.of(0.2, 1.0, 0.19), bench.PairedRound.of(0.2, 1.0, 0.17),
+              bench.PairedRound.of(0.25, 0.8, 0.2)]  # fmt: skip
+    assert [r.capacity_goodput_rps for r in rounds] == pytest.approx([0.2, 0.2, 0.2])
+    assert [r.ratio for r in rounds] == pytest.approx([0.95, 0.85, 1.0])
+    on = dataclasses.replace(_deployment(cfg, [_streamed(CRIT, [0.04] * 30)], 0.048, 0.2),
+                             goodput_ratio=0.95, rounds=rounds)  # fmt: skip
+    off = _deployment(cfg, [_streamed(CRIT, [0.09] * 30)], 0, 0.2)
+    targets = bench.targets(cfg, on, 60.0)
+    assert targets[1].met and targets[1].context == (
+        "median of 3 paired rounds; rounds from 0.85x to 1.00x"
+    )
+    probe = Probe(0.2, 20.0, 4, 4, 1.0, 0.2, 38.4)
+    report = bench.DecodeOverloadReport(
+        bench.SCHEMA, RunSettings(), cfg, {"critical": 10.0}, 20.0, 60.0,
+        SearchResult(0.2, Qualifier.BRACKETED, probe, [probe]), 0.6, 0.2, off, on,
+        bench.critical_itl_p90_ms(on), bench.critical_itl_p90_ms(off), targets,
+    )  # fmt: skip
+    assert "  round 2: goodput 0.200 req/s at capacity, 0.170 overloaded: 0.85x" in (
+        bench.format_table(report)
+    )
+    path = write_result(tmp_path / "decode_overload.json", report, PROVENANCE)
+    page = "\n".join(section(read_result(path), "decode_overload.json"))
+    assert "**0.95x**, the median of 3 paired rounds" in page
+    assert "0.190 / 0.200, 0.170 / 0.200, 0.200 / 0.200" in page
+
+
+def test_rounds_must_be_positive() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(bench.SPEC, ["--rounds", "0"])
