@@ -20,6 +20,7 @@ from loadtest.flow.traffic import FlowStream
 from loadtest.harness.bench_main import parse_args
 from loadtest.harness.capacity_search import Probe, Qualifier, SearchResult
 from loadtest.harness.settings import RunSettings
+from loadtest.harness.target import TargetResult
 from loadtest.reliability.leak_probe import Leaks
 from loadtest.reports.provenance import Host, Provenance
 from loadtest.reports.result_file import read_result, write_result
@@ -83,6 +84,17 @@ def _deployment(cfg: bench.DecodeOverloadConfig, records: list[FlowRecord], budg
                             summary.goodput.requests_per_s / capacity_rps)  # fmt: skip
 
 
+def _report(cfg: bench.DecodeOverloadConfig, off: bench.Deployment, on: bench.Deployment,
+            targets: list[TargetResult]) -> bench.DecodeOverloadReport:  # fmt: skip
+    """A report of a 0.2 req/s capacity (one probe) overloaded at 0.6 req/s."""
+    probe = Probe(0.2, 20.0, 4, 4, 1.0, 0.2, 38.4)
+    return bench.DecodeOverloadReport(
+        bench.SCHEMA, RunSettings(), cfg, {"critical": 10.0}, 20.0, 60.0,
+        SearchResult(0.2, Qualifier.BRACKETED, probe, [probe]), 0.6, 0.2, off, on,
+        bench.critical_itl_p90_ms(on), bench.critical_itl_p90_ms(off), targets,
+    )  # fmt: skip
+
+
 def test_targets_and_table() -> None:
     cfg = bench.DecodeOverloadConfig(itl_slo_ms=60.0, duration_s=10)
     refused = FlowRecord("r", "tenant-standard", STD, 0, 0.0, code="UNAVAILABLE", finished_s=5.0)
@@ -92,12 +104,7 @@ def test_targets_and_table() -> None:
     off = _deployment(cfg, [_streamed(CRIT, [0.09] * 30), _streamed(STD, [0.09] * 30)], 0, 0.2)
     targets = bench.targets(cfg, on, 60.0)
     assert [t.met for t in targets] == [True, True, False, True]  # the refusal had no hint
-    probe = Probe(0.2, 20.0, 4, 4, 1.0, 0.2, 38.4)
-    report = bench.DecodeOverloadReport(
-        bench.SCHEMA, RunSettings(), cfg, {"critical": 10.0}, 20.0, 60.0,
-        SearchResult(0.2, Qualifier.BRACKETED, probe, [probe]), 0.6, 0.2, off, on,
-        bench.critical_itl_p90_ms(on), bench.critical_itl_p90_ms(off), targets,
-    )  # fmt: skip
+    report = _report(cfg, off, on, targets)
     assert report.critical_itl_p90_ms == pytest.approx(40.0)
     assert report.critical_itl_p90_ms_baseline == pytest.approx(90.0)
     table = bench.format_table(report)
@@ -109,12 +116,7 @@ def test_the_docs_section_shows_both_deployments(tmp_path: Path) -> None:
     cfg = bench.DecodeOverloadConfig(itl_slo_ms=60.0, duration_s=10)
     on = _deployment(cfg, [_streamed(CRIT, [0.04] * 30)], 0.048, 0.2)
     off = _deployment(cfg, [_streamed(CRIT, [0.09] * 30)], 0, 0.2)
-    probe = Probe(0.2, 20.0, 4, 4, 1.0, 0.2, 38.4)
-    report = bench.DecodeOverloadReport(
-        bench.SCHEMA, RunSettings(), cfg, {"critical": 10.0}, 20.0, 60.0,
-        SearchResult(0.2, Qualifier.BRACKETED, probe, [probe]), 0.6, 0.2, off, on,
-        bench.critical_itl_p90_ms(on), bench.critical_itl_p90_ms(off), bench.targets(cfg, on, 60),
-    )  # fmt: skip
+    report = _report(cfg, off, on, bench.targets(cfg, on, 60))
     path = write_result(tmp_path / "decode_overload.json", report, PROVENANCE)
     page = "\n".join(section(read_result(path), "decode_overload.json"))
     assert "## Decode-heavy overload: ITL admission on against off" in page
@@ -137,12 +139,7 @@ def test_paired_rounds_give_the_median_ratio_and_show_each_round(tmp_path: Path)
     assert targets[1].met and targets[1].context == (
         "median of 3 paired rounds; rounds from 0.85x to 1.00x"
     )
-    probe = Probe(0.2, 20.0, 4, 4, 1.0, 0.2, 38.4)
-    report = bench.DecodeOverloadReport(
-        bench.SCHEMA, RunSettings(), cfg, {"critical": 10.0}, 20.0, 60.0,
-        SearchResult(0.2, Qualifier.BRACKETED, probe, [probe]), 0.6, 0.2, off, on,
-        bench.critical_itl_p90_ms(on), bench.critical_itl_p90_ms(off), targets,
-    )  # fmt: skip
+    report = _report(cfg, off, on, targets)
     assert "  round 2: goodput 0.200 req/s at capacity, 0.170 overloaded: 0.85x" in (
         bench.format_table(report)
     )
