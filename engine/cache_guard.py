@@ -3,17 +3,21 @@ an admission must leave, and whose request gives way when a tenant runs short.
 
 Where tenants share the pool (`BlockPool.num_tenants` > 1), a tenant with work in flight
 must not take a lighter tenant's cached blocks (engine/cache_share.py): it waits for its
-own. Two allocations are guarded that way (`BlockPool.grow` with a `headroom`):
+own. These allocations are guarded that way (`BlockPool.grow` with a `headroom`):
 - An admission (a new or resumed request, an import's reservation) of a tenant with
   requests running, held for export or importing. It must also leave what the tenant's
   running requests still need to finish their prompts (at least a block each to grow
   into) and the rest of its own prompt past this chunk: admitting a prompt whose next
   chunk could only come from a lighter tenant would just move the eviction one step on.
-- A running request's growth (its next chunk or decode block) while another request of
-  its tenant runs. Short only because of the guard, it preempts its own tenant's
-  request (`gives_way`: the lowest class's newest, perhaps itself) instead of evicting
-  a lighter tenant's blocks; the preempted request's full blocks stay cached, in its
-  tenant's share.
+- A prompt's next chunk while another request of its tenant runs: chunked prompts are
+  how a flood grows, and left free they evicted the hot tenant's prefix (docs/history.md,
+  "Cache fairness and the chunked flood"). Short only because of the guard, the chunk's
+  request preempts its own tenant's (`gives_way`: the lowest class's newest, perhaps
+  itself) instead of evicting a lighter tenant's blocks; the preempted request's full
+  blocks stay cached, in its tenant's share, so its recompute is mostly a prefix hit.
+  A decode's next block is not guarded: preempting a live stream (its ITL, its
+  recompute) to spare a free cached block costs more than the block. Draft tokens'
+  blocks are (`draft_room`): a bet never takes another tenant's cache.
 Progress: a tenant's only running request grows into anyone's blocks, and a tenant with
 nothing in flight is admitted into anyone's, so every tenant moves on. A pool short for
 everyone preempts by class as before (the scheduler's `_victim`). With one tenant, nothing
@@ -56,12 +60,16 @@ class CacheGuard:
         return room + sum(max(1, self._blocks(r.num_tokens) - len(r.block_ids)) for r in mine)
 
     def growth_room(self, req: Request) -> int | None:
-        """0 when the growth of running `req` is guarded (another request of its tenant
-        runs), else None."""
-        if self.pool.num_tenants < 2:
+        """0 when the growth of running `req` is guarded (a prompt chunk, while another
+        request of its tenant runs), else None."""
+        if self.pool.num_tenants < 2 or req.num_tokens - req.num_computed_tokens <= 1:
             return None
         others = any(r is not req and _same_tenant(r, req) for r in self._running)
         return 0 if others else None
+
+    def draft_room(self) -> int | None:
+        """0 (guarded) for draft tokens' blocks where tenants share the pool, else None."""
+        return 0 if self.pool.num_tenants > 1 else None
 
     def gives_way(self, req: Request, num_tokens: int) -> list[int]:
         """Where in `running` the requests that may be preempted for `req`'s growth to

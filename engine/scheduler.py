@@ -165,7 +165,7 @@ class Scheduler:
         while drafts:
             target = req.num_computed_tokens + 1 + len(drafts)
             need = -(-target // bs) - len(req.block_ids)
-            if need <= max(0, spare) and self._grow(req, target, self.guard.growth_room(req)):
+            if need <= max(0, spare) and self._grow(req, target, self.guard.draft_room()):
                 break
             drafts = drafts[:-1]
         req.draft_token_ids = drafts

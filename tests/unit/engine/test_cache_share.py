@@ -177,3 +177,23 @@ def test_a_pool_short_for_everyone_still_preempts_by_class_across_tenants() -> N
         victims += [v.request_id for v in sim.step().preempted]
     assert victims[:2] == ["s2", "s1"] and crit.num_preemptions == 0
     sim.assert_no_leaks()
+
+
+def test_a_decode_takes_a_lighter_tenants_free_cached_block_before_preempting_a_stream() -> None:
+    # The hot tenant's finished request leaves 2 full blocks parked; two streams of
+    # another tenant then decode past what the free blocks hold. A stream's next block
+    # is not guarded: the hot tenant's parked blocks go before any stream is preempted.
+    sim = make_sim(num_blocks=6, block_size=4)
+    hot = make_req("hot", range(8), 1, seed=hash_seed("m", "hot"), owner=CacheOwner("hot"))
+    sim.add(hot)
+    sim.run()
+    assert sim.pool.held_by("hot") == 2
+    streams = [make_req(f"s{i}", range(100 * i, 100 * i + 3), 12, owner=CacheOwner("busy"))
+               for i in (1, 2)]  # fmt: skip
+    sim.add(*streams)
+    held_at_first_preemption = None
+    while sim.sched.has_work():
+        if sim.step().preempted and held_at_first_preemption is None:
+            held_at_first_preemption = sim.pool.held_by("hot")
+    assert held_at_first_preemption == 0  # 4 blocks a stream: 8 > the 4 left free
+    sim.assert_no_leaks()
