@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from engine.block_pool import BlockPool
+from engine.cache_share import CacheOwner
 from engine.kv_cache import KvCache
 from engine.kv_layout import allocate_blocks
 from engine.residency import ResidencyLog
@@ -142,6 +144,33 @@ class OffloadTier:
         self._restore_s += time.perf_counter() - start
         self._free.append(slot)
         self._restored += 1
+
+    def restore_prefix(
+        self, pool: BlockPool, block_hashes: Sequence[int], owner: CacheOwner, *,
+        reserve: int, guarded: bool,
+    ) -> tuple[list[int], int]:  # fmt: skip
+        """Continue a prefix hit past the pool's blocks: for each hash in order, the pool's
+        block if it has one (a reference taken), else this tier's bytes copied into a new
+        block of `owner`'s and published. Stops at the first hash neither holds, or once
+        no more than `reserve` blocks `owner` may take would be left (`guarded`: only those
+        its tenant may evict, `BlockPool.num_free_for`). Returns the blocks and how many
+        were copied from the tier."""
+        out: list[int] = []
+        copied = 0
+        for block_hash in block_hashes:
+            cached = pool.lookup(block_hash)
+            if cached is not None:
+                pool.touch([cached])
+            elif block_hash not in self or pool.num_free_for(owner if guarded else None) <= reserve:
+                break
+            else:
+                slot = self.take(block_hash)  # reserved: the allocation's spill can't reuse it
+                (cached,) = pool.allocate(1, owner, guarded=guarded)
+                self.restore(slot, cached)
+                pool.cache_full_block(cached, block_hash, owner)
+                copied += 1
+            out.append(cached)
+        return out, copied
 
     def reset(self) -> int:
         """Forget every entry; returns how many were dropped."""

@@ -20,13 +20,17 @@ class ScheduledBatch:
     `preempted` lists the requests preempted this step. `expired` lists those that ended
     with DEADLINE this step instead of being recomputed (blocks freed): preempted ones
     past their deadline, and earlier-preempted ones whose deadline passed while they
-    waited. The engine reports them as finished outputs.
+    waited. The engine reports them as finished outputs. `dry`: a preemption this step
+    was for want of blocks, so nothing is admitted; `held_back`: tenants whose request
+    gave way to their share of the cache (engine/cache_guard.py), admitted no further.
     """
 
     decodes: list[Request] = field(default_factory=list)
     prefills: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     expired: list[Request] = field(default_factory=list)
+    dry: bool = False
+    held_back: set[str] = field(default_factory=set)
 
     @property
     def items(self) -> list[tuple[Request, int]]:

@@ -2,23 +2,21 @@
 the states of a KV hand-off: the scheduler owns every live request and every transition.
 
 Lifecycle of one step: `schedule()` first gives every RUNNING request its next tokens (one
-for a decode, up to the remaining token budget for a prefill chunk), growing its block
-table as needed; decodes are served before any prefill chunk takes the rest, and prefill
-chunks go fewest-remaining-tokens first (see `_schedule_running` for the guards), so a
-long prompt starves neither the running streams nor the short prompts behind it. If the
-pool runs dry it preempts by recompute: the victim is the lowest priority class's most
-recently admitted request, never one of a higher class than the request that needs room
-(that one preempts itself instead). The victim's blocks are freed and it goes back to
-the head of its class in the queue, keeping its output tokens; or, already past its
-deadline, it ends with DEADLINE instead (`ScheduledBatch.expired`). Its full blocks stay
-cached, kept by an offload tier once the pool gives them up (swap); on resume it claims
-them as a prefix hit, copied back where `restore_pays` (restore_gate.py). Then, if
-nothing was preempted, it admits WAITING requests, highest class first and in arrival
-order within a class (`waiting_queue.py`), while the budget, `max_num_seqs` and free
-blocks allow, reusing cached prefix blocks. Where tenants share the pool, admissions
-and growth are held to the tenant's share (`cache_guard.py`). After the model runs, the
-engine calls `advance` for each scheduled request (which publishes newly full blocks to
-the prefix cache) and `finish` when a request stops. It never runs the model or samples.
+for a decode, up to the budget for a prefill chunk; the order is `_schedule_running`'s),
+growing its block table as needed. If the pool runs dry it preempts by recompute: the
+victim is the lowest priority class's most recently admitted request, never one of a
+higher class than the request that needs room (that one preempts itself instead). The
+victim's blocks are freed and it goes back to the head of its class in the queue,
+keeping its output tokens; or, already past its deadline, it ends with DEADLINE
+(`ScheduledBatch.expired`). Its full blocks stay cached, kept by an offload tier once the
+pool gives them up (swap), and on resume come back as a prefix hit, copied where
+`restore_pays` (restore_gate.py). Then, unless a preemption found the pool dry, it admits
+WAITING requests, highest class first and in arrival order within a class
+(`waiting_queue.py`), while the budget, `max_num_seqs` and free blocks allow, reusing
+cached prefix blocks. Where tenants share the pool, admissions and prompt chunks are
+held to the tenant's share (`cache_guard.py`), which holds back only that tenant. After
+the model runs, the engine calls `advance` for each scheduled request (publishing newly
+full blocks to the prefix cache) and `finish` when one stops. It never runs the model.
 
 Hand-off states (see `engine/request.py`), outside the step's queues and never scheduled:
   prefill: `finish` of a hold_kv request (a stop or length) -> HELD_FOR_EXPORT in `held`,
@@ -105,7 +103,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
-        if not batch.preempted:
+        if not batch.dry:
             self._admit_waiting(batch, budget)
         return batch
 
@@ -186,32 +184,42 @@ class Scheduler:
         """Grow `req` by `n` tokens and schedule it, preempting (`_victim`) when short.
 
         The victim may already be in this batch (requests are placed out of admission
-        order): it is taken out again. False when `req` itself had to go.
+        order): it is taken out again. False when `req` itself had to go for want of
+        blocks (its class is dry this step); True when placed, or when its tenant's share
+        alone held it back (cache_guard.py: others of its class may go on).
         """
         target = req.num_computed_tokens + n
-        while not self._grow(req, target, self.guard.growth_room(req)):
-            victim = self.running.pop(self._victim(req, target))
+        guarded = self.guard.guards_growth(req, target)  # decided once (cache_guard.py)
+        while not self._grow(req, target, self.guard.growth_room(req) if guarded else None):
+            victim = self.running.pop(self._victim(req, guarded))
             batch.drop(victim)
             self._preempt(victim, batch)
+            if guarded:
+                batch.held_back.add(req.cache_owner.tenant)
+            else:
+                batch.dry = True
             if victim is req:
-                return False
+                return guarded  # held back by its tenant's share: the class is not dry
         batch.add(req, n)
         return True
 
-    def _victim(self, req: Request, num_tokens: int) -> int:
+    def _victim(self, req: Request, guarded: bool) -> int:
         """Where in `running` the request to preempt for `req`'s growth is: the lowest
-        class's most recently admitted one (of `req`'s tenant when only the tenant guard
-        stopped it, engine/cache_guard.py). `req` runs too, so the victim is never of a
-        higher class, nor an older request of its class: when nothing newer or lower is
-        left, the victim is `req` itself (it waits rather than take from above)."""
-        newest_first = reversed(self.guard.gives_way(req, num_tokens))
+        class's newest (of `req`'s tenant in a `guarded` placement). `req` runs too, so
+        the victim is never of a higher class, nor an older request of its class: when
+        nothing newer or lower is left, it is `req` (it waits rather than take from above)."""
+        newest_first = reversed(self.guard.gives_way(req, guarded))
         return min(newest_first, key=lambda i: self.running[i].priority)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.first()
+        held_back = batch.held_back  # tenants the cache guard alone kept waiting this step
+        for req in list(self.waiting):  # (a copy: admitted requests leave the queue)
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if req.cache_owner.tenant in held_back:
+                continue  # its tenant's order holds: nothing of it passes its first
             if req.num_preemptions and req.past_deadline(time.monotonic()):
-                self.waiting.popleft()  # it would be recomputed for nobody: end it
+                self.waiting.remove(req)  # it would be recomputed for nobody: end it
                 self._expire(req, batch)
                 continue
             # A fresh or preempted request claims cached prefix blocks; an imported one
@@ -220,11 +228,15 @@ class Scheduler:
             hits = self._claim_prefix(req) if claimed else []
             n = min(_remaining(req), budget)
             target = req.num_computed_tokens + n
-            if not self._grow(req, target, self.guard.admission_room(req, target)):
+            room = self.guard.admission_room(req, target)
+            if not self._grow(req, target, room):
                 if claimed:
                     self._unclaim_prefix(req, hits)
-                return
-            self.waiting.popleft()
+                if not self.guard.held_back(req, target, room):
+                    return  # the pool is short for everyone: the order waits
+                held_back.add(req.cache_owner.tenant)  # other tenants' requests may go
+                continue
+            self.waiting.remove(req)
             if req.num_preemptions and claimed:  # resumed: the tier may let go of its KV
                 self._keep_swapped(req, 0)
                 self.recomputed_tokens += _remaining(req)
@@ -262,10 +274,8 @@ class Scheduler:
         return hits
 
     def _restore_prefix(self, req: Request, first: int, last: int) -> list[int]:
-        """Continue a prefix hit past the pool's blocks from the offload tier: for each
-        hash of blocks [first, last), take the pool's block if it has one, else copy the
-        tier's bytes into a new pool block and publish it. Stops at the first hash
-        neither tier holds.
+        """Continue a prefix hit past the pool's blocks [first, last) from the offload tier
+        (`OffloadTier.restore_prefix`), held to the tenant's share where its admission is.
 
         Leaves free blocks for one chunk of the rest of the prompt: a request that then
         could not start would give its restored blocks back and restore them again on
@@ -275,23 +285,14 @@ class Scheduler:
             return []
         rest = req.num_tokens - last * bs
         reserve = -(-min(max(rest, 1), self.config.max_num_batched_tokens) // bs)
-        out: list[int] = []
-        for block_hash in req.block_hashes[first:last]:
-            cached = self.pool.lookup(block_hash)
-            if cached is not None:
-                self.pool.touch([cached])
-            elif block_hash not in tier or self.pool.num_free <= reserve:
-                break
-            else:
-                slot = tier.take(block_hash)  # reserved: the allocation's spill can't reuse it
-                (cached,) = self.pool.allocate(1, req.cache_owner)
-                tier.restore(slot, cached)
-                self.pool.cache_full_block(cached, block_hash, req.cache_owner)
-                if req.num_preemptions == 0:
-                    self.offload_hit_tokens += bs
-                else:
-                    self.swapped_in_tokens += bs
-            out.append(cached)
+        hashes, guarded = req.block_hashes[first:last], self.guard.guards_admission(req)
+        out, copied = tier.restore_prefix(
+            self.pool, hashes, req.cache_owner, reserve=reserve, guarded=guarded
+        )
+        if req.num_preemptions == 0:
+            self.offload_hit_tokens += copied * bs
+        else:
+            self.swapped_in_tokens += copied * bs
         return out
 
     def _count_prefix(self, req: Request) -> None:
@@ -440,7 +441,7 @@ class Scheduler:
         hits = self.pool.longest_cached_prefix(req.block_hashes)
         self.pool.touch(hits)  # off the free list first: a hit cannot also be allocated
         req.block_ids = list(hits)
-        room = self.guard.admission_room(req, req.num_tokens)
+        room = self.guard.admission_room(req, req.num_prompt_tokens)  # its outputs' rest too
         if not self._grow(req, req.num_prompt_tokens, room):
             self._unclaim_prefix(req, hits)
             raise OutOfBlocksError(f"import of {req.request_id}: too few KV blocks")
