@@ -6,18 +6,16 @@ and a leak check."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.block_pool import BlockPool
 from engine.cache_guard import CacheGuard
 from engine.cache_share import CacheOwner
 from engine.errors import OutOfBlocksError
-from engine.kv_cache import KvCache
-from engine.kv_layout import KvLayout
 from engine.kv_offload import OffloadTier
 from engine.prefix_hash import hash_seed
 from engine.request import Request, RequestStatus
 from tests.unit.engine.scheduler_sim import make_req, make_sim, token_for
+from tests.unit.engine.tiny_kv import tiny_kv_cache
 
 A, B = CacheOwner("a"), CacheOwner("b")
 
@@ -129,10 +127,8 @@ def test_a_restore_from_the_tier_is_held_to_the_share_its_admission_is(guarded: 
     # The lighter tenant B has 2 blocks parked; A holds 4 in use and 2 blocks are free
     # uncached. Restoring A's 3 blocks from the tier, guarded, stops when only B's are
     # left; unguarded (one tenant, or A with nothing in flight) it takes one of B's.
-    layout = KvLayout(model_fingerprint="m", dtype="float32", block_size=4, num_layers=1,
-                      num_kv_heads=1, head_dim=4, memory_kind="cpu")  # fmt: skip
-    pool = BlockPool(8)
-    tier = OffloadTier(KvCache(layout, 8, torch.device("cpu")), 4 * layout.bytes_per_block)
+    pool, cache = BlockPool(8), tiny_kv_cache(8, num_layers=1)
+    tier = OffloadTier(cache, 4 * cache.layout.bytes_per_block)
     for hash_ in (900, 901):
         (block,) = pool.allocate(1, B)
         pool.cache_full_block(block, hash_, B)

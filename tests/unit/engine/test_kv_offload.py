@@ -11,24 +11,15 @@ import pytest
 import torch
 
 from engine.engine import LLMEngine
-from engine.kv_cache import KvCache
-from engine.kv_layout import KvLayout
 from engine.kv_offload import OffloadTier
 from engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory, assert_no_leaks
 from tests.prompts import long_prompt
-
-CPU = torch.device("cpu")
-
-
-def _cache(blocks: int) -> KvCache:
-    layout = KvLayout(model_fingerprint="m", dtype="float32", block_size=4, num_layers=2,
-                      num_kv_heads=1, head_dim=4, memory_kind="cpu")  # fmt: skip
-    return KvCache(layout, blocks, CPU)
+from tests.unit.engine.tiny_kv import tiny_kv_cache
 
 
 def test_the_arena_keeps_the_most_recent_spills_and_restores_their_bytes() -> None:
-    cache = _cache(4)
+    cache = tiny_kv_cache(4)
     tier = OffloadTier(cache, 2 * cache.layout.bytes_per_block)
     for b in range(3):
         cache.blocks[b] = b + 1

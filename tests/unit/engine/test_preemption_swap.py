@@ -11,12 +11,9 @@ each, the tier's kept hashes included.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.config import KvRestore
 from engine.engine import LLMEngine
-from engine.kv_cache import KvCache
-from engine.kv_layout import KvLayout
 from engine.kv_offload import OffloadTier
 from engine.priority import Priority
 from engine.request_spec import RequestSpec
@@ -25,13 +22,12 @@ from engine.sampling_params import SamplingParams
 from engine.step_meter import StepMeter
 from tests.conftest import EngineFactory, assert_no_leaks
 from tests.prompts import long_prompt
+from tests.unit.engine.tiny_kv import tiny_kv_cache
 
 
 def _tier(slots: int) -> OffloadTier:
-    layout = KvLayout(model_fingerprint="m", dtype="float32", block_size=4, num_layers=2,
-                      num_kv_heads=1, head_dim=4, memory_kind="cpu")  # fmt: skip
-    cache = KvCache(layout, 8, torch.device("cpu"))
-    return OffloadTier(cache, slots * layout.bytes_per_block)
+    cache = tiny_kv_cache(8)
+    return OffloadTier(cache, slots * cache.layout.bytes_per_block)
 
 
 def test_a_full_tier_drops_entries_nobody_keeps_first() -> None:

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import threading
 
-import torch
-
 from engine.block_pool import BlockPool
-from engine.kv_cache import KvCache
-from engine.kv_layout import KvLayout
 from engine.kv_offload import OffloadTier
 from engine.request_spec import RequestSpec
 from engine.residency import ResidencyDelta, ResidencyLog
 from engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory, assert_no_leaks
+from tests.unit.engine.tiny_kv import tiny_kv_cache
 
 
 def test_a_hash_is_resident_while_any_tier_holds_it() -> None:
@@ -77,14 +74,8 @@ def test_concurrent_writers_and_a_reader_end_at_the_true_set() -> None:
     assert seen == set(log.snapshot()) and len(seen) == 2 * 667
 
 
-def _cache(blocks: int) -> KvCache:
-    layout = KvLayout(model_fingerprint="m", dtype="float32", block_size=4, num_layers=1,
-                      num_kv_heads=1, head_dim=4, memory_kind="cpu")  # fmt: skip
-    return KvCache(layout, blocks, torch.device("cpu"))
-
-
 def test_the_pool_and_the_tier_report_what_they_hold() -> None:
-    cache = _cache(2)
+    cache = tiny_kv_cache(2, num_layers=1)
     pool, tier, log = BlockPool(2), OffloadTier(cache, cache.layout.bytes_per_block), ResidencyLog()
     pool.on_evict, pool.residency, tier.residency = tier.spill, log, log
     a, b = pool.allocate(2)
