@@ -16,21 +16,18 @@ from engine.model_store import prepare_default_model
 
 MODEL_CACHE = DEFAULT_MODEL_CACHE.expanduser()
 
-# The suite computes in float32 unless a test asks otherwise: many tests hold outputs
+# The unit tests compute in float32 unless a test asks otherwise: many hold outputs
 # token-exact across batch shapes, paths and HF transformers, which float32 keeps and
-# bf16's rounding does not (near-ties flip). The env var reaches every worker the tests
-# start; `make_engine` pins it too. bf16 and int8 are held to float32 by the accuracy
-# gate (test_accuracy_gate.py), and by tests that set them explicitly.
+# bf16's rounding does not (near-ties flip; issue 42). `make_engine` pins it too. bf16
+# and int8 are held to float32 by the accuracy gate (test_accuracy_gate.py), and by tests
+# that set them explicitly. The unit tests' in-process gateways also take the prefill hop
+# for every prompt and their workers keep their roles, unless a test turns those on
+# itself (the unit tests of `prefill_site` and the role planner).
+# The integration modules run the product defaults instead (bf16, conditional
+# disaggregation, roles that move), each less the pins it names and says why
+# (tests/integration/pins.py); these setdefaults are what they start from.
 os.environ.setdefault("PDSERVE_DTYPE", "float32")
-# The suite's disaggregated clusters exercise the prefill hop with short prompts, which
-# conditional disaggregation would prefill on the decode worker instead; so every gateway
-# the tests start takes the hop unless a test turns the decision on itself
-# (test_conditional_disaggregation.py, and the unit tests of `prefill_site`).
 os.environ.setdefault("PDSERVE_LOCAL_PREFILL_MAX_TOKENS", "0")
-# For the same reason their workers keep the role they were started in: a test that
-# asserts where requests ran must not find its prefill worker moved to the decode pool by
-# its own load. The tests of role changes pass --role-window-s themselves
-# (test_elastic_roles.py) or call SetRole (test_faults.py).
 os.environ.setdefault("PDSERVE_ROLE_WINDOW_S", "0")
 # Under pytest-xdist (`make test` runs the unit tests on one process per core) each
 # process computes on one thread, so the processes do not oversubscribe the cores.

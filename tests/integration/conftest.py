@@ -1,5 +1,6 @@
-"""What every integration test's cluster inherits: TTFT budgets long enough that
-admission control never refuses a test's request on this host.
+"""What every integration test's cluster inherits: the product defaults, less the pins
+its module names (`pins.py`), and TTFT budgets long enough that admission control never
+refuses a test's request on this host.
 
 The gateway's default budgets (critical 10 s, standard 5 s, sheddable 2 s) are for a
 serving fleet; here one CPU core prefills the default model at a few hundred tokens per
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from engine.priority import Priority
+from tests.integration.pins import module_pins, product_defaults
 
 TEST_BUDGET_S = "120"
 
@@ -28,4 +30,12 @@ def generous_ttft_budgets() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as env:
         for p in Priority:
             env.setenv(f"PDSERVE_TTFT_BUDGET_{p.name}_S", TEST_BUDGET_S)
+        yield
+
+
+# Autouse in module scope, like the budgets: set before the module's clusters start, and
+# gone before the next module (the unit tests keep tests/conftest.py's pins).
+@pytest.fixture(scope="module", autouse=True)
+def defaults_less_pins(request: pytest.FixtureRequest) -> Iterator[None]:
+    with product_defaults(module_pins(request.node)):
         yield

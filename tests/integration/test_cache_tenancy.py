@@ -42,7 +42,12 @@ from services.common.metrics import scrape
 from services.common.request_codec import decode_request
 from tests.conftest import MODEL_CACHE, EngineFactory
 from tests.integration.leak_check import assert_cluster_clean, start_probe
+from tests.integration.pins import Pin
 from tests.prompts import long_prompt
+
+# Pins (tests/integration/pins.py): a stream preempted and swapped back equals its run
+# alone, token for token.
+pytestmark = pytest.mark.pins(Pin.FLOAT32)
 
 # Serial, not pairable: how the flood's requests overlap on the prefill worker decides
 # which of the guard's cases each allocation meets (docs/engine.md, "Cache fairness").

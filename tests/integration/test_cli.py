@@ -20,10 +20,13 @@ from services.cli.main import main
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
 from tests.conftest import MODEL_CACHE
+from tests.integration.pins import Pin
 from tests.tiny_models import ORIGINAL_CONTEXT, VOCAB_SIZE, word, write_tiny_model
 
 # Runs beside one other pairable file in make test (tests/conftest.py).
-pytestmark = pytest.mark.pairable
+# Pins (tests/integration/pins.py): `pdserve generate --trace` must show the prefill
+# worker's phases for a short prompt.
+pytestmark = [pytest.mark.pairable, pytest.mark.pins(Pin.PREFILL_HOP)]
 
 PDSERVE = [sys.executable, "-m", "services.cli.main"]
 REPO = Path(__file__).resolve().parents[2]

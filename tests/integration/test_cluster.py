@@ -26,8 +26,13 @@ from services.gateway.access.usage_ledger import UsageOutcome
 from services.gateway.client import GatewayClient, RequestOptions, build_request
 from tests.conftest import MODEL_CACHE, EngineFactory
 from tests.integration.leak_check import assert_cluster_clean, start_probe
+from tests.integration.pins import Pin
 from tests.integration.usage_check import assert_ledger_matches, ledger_entries
 from tests.prompts import long_prompt
+
+# Pins (tests/integration/pins.py): streams equal one engine's output token for token;
+# short prompts take the hop and the tests kill prefill workers by name.
+pytestmark = pytest.mark.pins(Pin.FLOAT32, Pin.PREFILL_HOP)
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 

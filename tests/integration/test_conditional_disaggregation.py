@@ -20,11 +20,14 @@ from services.cluster.local_cluster import LocalCluster
 from services.common.metrics import scrape
 from tests.conftest import EngineFactory
 from tests.integration.leak_check import assert_cluster_clean, start_probe
+from tests.integration.pins import Pin
 from tests.integration.test_cluster import _cluster, _collect
 from tests.prompts import SHORT, long_prompt
 
 # Runs beside one other pairable file in make test (tests/conftest.py).
-pytestmark = pytest.mark.pairable
+# Pins (tests/integration/pins.py): streams equal a batched float32 engine's output token
+# for token.
+pytestmark = [pytest.mark.pairable, pytest.mark.pins(Pin.FLOAT32)]
 
 DECISIONS = "pdserve_disaggregation_decisions_total"
 

@@ -38,6 +38,11 @@ from services.gateway.client import GatewayClient, RequestOptions, build_request
 from tests.conftest import MODEL_CACHE
 from tests.integration.cluster_drills import named
 from tests.integration.leak_check import assert_cluster_clean, start_probe
+from tests.integration.pins import Pin
+
+# Pins (tests/integration/pins.py): its pools are sized in float32 blocks and its second
+# prompt's token 1 comes from the prefill worker.
+pytestmark = pytest.mark.pins(Pin.FLOAT32, Pin.PREFILL_HOP)
 
 BLOCK = 16  # tokens per KV block (the engine's default)
 POOL_BLOCKS = 41  # every worker's KV pool: 656 tokens

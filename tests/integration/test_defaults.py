@@ -1,13 +1,12 @@
-"""The cluster users run, on real processes: 1 prefill + 1 decode worker started with
-none of the suite's pins (tests/conftest.py sets float32, the prefill hop for every
-prompt and fixed roles for every other cluster), so the gateway decides conditional
+"""The cluster users run, on real processes: 1 prefill + 1 decode worker on the product
+defaults (no pins, tests/integration/pins.py), so the gateway decides conditional
 disaggregation at its default threshold, the workers may change roles, and they compute
-in bfloat16, the dtype `pdserve up` picks on a host with native bf16 (asked for by name
-here, so a host without it runs the same path). Checked:
-- the workers register a bf16 KV layout;
+in their default dtype, `auto`: bfloat16 on a host with native bf16 (the development and
+CI hosts), float32 elsewhere. Checked:
+- the workers register a KV layout in the dtype `auto` picks on this host;
 - a short prompt is prefilled and decoded by one worker (no hop), a long one takes the
   hop (token 1 from the prefill worker, its KV over NIXL), and each stream is, token for
-  token, what one bf16 engine computes for the prompt alone;
+  token, what one engine in that dtype computes for the prompt alone;
 - 12 concurrent requests of both kinds all finish with their lengths;
 - nothing leaks.
 Under concurrency bf16 tokens may still differ from the lone engine's (issue 42), so the
@@ -21,9 +20,10 @@ from collections.abc import Iterator
 from typing import cast
 
 import pytest
+import torch
 
 from engine.engine import LLMEngine
-from engine.precision import DType
+from engine.precision import DType, resolve_dtype
 from pdserve.v1 import gateway_pb2
 from services.cluster.local_cluster import LocalCluster
 from services.router.keyspace import Keyspace
@@ -38,38 +38,36 @@ from tests.prompts import SHORT, long_prompt
 # Runs beside one other pairable file in make test (tests/conftest.py).
 pytestmark = pytest.mark.pairable
 
-#: The suite's pins (tests/conftest.py) that this module's cluster must not inherit.
-PINS = ("PDSERVE_DTYPE", "PDSERVE_LOCAL_PREFILL_MAX_TOKENS", "PDSERVE_ROLE_WINDOW_S")
+#: What the workers' `auto` computes in on this host (bfloat16 where it is native).
+AUTO_DTYPE = resolve_dtype(DType.AUTO, torch.device("cpu"))
 GATEWAY_DEFAULT_LOCAL_MAX = 512  # services/gateway/config.py: local_prefill_max_tokens
 MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    # The children take their environment when they start, so the pins come back for
-    # the rest of the session once this cluster is up.
-    with pytest.MonkeyPatch.context() as env:
-        for name in PINS:
-            env.delenv(name, raising=False)
-        assert not any(name in os.environ for name in PINS)
-        c = _cluster(num_prefill=1, num_decode=1, dtype=DType.BFLOAT16)
+    # The module names no pins: its children start on the product defaults.
+    for name in ("PDSERVE_DTYPE", "PDSERVE_LOCAL_PREFILL_MAX_TOKENS", "PDSERVE_ROLE_WINDOW_S"):
+        assert name not in os.environ, name
+    c = _cluster(num_prefill=1, num_decode=1)
     yield c
     c.stop()
 
 
 @pytest.fixture(scope="module")
 def reference(make_engine: EngineFactory) -> LLMEngine:
-    return make_engine(num_kv_blocks=200, dtype="bfloat16")
+    return make_engine(num_kv_blocks=200, dtype=str(AUTO_DTYPE).removeprefix("torch."))
 
 
-def test_the_workers_compute_in_bf16(cluster: LocalCluster) -> None:
+def test_the_workers_compute_in_their_default_dtype(cluster: LocalCluster) -> None:
     assert cluster.redis is not None
     client, keys = connect(cluster.redis.url, 2.0), Keyspace("pdserve")
     workers = Registry(client, keys).list()
     assert {w.worker_id for w in workers} == {"prefill-0", "decode-0"}
     # The identity every live worker shares, its KV layout in words.
     layout = client.hget(keys.identity, "layout_text")
-    assert layout is not None and "KV bfloat16" in str(layout), layout
+    want = f"KV {str(AUTO_DTYPE).removeprefix('torch.')}"
+    assert layout is not None and want in str(layout), layout
 
 
 def test_short_prompts_skip_the_hop_long_ones_take_it_and_tokens_are_the_engines(

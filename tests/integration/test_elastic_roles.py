@@ -23,8 +23,13 @@ from services.common.metrics import scrape
 from tests.conftest import EngineFactory
 from tests.integration.cluster_drills import home_roles
 from tests.integration.leak_check import assert_cluster_clean, start_probe
+from tests.integration.pins import Pin
 from tests.integration.test_cluster import _cluster, _collect
 from tests.prompts import CHAT, SHORT, long_prompt
+
+# Pins (tests/integration/pins.py): the placement test counts where streams ran with roles
+# held; the role test passes its own window.
+pytestmark = pytest.mark.pins(Pin.FIXED_ROLES)
 
 DECISIONS = "pdserve_disaggregation_decisions_total"
 WHOLE = f"{DECISIONS}{{mode=prefill_worker,reason=decode_loaded}}"

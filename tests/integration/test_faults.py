@@ -58,10 +58,15 @@ from tests.integration.cluster_drills import (
     serve,
 )
 from tests.integration.leak_check import assert_cluster_clean, start_probe
+from tests.integration.pins import Pin
 from tests.integration.test_cluster import _cluster, _collect
 from tests.integration.test_router_service import _start_router
 from tests.integration.usage_check import assert_ledger_matches
 from tests.prompts import long_prompt
+
+# Pins (tests/integration/pins.py): migrated streams equal uninterrupted ones token for
+# token; the drills need short prompts over the hop and pools by start role.
+pytestmark = pytest.mark.pins(Pin.FLOAT32, Pin.PREFILL_HOP, Pin.FIXED_ROLES)
 
 HEARTBEAT_TTL_S = 4.0  # a dead or frozen worker leaves the registry within this
 FIRST_TOKEN_TIMEOUT_S = 4.0  # gateway: decode start -> first decode token

@@ -33,7 +33,9 @@ from tests.integration.leak_check import assert_cluster_clean, start_probe
 KEY = "tenant-a-key-000000000001"
 KEY_BATCH = "batch-key-00000000000002"
 GATEWAY_ENV = {"PDSERVE_SLOW_CLIENT_TIMEOUT_S": "2", "PDSERVE_STREAM_BUFFER_MESSAGES": "4"}
-COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,"  # greedy counts on
+# A stream that must outlast the client's stall: greedy counting, and ignore_eos so that
+# no dtype's rounding ends it early.
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,"
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +96,7 @@ def _stalling_client(cluster: LocalCluster) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
     sock.connect((host, int(port)))
     body = json.dumps({"model": DEFAULT_MODEL_NAME, "prompt": COUNTING, "max_tokens": 1500,
-                       "temperature": 0, "stream": True}).encode()  # fmt: skip
+                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()  # fmt: skip
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")  # fmt: skip
     sock.sendall(head.encode() + body)
@@ -153,7 +155,9 @@ def test_a_grpc_client_that_stops_reading_gets_resource_exhausted(cluster: Local
         options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
         async with grpc.aio.insecure_channel(cluster.gateway_address, options=options) as ch:
             stub = gateway_pb2_grpc.GatewayStub(ch)
-            request = build_request(COUNTING, RequestOptions(max_tokens=1500, temperature=0))
+            request = build_request(
+                COUNTING, RequestOptions(max_tokens=1500, temperature=0, ignore_eos=True)
+            )
             call = stub.Generate(request, metadata=(("authorization", f"Bearer {KEY}"),))
             await call.read()
             start = time.monotonic()

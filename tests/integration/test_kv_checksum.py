@@ -22,11 +22,14 @@ from services.common.metrics import scrape
 from tests.conftest import EngineFactory
 from tests.integration.cluster_drills import pool
 from tests.integration.leak_check import assert_cluster_clean, start_probe
+from tests.integration.pins import Pin
 from tests.integration.test_cluster import _cluster, _collect
 from tests.prompts import long_prompt
 
 # Runs beside one other pairable file in make test (tests/conftest.py).
-pytestmark = pytest.mark.pairable
+# Pins (tests/integration/pins.py): each corrupted import ends in the engine's tokens; its
+# prompts are short enough to go local otherwise.
+pytestmark = [pytest.mark.pairable, pytest.mark.pins(Pin.FLOAT32, Pin.PREFILL_HOP)]
 
 PARAMS = SamplingParams(max_tokens=8)
 

@@ -22,9 +22,12 @@ from loadtest.harness.cli import main
 from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
 from tests.conftest import MODEL_CACHE
+from tests.integration.pins import Pin
 
 # Runs beside one other pairable file in make test (tests/conftest.py).
-pytestmark = pytest.mark.pairable
+# Pins (tests/integration/pins.py): every record names prefill-0, and the cost counts
+# workers by role.
+pytestmark = [pytest.mark.pairable, pytest.mark.pins(Pin.PREFILL_HOP, Pin.FIXED_ROLES)]
 
 NUM_REQUESTS = 8
 RATES = (2.0, 4.0)

@@ -28,12 +28,14 @@ from services.router.keyspace import Keyspace
 from services.router.redis_client import connect
 from services.router.registry import Registry
 from tests.integration.leak_check import assert_cluster_clean, start_probe
+from tests.integration.pins import Pin
 from tests.integration.test_cluster import _cluster
 from tests.lora_adapters import RECIPES, peft_greedy, write_adapter
 from tests.prompts import SHORT, long_prompt
 
 # Runs beside one other pairable file in make test (tests/conftest.py).
-pytestmark = pytest.mark.pairable
+# Pins (tests/integration/pins.py): adapter outputs equal PEFT's float32 greedy tokens.
+pytestmark = [pytest.mark.pairable, pytest.mark.pins(Pin.FLOAT32)]
 
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

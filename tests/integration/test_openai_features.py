@@ -25,9 +25,12 @@ from services.cluster.config import ClusterConfig
 from services.cluster.local_cluster import LocalCluster
 from tests.conftest import MODEL_CACHE
 from tests.integration.leak_check import assert_cluster_clean, start_probe
+from tests.integration.pins import Pin
 
 # Runs beside one other pairable file in make test (tests/conftest.py).
-pytestmark = pytest.mark.pairable
+# Pins (tests/integration/pins.py): log-probabilities within 1e-3 of HF float32, and
+# greedy forks equal.
+pytestmark = [pytest.mark.pairable, pytest.mark.pins(Pin.FLOAT32)]
 
 PROMPT = "The three primary colors are red, yellow and"
 QUESTION = "Name a fruit that is yellow."

@@ -24,7 +24,12 @@ from services.cluster.local_cluster import LocalCluster
 from services.gateway.client import GatewayClient, RequestOptions, build_request
 from tests.conftest import MODEL_CACHE
 from tests.integration.leak_check import assert_cluster_clean, start_probe
+from tests.integration.pins import Pin
 from tests.prompts import long_prompt
+
+# Pins (tests/integration/pins.py): the HTTP answers equal the gRPC answer to the same
+# prompt, sent after it.
+pytestmark = pytest.mark.pins(Pin.FLOAT32)
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 PROMPT = "Once upon a time, in a small village by the sea,"

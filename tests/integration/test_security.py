@@ -28,10 +28,14 @@ from services.gateway.client import GatewayClient, RequestOptions, build_request
 from tests.certs import TestCA
 from tests.conftest import MODEL_CACHE
 from tests.integration.leak_check import assert_cluster_clean, start_probe
+from tests.integration.pins import Pin
 from tests.prompts import long_prompt
 
 # Runs beside one other pairable file in make test (tests/conftest.py).
-pytestmark = pytest.mark.pairable
+# Pins (tests/integration/pins.py): a tenant's repeated prompt must be served where its
+# first one cached the prefix; at the default threshold the gateway may prefill the first
+# on the prefill worker and the repeat on the decode worker.
+pytestmark = [pytest.mark.pairable, pytest.mark.pins(Pin.PREFILL_HOP)]
 
 KEY_A = "tenant-a-key-000000000001"
 KEY_B = "tenant-b-key-000000000002"

@@ -31,11 +31,14 @@ from services.router.load import LoadLedger
 from services.router.redis_client import connect
 from services.router.registry import Registry, WorkerInfo
 from tests.integration.leak_check import assert_cluster_clean, start_probe
+from tests.integration.pins import Pin
 from tests.integration.test_cluster import _cluster
 from tests.tiny_models import VOCAB_SIZE, write_tiny_model
 
 # Runs beside one other pairable file in make test (tests/conftest.py).
-pytestmark = pytest.mark.pairable
+# Pins (tests/integration/pins.py): a model's requests run on its own prefill and decode
+# workers.
+pytestmark = [pytest.mark.pairable, pytest.mark.pins(Pin.PREFILL_HOP)]
 
 TINY = "tiny"
 TWIN = "twin"

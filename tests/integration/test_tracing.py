@@ -28,9 +28,12 @@ from services.common.telemetry_config import TelemetryConfig
 from services.gateway.client import GatewayClient, RequestOptions, build_request
 from tests.conftest import MODEL_CACHE
 from tests.integration.leak_check import assert_cluster_clean, start_probe
+from tests.integration.pins import Pin
 
 # Runs beside one other pairable file in make test (tests/conftest.py).
-pytestmark = pytest.mark.pairable
+# Pins (tests/integration/pins.py): one trace holds every phase of the hop, the KV
+# transfer included, for a short prompt.
+pytestmark = [pytest.mark.pairable, pytest.mark.pins(Pin.PREFILL_HOP)]
 
 PHASES = [
     "gateway.generate",
