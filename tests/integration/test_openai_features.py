@@ -29,8 +29,9 @@ from tests.integration.pins import Pin
 
 # Runs beside one other pairable file in make test (tests/conftest.py).
 # Pins (tests/integration/pins.py): log-probabilities within 1e-3 of HF float32, and
-# greedy forks equal.
-pytestmark = [pytest.mark.pairable, pytest.mark.pins(Pin.FLOAT32)]
+# greedy forks equal; the disaggregated cluster is there to carry prompt log-probabilities
+# and forks across the hop, which its short prompts would otherwise skip.
+pytestmark = [pytest.mark.pairable, pytest.mark.pins(Pin.FLOAT32, Pin.PREFILL_HOP)]
 
 PROMPT = "The three primary colors are red, yellow and"
 QUESTION = "Name a fruit that is yellow."
