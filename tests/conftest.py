@@ -13,6 +13,7 @@ from engine.config import DEFAULT_MODEL_CACHE, EngineConfig
 from engine.draft_model import DraftModel
 from engine.engine import LLMEngine
 from engine.model_store import prepare_default_model
+from tests.integration.pins import Pin
 
 MODEL_CACHE = DEFAULT_MODEL_CACHE.expanduser()
 
@@ -26,9 +27,8 @@ MODEL_CACHE = DEFAULT_MODEL_CACHE.expanduser()
 # The integration modules run the product defaults instead (bf16, conditional
 # disaggregation, roles that move), each less the pins it names and says why
 # (tests/integration/pins.py); these setdefaults are what they start from.
-os.environ.setdefault("PDSERVE_DTYPE", "float32")
-os.environ.setdefault("PDSERVE_LOCAL_PREFILL_MAX_TOKENS", "0")
-os.environ.setdefault("PDSERVE_ROLE_WINDOW_S", "0")
+for _pin in Pin:
+    os.environ.setdefault(_pin.env_var, _pin.pinned)
 # Under pytest-xdist (`make test` runs the unit tests on one process per core) each
 # process computes on one thread, so the processes do not oversubscribe the cores.
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -31,6 +31,7 @@ from services.router.redis_client import connect
 from services.router.registry import Registry
 from tests.conftest import EngineFactory
 from tests.integration.leak_check import assert_cluster_clean, start_probe
+from tests.integration.pins import Pin
 from tests.integration.test_cluster import _cluster, _collect
 from tests.integration.test_conditional_disaggregation import short_and_long_streams
 from tests.prompts import SHORT, long_prompt
@@ -39,7 +40,7 @@ from tests.prompts import SHORT, long_prompt
 pytestmark = pytest.mark.pairable
 
 #: What the workers' `auto` computes in on this host (bfloat16 where it is native).
-AUTO_DTYPE = resolve_dtype(DType.AUTO, torch.device("cpu"))
+AUTO_DTYPE = str(resolve_dtype(DType.AUTO, torch.device("cpu"))).removeprefix("torch.")
 GATEWAY_DEFAULT_LOCAL_MAX = 512  # services/gateway/config.py: local_prefill_max_tokens
 MAX_TOKENS = 10
 
@@ -47,8 +48,8 @@ MAX_TOKENS = 10
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     # The module names no pins: its children start on the product defaults.
-    for name in ("PDSERVE_DTYPE", "PDSERVE_LOCAL_PREFILL_MAX_TOKENS", "PDSERVE_ROLE_WINDOW_S"):
-        assert name not in os.environ, name
+    for pin in Pin:
+        assert pin.env_var not in os.environ, pin
     c = _cluster(num_prefill=1, num_decode=1)
     yield c
     c.stop()
@@ -56,7 +57,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def reference(make_engine: EngineFactory) -> LLMEngine:
-    return make_engine(num_kv_blocks=200, dtype=str(AUTO_DTYPE).removeprefix("torch."))
+    return make_engine(num_kv_blocks=200, dtype=AUTO_DTYPE)
 
 
 def test_the_workers_compute_in_their_default_dtype(cluster: LocalCluster) -> None:
@@ -66,8 +67,7 @@ def test_the_workers_compute_in_their_default_dtype(cluster: LocalCluster) -> No
     assert {w.worker_id for w in workers} == {"prefill-0", "decode-0"}
     # The identity every live worker shares, its KV layout in words.
     layout = client.hget(keys.identity, "layout_text")
-    want = f"KV {str(AUTO_DTYPE).removeprefix('torch.')}"
-    assert layout is not None and want in str(layout), layout
+    assert layout is not None and f"KV {AUTO_DTYPE}" in str(layout), layout
 
 
 def test_short_prompts_skip_the_hop_long_ones_take_it_and_tokens_are_the_engines(
