@@ -22,7 +22,9 @@ already makes them.
 In bfloat16 (on a CPU with native bf16: `engine.precision`) the packed copy is used for
 every row count, and no plain copy is kept: it is faster than `F.linear` at decode row
 counts and level with it at prefill's (`F.linear` in bf16 goes to oneDNN too, but
-reorders the weight on every call).
+reorders the weight on every call). oneDNN packs bf16 only where the CPU has AVX-512
+(BW, VL, DQ) or AVX-NE-CONVERT; elsewhere its reorder raises, so "auto" takes the torch
+kernel for bf16 and "onednn" is refused (`onednn_packs_bf16`).
 
 Measurements (by row count, the LM head, the memory): docs/engine.md "Kernels".
 
@@ -268,15 +270,24 @@ class Int8Linear:
         return out.to(x.dtype)
 
 
+@functools.cache
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN can pack and multiply bf16 weights on this CPU. Without AVX-512
+    (BW, VL, DQ) or AVX-NE-CONVERT its weight reorder refuses bf16 outright, so "auto"
+    multiplies bf16 through `F.linear` there, which converts through float32."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pick_linear_kernel(
     choice: LinearKernelName | str,
     device: torch.device,
     dtype: torch.dtype,
     quant: WeightQuant = WeightQuant.NONE,
 ) -> LinearKernel:
-    """The kernel `choice` names; "auto" takes oneDNN on x86 CPUs in float32 or bfloat16,
-    torch elsewhere. Int8 weights have one kernel, which only "auto" picks. "tiled"
-    needs float32 on the CPU and splits large products over torch's thread count."""
+    """The kernel `choice` names; "auto" takes oneDNN on x86 CPUs in float32, and in
+    bfloat16 where oneDNN packs bf16 (`onednn_packs_bf16`), torch elsewhere. Int8
+    weights have one kernel, which only "auto" picks. "tiled" needs float32 on the CPU
+    and splits large products over torch's thread count."""
     try:
         name = LinearKernelName(choice)
     except ValueError:
@@ -293,6 +304,7 @@ def pick_linear_kernel(
         and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and torch.backends.mkldnn.enabled
+        and (dtype != torch.bfloat16 or onednn_packs_bf16())
     )
     if name is LinearKernelName.TILED:
         if device.type != "cpu" or dtype != torch.float32:
@@ -303,8 +315,9 @@ def pick_linear_kernel(
         return TiledLinear(torch.get_num_threads())
     if name is LinearKernelName.ONEDNN and not onednn_ok:
         raise ValueError(
-            "linear_kernel onednn needs device cpu, dtype float32 or bfloat16 and a torch "
-            f"built with oneDNN (got device {device.type}, dtype {dtype})"
+            "linear_kernel onednn needs device cpu, dtype float32 or bfloat16 (bfloat16 only "
+            "on a CPU whose oneDNN packs bf16 weights: AVX-512 BW/VL/DQ or AVX-NE-CONVERT) "
+            f"and a torch built with oneDNN (got device {device.type}, dtype {dtype})"
         )
     # "auto" packs only on x86, where the gain was measured.
     x86 = platform.machine().lower() in ("x86_64", "amd64")

@@ -46,10 +46,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from engine.config import DecodeKernel
 from engine.decode_roof import Projection, linear_flops, projections
 from engine.fused_decode import fused_decode_wanted, max_rows
+from engine.linear_kernel import onednn_packs_bf16
 from engine.model_spec import ModelSpec
 from engine.precision import WeightQuant
 
@@ -88,6 +90,8 @@ def _product(p: Projection, dtype: str, rows: int) -> Callable[[], object]:
         tiles = pack(w.view(torch.int16).numpy().view(np.uint16))
         xf, out = x.float().numpy(), np.empty((rows, p.rows_out), dtype=np.float32)
         return lambda: matmul(tiles, xf, out)
+    if dt == torch.bfloat16 and not onednn_packs_bf16():
+        return lambda: F.linear(x, w)  # the engine's torch kernel: oneDNN refuses bf16 here
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
     return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 

@@ -19,6 +19,7 @@ from engine.linear_kernel import (
     OneDnnLinear,
     TiledLinear,
     TorchLinear,
+    onednn_packs_bf16,
     pick_linear_kernel,
 )
 from engine.precision import WeightQuant
@@ -28,6 +29,9 @@ needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
 )
 X86 = platform.machine().lower() in ("x86_64", "amd64")
+needs_onednn_bf16 = pytest.mark.skipif(
+    not onednn_packs_bf16(), reason="oneDNN on this CPU does not pack bf16 weights"
+)
 
 
 @needs_onednn
@@ -55,7 +59,7 @@ def test_torch_kernel_keeps_the_weight_as_loaded() -> None:
     assert torch.equal(kernel.apply(x, prepared), F.linear(x, weight))
 
 
-@needs_onednn
+@needs_onednn_bf16
 @pytest.mark.parametrize("rows", [1, 16, 300])
 def test_onednn_bf16_is_always_packed_and_matches_torch(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
@@ -128,13 +132,27 @@ def test_int8_rows_do_not_depend_on_their_batch() -> None:
 @needs_onednn
 def test_auto_packs_only_x86_cpu() -> None:
     packs = "onednn" if X86 else "torch"
+    packs_bf16 = "onednn" if X86 and onednn_packs_bf16() else "torch"
     assert pick_linear_kernel("auto", CPU, torch.float32).name == packs
-    assert pick_linear_kernel("auto", CPU, torch.bfloat16).name == packs
+    assert pick_linear_kernel("auto", CPU, torch.bfloat16).name == packs_bf16
     assert pick_linear_kernel("auto", CPU, torch.float16).name == "torch"
     assert pick_linear_kernel("auto", torch.device("cuda"), torch.float32).name == "torch"
     assert pick_linear_kernel("torch", CPU, torch.float32).name == "torch"
     int8 = pick_linear_kernel("auto", CPU, torch.bfloat16, WeightQuant.INT8)
     assert int8.name == "int8" and int8.folds_norms
+
+
+@needs_onednn
+def test_where_onednn_cannot_pack_bf16_auto_takes_torch_and_onednn_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT, oneDNN's weight reorder
+    raises on bf16; the pick must not hand such an engine a kernel that dies at load."""
+    monkeypatch.setattr(linear_kernel, "onednn_packs_bf16", lambda: False)
+    assert pick_linear_kernel("auto", CPU, torch.bfloat16).name == "torch"
+    assert pick_linear_kernel("auto", CPU, torch.float32).name == ("onednn" if X86 else "torch")
+    with pytest.raises(ValueError, match="bfloat16 only on a CPU whose oneDNN packs bf16"):
+        pick_linear_kernel("onednn", CPU, torch.bfloat16)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 13, 300])
