@@ -58,7 +58,10 @@ class QuotedResult:
     current: bool = False
 
     def linked_in(self, text: str) -> bool:
-        return f"results/{self.file}" in text or f"benchmarks.md#{anchor(self.title)}" in text
+        # Not preceded by a word character or hyphen: "bench-results/soak.json", where a
+        # benchmark writes a fresh run, is not the committed file.
+        committed = re.search(rf"(?<![\w-])results/{re.escape(self.file)}", text)
+        return committed is not None or f"benchmarks.md#{anchor(self.title)}" in text
 
     def ratios_in(self, text: str) -> set[str]:
         return {r for r in self.ratios if re.search(rf"(?<![\d.]){re.escape(r)}", text)}

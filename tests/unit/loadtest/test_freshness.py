@@ -184,6 +184,8 @@ def test_what_is_not_a_quote(tmp_path: Path) -> None:
     page = tmp_path / "guide.md"
     page.write_text("It ran at 11.91x, 1.912x and 21.91x here (other runs).\n")
     assert unmarked_quotes([SPEC], [page]) == []
+    page.write_text("A fresh run writes bench-results/spec.json.\n")  # not the committed file
+    assert unmarked_quotes([SPEC], [page]) == []
     assert ratio_quotes([{"measured": 0.7243}, {"measured": 1.001}, {"measured": "n/a"}]) == {
         "0.72x"
     }
