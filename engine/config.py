@@ -32,7 +32,7 @@ class AttentionBackendName(enum.StrEnum):
 class LinearKernelName(enum.StrEnum):
     """`--linear-kernel`: which kernel multiplies the projections (`engine.linear_kernel`)."""
 
-    AUTO = "auto"  # oneDNN on x86 CPUs in float32 or bfloat16, torch elsewhere
+    AUTO = "auto"  # oneDNN on x86 CPUs (bf16 only where it packs bf16), torch elsewhere
     ONEDNN = "onednn"
     TORCH = "torch"
     TILED = "tiled"  # float32 on CPU, each row's bits independent of its batch

@@ -38,7 +38,7 @@ import torch
 
 from engine.config import DEFAULT_MODEL_CACHE
 from engine.decode_roof import Projection, projections
-from engine.linear_kernel import LinearKernel, OneDnnLinear, TiledLinear, TorchLinear
+from engine.linear_kernel import LinearKernel, OneDnnLinear, TiledLinear, pick_linear_kernel
 from engine.model_spec import ModelSpec
 from engine.model_store import prepare_default_model
 from engine.precision import cpu_has_native_bf16
@@ -105,9 +105,12 @@ class ProbeReport:
 def product(kernel: str, weight: torch.Tensor) -> Product:
     """The engine's own linear kernel of that name (oneDNN always packed, whatever the
     row count; tiled on one thread), so the probe measures exactly what a step runs."""
-    linear: LinearKernel = {"torch": TorchLinear, "tiled": TiledLinear}.get(
-        kernel, lambda: OneDnnLinear(max_rows=None)
-    )()
+    makers: dict[str, Callable[[], LinearKernel]] = {
+        # as the engine picks it: widened where the CPU has no native bf16
+        "torch": lambda: pick_linear_kernel("torch", torch.device("cpu"), weight.dtype),
+        "tiled": TiledLinear,
+    }
+    linear = makers.get(kernel, lambda: OneDnnLinear(max_rows=None))()
     prepared = linear.prepare(weight)
     return lambda x: linear.apply(x, prepared)
 

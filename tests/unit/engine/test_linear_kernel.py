@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.linear_kernel import (
     ONEDNN_MAX_ROWS,
     TILED_SPLIT_WORK,
+    WIDEN_MIN_ROWS,
     Int8Linear,
     OneDnnLinear,
     TiledLinear,
@@ -153,6 +154,34 @@ def test_where_onednn_cannot_pack_bf16_auto_takes_torch_and_onednn_is_refused(
     assert pick_linear_kernel("auto", CPU, torch.float32).name == ("onednn" if X86 else "torch")
     with pytest.raises(ValueError, match="bfloat16 only on a CPU whose oneDNN packs bf16"):
         pick_linear_kernel("onednn", CPU, torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, WIDEN_MIN_ROWS - 1, WIDEN_MIN_ROWS, 300])
+def test_a_widened_bf16_product_rounds_a_float32_one(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without native bf16 the torch kernel multiplies bf16 in float32 from
+    WIDEN_MIN_ROWS rows: one rounding of the exact-input float32 product, so each output
+    is within half a bf16 ulp of it. Fewer rows keep bf16's own product."""
+    monkeypatch.setattr(linear_kernel, "cpu_has_native_bf16", lambda: False)
+    kernel = pick_linear_kernel("torch", CPU, torch.bfloat16)
+    assert isinstance(kernel, TorchLinear) and kernel.widen
+    assert not pick_linear_kernel("torch", CPU, torch.float32).widen  # type: ignore[attr-defined]
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(192, 576, generator=gen).bfloat16()
+    bias = torch.randn(192, generator=gen).bfloat16()
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    prepared = kernel.prepare(weight)
+    assert prepared.plain is weight, "the weight stays bf16"
+    got = kernel.apply(x, prepared, bias)
+    assert got.dtype == torch.bfloat16
+    if rows < WIDEN_MIN_ROWS:
+        assert torch.equal(got, F.linear(x, weight, bias))
+        return
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    assert torch.equal(got, F.linear(x.float(), weight.float(), bias.float()).bfloat16())
+    half_ulp = exact.abs() * 2.0**-8 + 1e-3  # bf16 keeps 8 significant bits
+    assert bool(((got.double() - exact).abs() <= half_ulp).all())
 
 
 @pytest.mark.parametrize("rows", [0, 1, 13, 300])
