@@ -38,7 +38,13 @@ import torch
 
 from engine.config import DEFAULT_MODEL_CACHE
 from engine.decode_roof import Projection, projections
-from engine.linear_kernel import LinearKernel, OneDnnLinear, TiledLinear, pick_linear_kernel
+from engine.linear_kernel import (
+    LinearKernel,
+    OneDnnLinear,
+    TiledLinear,
+    onednn_packs_bf16,
+    pick_linear_kernel,
+)
 from engine.model_spec import ModelSpec
 from engine.model_store import prepare_default_model
 from engine.precision import cpu_has_native_bf16
@@ -116,8 +122,12 @@ def product(kernel: str, weight: torch.Tensor) -> Product:
 
 
 def kernels(dtype: torch.dtype) -> tuple[str, ...]:
-    """The kernels probed in `dtype`: the tiled one multiplies float32 only."""
-    return KERNELS if dtype == torch.float32 else tuple(k for k in KERNELS if k != "tiled")
+    """The kernels probed in `dtype`: the tiled one multiplies float32 only, and oneDNN
+    bf16 only where this CPU lets it pack bf16 weights."""
+    if dtype == torch.float32:
+        return KERNELS
+    skip = {"tiled"} if onednn_packs_bf16() else {"tiled", "onednn"}
+    return tuple(k for k in KERNELS if k not in skip)
 
 
 def tiled(run: Product, tile: int) -> Product:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.linear_kernel import onednn_packs_bf16
 from loadtest.engine.invariance_probe import differing_rows, product, tiled
 
 
@@ -31,6 +32,7 @@ def test_the_tiled_kernel_is_probed_in_float32_only_and_changes_no_row() -> None
     from loadtest.engine.invariance_probe import kernels
 
     assert "tiled" in kernels(torch.float32) and "tiled" not in kernels(torch.bfloat16)
+    assert ("onednn" in kernels(torch.bfloat16)) == onednn_packs_bf16()
     x = torch.randn(40, 96)
     run = product("tiled", torch.randn(70, 96))
     assert differing_rows(run, x, [2, 13, 40], seed=1) == {2: 0, 13: 0, 40: 0}
