@@ -292,7 +292,7 @@ class Int8Linear:
 def onednn_packs_bf16() -> bool:
     """Whether oneDNN can pack and multiply bf16 weights on this CPU. Without AVX-512
     (BW, VL, DQ) or AVX-NE-CONVERT its weight reorder refuses bf16 outright, so "auto"
-    multiplies bf16 through `F.linear` there, which converts through float32."""
+    takes the torch kernel for bf16 there (widened where the CPU has no native bf16)."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 

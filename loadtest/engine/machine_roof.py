@@ -46,12 +46,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from engine.config import DecodeKernel
 from engine.decode_roof import Projection, linear_flops, projections
 from engine.fused_decode import fused_decode_wanted, max_rows
-from engine.linear_kernel import onednn_packs_bf16
+from engine.linear_kernel import onednn_packs_bf16, pick_linear_kernel
 from engine.model_spec import ModelSpec
 from engine.precision import WeightQuant
 
@@ -91,7 +90,10 @@ def _product(p: Projection, dtype: str, rows: int) -> Callable[[], object]:
         xf, out = x.float().numpy(), np.empty((rows, p.rows_out), dtype=np.float32)
         return lambda: matmul(tiles, xf, out)
     if dt == torch.bfloat16 and not onednn_packs_bf16():
-        return lambda: F.linear(x, w)  # the engine's torch kernel: oneDNN refuses bf16 here
+        # oneDNN refuses bf16 here: the torch kernel as the engine picks it (widened)
+        kernel = pick_linear_kernel("auto", torch.device("cpu"), dt)
+        prepared = kernel.prepare(w)
+        return lambda: kernel.apply(x, prepared)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
     return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 

@@ -1,11 +1,10 @@
 """What an integration module may hold its clusters to instead of the product defaults.
 
 The integration suite runs what `pdserve up` runs: workers computing in their default
-dtype (`auto`: bfloat16 on a CPU with native bf16, as on the development and CI hosts,
-float32 elsewhere; asked for by name, bfloat16 would not start on a CPU whose oneDNN has
-no bf16 path), the gateway deciding conditional disaggregation at its default threshold
-(which also lets a prefill worker run a short request whole), and the role planner free
-to move workers.
+dtype (`auto`: bfloat16 on a CPU with native bf16, float32 elsewhere, as on the AVX2-only
+hosts development and CI ran on from 2026-12-01), the gateway deciding conditional
+disaggregation at its default threshold (which also lets a prefill worker run a short
+request whole), and the role planner free to move workers.
 A module that cannot hold its assertions on those defaults names the pins it needs with
 `pytest.mark.pins(...)` in its `pytestmark`, and says why beside it; the module fixture
 in conftest.py sets them (and clears every other) while the module's clusters start.
