@@ -8,8 +8,9 @@ gateway's request records. The lease TTLs bound how long any of it can stay; the
 gateway's cleanup (aborting un-pulled KV, releasing load) should return it much sooner.
 
 Lifecycle: `run_crash_drill(cluster, cfg)` keeps `cfg.concurrency` long-prompt streams
-(long enough to take the prefill hop) going through the gateway, kills the first decode
-worker once `cfg.warm_s` has passed, stops sending, and then reads the cluster with the
+(long enough to take the prefill hop) going through the gateway, stops sending once
+`cfg.warm_s` has passed, kills the first decode worker with those streams in flight, and
+then reads the cluster with the
 leak probe (`leak_probe.LeakProbe`, baseline before the first stream) every
 `POLL_S` until nothing is held anywhere, or until the KV lease TTL plus `cfg.slack_s`.
 `CrashDrill.returned_s` is the time from the kill to that clean reading (None if it
@@ -118,10 +119,13 @@ async def run_crash_drill(cluster: LocalCluster, cfg: CrashDrillConfig) -> Crash
     async with GatewayClient(cluster.gateway_address) as client:
         load = asyncio.create_task(_load(client, cfg, stop))
         await asyncio.sleep(cfg.warm_s)
+        # Stop before the kill: a stream a lane started after it would be new load placed
+        # on a dead worker (its prefill queued behind the others), not something the
+        # worker held, and on a slow host it alone could outlast the TTL.
+        stop.set()
         os.kill(victim.proc.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         await asyncio.to_thread(victim.proc.wait, 10)
-        stop.set()
         outcomes = await load
     ended = time.monotonic() - killed_at
     leaks = await _until_returned(probe, killed_at, ttl + cfg.slack_s)
