@@ -3,8 +3,9 @@
 Perplexity of the fixed reference text within each mode's bound (bf16 +1%, int8 +3%,
 8-bit KV +2%), and the mode's greedy choices on float32's continuations of the parity
 prompts (up to 1,409 tokens) at least each mode's agreement floor (0.90). The numbers
-are in docs/engine.md "Precision" and "KV cache" and docs/results/accuracy.json. About
-80 seconds.
+are in docs/engine.md "Precision" and "KV cache" and docs/results/accuracy.json; its
+running time, which depends on whether the CPU computes bf16 natively, in design.md
+"Tests".
 """
 
 from __future__ import annotations
