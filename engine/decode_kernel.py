@@ -42,9 +42,10 @@ from typing import Any, Final
 import numba
 import numpy as np
 
-from engine import bf16_bits, kv_quant_kernel, weight_tiles
+from engine import bf16_bits, kv_quant_kernel, lora_kernel, weight_tiles
 from engine.bf16_bits import bits_as_f32, to_bf16, widen
 from engine.kv_quant_kernel import INT8, write_layer
+from engine.lora_kernel import add_lora
 from engine.weight_tiles import matmul
 
 _F32 = np.float32
@@ -63,7 +64,7 @@ def source_digest(*modules: ModuleType) -> int:
 #: point instead of loading a stale one. The helpers between (`_attend`, `_rms_norm`,
 #: `_silu_mul`, `weight_tiles.matmul`) are not cached on their own for the same reason:
 #: they compile into the entry point that calls them, and are cached only inside it.
-_INLINED_DIGEST = source_digest(bf16_bits, kv_quant_kernel, weight_tiles)
+_INLINED_DIGEST = source_digest(bf16_bits, kv_quant_kernel, lora_kernel, weight_tiles)
 #: LLVM fast-math flags: reassociate sums (vector lanes) and fuse multiply-adds.
 FAST_MATH = {"reassoc", "contract", "arcp", "nsz"}
 
@@ -260,30 +261,38 @@ def _attend_8bit(
 @numba.njit(nogil=True)  # uncached, as _silu_mul
 def _layer_input(
     x: np.ndarray, layer: int, weights: tuple[np.ndarray, ...], eps: float, h: np.ndarray,
-    qkv: np.ndarray,
+    qkv: np.ndarray, lora: tuple[Any, np.ndarray],
 ) -> None:  # fmt: skip
-    """`layer`'s input norm of the residual stream `x` and its QKV projection into `qkv`."""
+    """`layer`'s input norm of the residual stream `x` and its QKV projection into `qkv`,
+    with the rows' adapters' deltas (`lora`: the operands and each row's slot,
+    `engine.fused_lora`)."""
     _rms_norm(x, weights[8][layer], eps, h)
     matmul(weights[0][layer], h, qkv)
     _add_bias(qkv, weights[1][layer])
+    add_lora(h, qkv, lora[0], lora[1], layer, 0)
 
 
 @numba.njit(nogil=True)  # uncached, as _silu_mul
 def _layer_output(
     x: np.ndarray, layer: int, weights: tuple[np.ndarray, ...], eps: float, attn: np.ndarray,
     h: np.ndarray, proj: np.ndarray, gate_up: np.ndarray, act: np.ndarray,
+    lora: tuple[Any, np.ndarray],
 ) -> None:  # fmt: skip
     """The rest of `layer` after attention (`attn`): output projection and residual,
-    post-attention norm, MLP and residual, into `x`."""
+    post-attention norm, MLP and residual, into `x`; each projection with the rows'
+    adapters' deltas, as `_layer_input`."""
     matmul(weights[2][layer], attn, proj)
     _add_bias(proj, weights[3][layer])
+    add_lora(attn, proj, lora[0], lora[1], layer, 1)
     x += proj
     _rms_norm(x, weights[9][layer], eps, h)
     matmul(weights[4][layer], h, gate_up)
     _add_bias(gate_up, weights[5][layer])
+    add_lora(h, gate_up, lora[0], lora[1], layer, 2)
     _silu_mul(gate_up, act)
     matmul(weights[6][layer], act, proj)
     _add_bias(proj, weights[7][layer])
+    add_lora(act, proj, lora[0], lora[1], layer, 3)
     x += proj
 
 
@@ -341,7 +350,8 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
     cache serves later processes.
 
     `step(x, positions, tables, weights, cos, sin, pool, block_size, block_elems, eps,
-    logits)` runs every layer of one decode step, then the final norm and the LM head.
+    lora, logits)` runs every layer of one decode step, then the final norm and the LM
+    head.
     `x` [rows, hidden] float32 holds the tokens' embeddings and is the residual stream;
     `positions` [rows] each token's position (its sequence has position + 1 tokens with
     it); `tables` [rows, blocks] their block ids, covering every position. Several rows
@@ -349,8 +359,9 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
     position order: within each layer a row writes its K/V before it attends, and the
     rows run in order, so each attends over those of the rows before it; `weights` the
     `FusedDecoder` tuple (projections packed by `engine.weight_tiles.pack`); `pool` the
-    KV pool as uint16, `block_elems` elements a block; `logits` [rows, vocab] receives
-    the result."""
+    KV pool as uint16, `block_elems` elements a block; `lora` the rows' adapters (the
+    operand list and each row's slot, -1 for none: `engine.fused_lora`); `logits`
+    [rows, vocab] receives the result."""
     check_heads(heads, kv_heads, hd)
     digest = _INLINED_DIGEST
 
@@ -358,7 +369,7 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
     def step(
         x: np.ndarray, positions: np.ndarray, tables: np.ndarray,
         weights: tuple[np.ndarray, ...], cos: np.ndarray, sin: np.ndarray, pool: np.ndarray,
-        bs: int, block_elems: int, eps: float, logits: np.ndarray,
+        bs: int, block_elems: int, eps: float, lora: tuple[Any, np.ndarray], logits: np.ndarray,
     ) -> None:  # fmt: skip
         digest  # noqa: B018 -- read so that the closure, which the cache keys on, holds it
         q_size, kv_size = heads * hd, kv_heads * hd
@@ -367,7 +378,7 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
         for layer in range(weights[0].shape[0]):
             layer_k = 2 * layer * bs * kv_size  # the layer's K rows within a block
             layer_v = layer_k + bs * kv_size
-            _layer_input(x, layer, weights, eps, h, qkv)
+            _layer_input(x, layer, weights, eps, h, qkv, lora)
             for r in range(x.shape[0]):
                 pos = positions[r]
                 _rotate(qkv[r], cos[pos], sin[pos], heads + kv_heads, hd)
@@ -380,7 +391,7 @@ def decode_step(heads: int, kv_heads: int, hd: int) -> Any:
                     v_out[j] = to_bf16(qkv[r, q_size + kv_size + j])
                 _attend(qkv[r], pool, k_rows[r], layer_k, layer_v, pos + 1, attn[r],
                         heads, kv_heads, hd)  # fmt: skip
-            _layer_output(x, layer, weights, eps, attn, h, proj, gate_up, act)
+            _layer_output(x, layer, weights, eps, attn, h, proj, gate_up, act, lora)
         _rms_norm(x, weights[10], eps, h)
         matmul(weights[11], h, logits)
 
@@ -393,7 +404,7 @@ def decode_step_8bit(heads: int, kv_heads: int, hd: int, kind: int) -> Any:
     `FP8`), compiled and cached the same way.
 
     `step(x, positions, tables, weights, cos, sin, pool, scales, bs, eps, quant,
-    logits)`: as `decode_step`'s, but `pool` is the pool's bytes as int8 [blocks,
+    lora, logits)`: as `decode_step`'s, but `pool` is the pool's bytes as int8 [blocks,
     bytes_per_block] and `scales` the same bytes as float32 [blocks, bytes_per_block /
     4]; `quant` is (table, qmax, headroom, min_scale, flush_bits, scale_base): the
     write's constants and where a block's scales start (`kv_quant_kernel.QuantWriter`).
@@ -408,7 +419,8 @@ def decode_step_8bit(heads: int, kv_heads: int, hd: int, kind: int) -> Any:
     def step(
         x: np.ndarray, positions: np.ndarray, tables: np.ndarray,
         weights: tuple[np.ndarray, ...], cos: np.ndarray, sin: np.ndarray, pool: np.ndarray,
-        scales: np.ndarray, bs: int, eps: float, quant: tuple[Any, ...], logits: np.ndarray,
+        scales: np.ndarray, bs: int, eps: float, quant: tuple[Any, ...],
+        lora: tuple[Any, np.ndarray], logits: np.ndarray,
     ) -> None:  # fmt: skip
         digest  # noqa: B018 -- read so that the closure, which the cache keys on, holds it
         table, qmax, headroom, min_scale, flush_bits, scale_base = quant
@@ -421,7 +433,7 @@ def decode_step_8bit(heads: int, kv_heads: int, hd: int, kind: int) -> Any:
         for layer in range(weights[0].shape[0]):
             k_at = scale_base + 2 * layer * kv_heads  # the layer's K scales within a block
             offs = (2 * layer * bs * kv_size, (2 * layer + 1) * bs * kv_size, k_at, k_at + kv_heads)
-            _layer_input(x, layer, weights, eps, h, qkv)
+            _layer_input(x, layer, weights, eps, h, qkv, lora)
             for r in range(x.shape[0]):
                 pos = positions[r]
                 _rotate(qkv[r], cos[pos], sin[pos], heads + kv_heads, hd)
@@ -433,7 +445,7 @@ def decode_step_8bit(heads: int, kv_heads: int, hd: int, kind: int) -> Any:
                             table, qmax, headroom, min_scale, flush_bits)  # fmt: skip
                 _attend_8bit(qkv[r], flat, scales, k_rows[r], tables[r], offs, pos + 1, attn[r],
                              heads, kv_heads, hd, bs, kind)  # fmt: skip
-            _layer_output(x, layer, weights, eps, attn, h, proj, gate_up, act)
+            _layer_output(x, layer, weights, eps, attn, h, proj, gate_up, act, lora)
         _rms_norm(x, weights[10], eps, h)
         matmul(weights[11], h, logits)
 

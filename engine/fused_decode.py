@@ -11,8 +11,9 @@ logits. Every other step runs the torch forward on the same pool, so a sequence 
 between the two from step to step.
 
 The kernel takes bfloat16 weights and a bfloat16, int8 or fp8 e4m3 cache on the CPU
-(`decode_kernel.decode_step`, `decode_step_8bit`); LoRA rows, prefill chunks and prompt
-scoring stay on the torch path. A verification's rows
+(`decode_kernel.decode_step`, `decode_step_8bit`), and rows with a LoRA adapter
+(`engine/fused_lora.py`: each row pays for its own adapter only); prefill chunks and
+prompt scoring stay on the torch path. A verification's rows
 are positions of one sequence, run in order within each layer, so the kernel's causal
 attention needs nothing more than a decode row's; and since a row's arithmetic is its
 own (the products take each row alone, `engine.weight_tiles`), a verified position's
@@ -34,11 +35,13 @@ import numpy as np
 import torch
 
 from engine.config import DecodeKernel
+from engine.fused_lora import PackedAdapters
 from engine.kv_cache import KvCache
 from engine.kv_layout import KvLayout
 from engine.precision import WeightQuant
 
 if TYPE_CHECKING:
+    from engine.lora import LoraAdapter
     from engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -110,12 +113,14 @@ class FusedStep:
 
 @dataclass(frozen=True)
 class DecodeRow:
-    """One sequence of a fused step: the token it computes, that token's position, and
-    the sequence's block ids (the position's slot among them)."""
+    """One sequence of a fused step: the token it computes, that token's position, the
+    sequence's block ids (the position's slot among them) and its LoRA adapter (None:
+    the base model)."""
 
     token: int
     position: int
     blocks: list[int]
+    adapter: LoraAdapter | None = None
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -190,6 +195,7 @@ class FusedDecoder:
         self.cos, self.sin = (t.float().contiguous().numpy() for t in rope)
         self.eps = eps
         self._embed = weights["embed"]
+        self.adapters = PackedAdapters(dims[0])
         self._warm_up()
 
     def rows_of(
@@ -197,7 +203,7 @@ class FusedDecoder:
     ) -> FusedStep | None:
         """The step as fused rows, or None where it must run through torch: more than
         `max_rows` rows, a row that is not one plain token or one verification (a
-        prefill chunk), a LoRA adapter, or prompt log-probabilities still to score. A
+        prefill chunk), or prompt log-probabilities still to score. A
         row the kernel could not run safely (see `_in_bounds`) goes to torch too, which
         raises on it as it would without the kernel."""
         plain: list[DecodeRow] = []
@@ -224,9 +230,11 @@ class FusedDecoder:
         start = req.num_computed_tokens
         last = start + 1 == req.num_tokens and n == 1 + len(req.draft_token_ids)
         scoring = req.sampling.prompt_logprobs is not None and start < req.num_prompt_tokens
-        if not last or scoring or req.lora is not None:
+        if not last or scoring:
             return None
-        return [DecodeRow(req.token_at(p), p, req.block_ids) for p in range(start, start + n)]
+        return [
+            DecodeRow(req.token_at(p), p, req.block_ids, req.lora) for p in range(start, start + n)
+        ]
 
     def _in_bounds(self, row: DecodeRow, num_blocks: int, block_size: int) -> bool:
         """Whether the kernel, which has no bounds checks, stays inside its arrays for
@@ -256,11 +264,12 @@ class FusedDecoder:
         x = self._embed.index_select(0, ids).float().numpy()
         positions = np.array([r.position for r in rows], dtype=np.int64)
         logits = np.empty((len(rows), self.vocab_size), dtype=np.float32)
+        lora = self.adapters.operands([r.adapter for r in rows])
         if self._kind is None:
             flat = pool.view(-1).view(torch.int16).numpy().view(np.uint16)
             block_elems = pool.shape[1] // 2  # bfloat16 elements
             self._kernel(x, positions, tables, self.weights, self.cos, self.sin, flat,
-                         block_size, block_elems, self.eps, logits)  # fmt: skip
+                         block_size, block_elems, self.eps, lora, logits)  # fmt: skip
             return torch.from_numpy(logits)
         writer = cache.quant_writer
         if writer is None or cache.layout.torch_dtype != self.kv_dtype:
@@ -271,7 +280,8 @@ class FusedDecoder:
         if fresh:
             pool.index_fill_(0, torch.tensor(fresh), 0)
         self._kernel(x, positions, tables, self.weights, self.cos, self.sin, writer.pool,
-                     writer.scales, block_size, self.eps, writer.constants, logits)  # fmt: skip
+                     writer.scales, block_size, self.eps, writer.constants, lora,
+                     logits)  # fmt: skip
         return torch.from_numpy(logits)
 
     def _warm_up(self) -> None:

@@ -18,7 +18,6 @@ from engine import decode_kernel, fused_decode, kv_quant_kernel, llama, weight_t
 from engine.attention import TorchAttention
 from engine.bf16_bits import to_bf16
 from engine.config import DecodeKernel
-from engine.engine import LLMEngine
 from engine.fused_decode import MAX_ROWS, DecodeRow, fused_decode_wanted
 from engine.precision import WeightQuant
 from engine.request_spec import RequestSpec
@@ -26,6 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.weight_tiles import PASS_ROWS
 from tests.conftest import EngineFactory, assert_no_leaks
 from tests.prompts import CHAT, SHORT
+from tests.unit.engine.step_logits import distances_to_float32
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
@@ -51,29 +51,6 @@ def test_bf16_rounding_is_torchs_cast() -> None:
     nan = np.empty(1, dtype=np.uint16)
     _round_all(np.array([np.nan], dtype=np.float32), nan)
     assert torch.tensor(nan.view(np.int16)).view(BF16).isnan().all()
-
-
-def _logits_per_step(engine: LLMEngine, prompts: list[str]) -> list[tuple[list[int], list]]:
-    """Each prompt's greedy tokens, run alone, and each decode step's logits."""
-    seen: list[torch.Tensor] = []
-    fused = engine.model.fused
-    if fused is not None:
-        decode = fused.decode
-        fused.decode = lambda *a: _keep(seen, decode(*a))  # type: ignore[method-assign]
-    else:
-        logits = engine.model.logits
-        engine.model.logits = lambda h: _keep(seen, logits(h))  # type: ignore[method-assign]
-    out = []
-    for p in prompts:
-        seen.clear()
-        tokens = engine.generate([engine.tokenizer.encode(p)], GREEDY)[0]
-        out.append((tokens, seen[-(len(tokens) - 1) :]))  # decodes only, not the prefill
-    return out
-
-
-def _keep(seen: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
-    seen.append(logits[-1].clone())
-    return logits
 
 
 @numba.njit(cache=False)
@@ -124,34 +101,8 @@ def test_fused_steps_are_nearer_the_float32_model(make_engine: EngineFactory) ->
     AVX-512 BF16). Greedy-token agreement over whole runs is not asserted: on six prompts
     it went either way from run to run (54 against 60 of 72 tokens in one, under the
     suite's parallel phase), since one early flip changes the rest of a sequence."""
-    errors = _distances_to_float32(make_engine)
+    errors = distances_to_float32(make_engine)
     assert statistics.fmean(errors["fused"]) < 0.75 * statistics.fmean(errors["torch"])
-
-
-def _distances_to_float32(make_engine: EngineFactory, **kw: object) -> dict[str, list[float]]:
-    """Relative distances of the torch and the fused bf16 decode steps' logits (engines
-    of `kw`) to the float32 model's, on the parity prompts' steps whose context is
-    still float32's. Checks that every decode step fused and nothing leaked."""
-    prompts = SHORT[:4] + CHAT[:2]
-    ref = _logits_per_step(make_engine(), prompts)
-    plain = make_engine(dtype="bfloat16", decode_kernel="torch", **kw)
-    fused = make_engine(dtype="bfloat16", **kw)
-    assert plain.model.fused is None and fused.model.fused is not None
-    torch_bf16, fused_bf16 = _logits_per_step(plain, prompts), _logits_per_step(fused, prompts)
-    assert fused.runner.fused_steps == sum(len(t) - 1 for t, _ in fused_bf16)
-    errors: dict[str, list[float]] = {"torch": [], "fused": []}
-    for (want, ref_steps), *runs in zip(ref, torch_bf16, fused_bf16, strict=True):
-        for name, (got, steps) in zip(("torch", "fused"), runs, strict=True):
-            same = next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b),
-                        len(want))  # fmt: skip
-            # Steps whose context is still float32's (step i computes token i + 1); none
-            # where the prefill's token already differs (same == 0).
-            kept = max(same - 1, 0)
-            pairs = zip(ref_steps[:kept], steps[:kept], strict=True)
-            errors[name] += [float((s - r).norm() / r.norm()) for r, s in pairs]
-    assert len(errors["fused"]) >= 20
-    assert_no_leaks(fused)
-    return errors
 
 
 def test_only_small_plain_decode_steps_are_fused(
@@ -369,7 +320,7 @@ def test_an_8bit_cache_fuses_no_farther_from_float32_than_torch(
     steps whose context is still float32's, the logits' distance to the float32 model's
     (unquantized) is no larger than the torch step's over the same cache, which rounds
     to bfloat16 after every op. A wrong scale or a misplaced byte is far larger."""
-    errors = _distances_to_float32(make_engine, kv_cache_dtype=kv)
+    errors = distances_to_float32(make_engine, kv_cache_dtype=kv)
     assert statistics.fmean(errors["fused"]) <= statistics.fmean(errors["torch"])
 
 
