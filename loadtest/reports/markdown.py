@@ -36,6 +36,37 @@ def fmt(value: object, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if number is None else f"{number:{spec}}{suffix}"
 
 
+#: The engine benchmark keeps its verdicts in its phases, one row per batch size:
+#: (ratio key, threshold key or None where the file states no threshold, verdict key,
+#: the target's name after "batch N: ").
+_ENGINE_VERDICTS = (
+    ("ratio", "target", "met", "pdserve / transformers tok/s"),
+    ("cb_ratio", None, "cb_met", "pdserve / transformers CB tok/s"),
+    ("dtype_ratio", "dtype_target", "dtype_met", "pdserve / pdserve float32 tok/s"),
+)
+
+
+def targets_of(data: Json) -> list[Json]:
+    """Every target a result states, as `targets` entries: its `targets` list and, for
+    the engine benchmark, the verdicts its phases carry (the page counts and lists
+    open targets from this, so no verdict of a file goes uncounted)."""
+    found = dicts(data.get("targets"))
+    if not str(data.get("schema", "")).startswith("pdserve.engine_bench/"):
+        return found
+    for phase in dicts(data.get("phases")):
+        for ratio, threshold, met, label in _ENGINE_VERDICTS:
+            if phase.get(met) is None:
+                continue
+            found.append({
+                "name": f"batch {phase.get('batch_size')}: {label}",
+                "measured": phase.get(ratio),
+                "threshold": phase.get(threshold) if threshold else None,
+                "comparison": ">=",
+                "met": bool(phase[met]),
+            })  # fmt: skip
+    return found
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return [
         "| " + " | ".join(header) + " |",

@@ -9,12 +9,15 @@ provenance is an error: the docs quote nothing whose commit, time and host they 
 name), renders one section per file (`sections`: headline first, then the component
 benchmarks), marks each result that is not current (`freshness`: its measured sources
 changed since the run, or `stale` registers it; its section says since which commit and
-why, and the count of met targets at the top leaves it out), and rewrites the markdown.
+why, and the count of met targets at the top leaves it out), lists the targets that
+current results miss with the issue holding each open (`open_targets`), and rewrites
+the markdown.
 The page depends only on the files, the registry and the committed tree, never on the
 clock, so regenerating it without new results or commits changes nothing; `--check
 true` exits 1 instead of writing when the page is out of date (for CI: a commit that
 changes a measured file fails `make lint` until the page says the result is stale), and
-also when a doc quotes a result that is not current without saying so (`quotes`).
+also when a doc quotes a result that is not current without saying so (`quotes`), or
+when a current result misses a target that no issue holds open (`open_targets`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest.reports.freshness import findings, rendered_tree, undated
-from loadtest.reports.markdown import Json, dicts
+from loadtest.reports.markdown import Json, targets_of
+from loadtest.reports.open_targets import open_table, problems
 from loadtest.reports.quotes import (
     QuotedResult,
     StaleQuote,
@@ -113,7 +117,7 @@ def targets_summary(
     """One line: how many targets the current results meet, and which results are not
     current (their targets are not counted)."""
     current = [data for path, data in loaded if path.stem not in stale]
-    targets = [t for data in current for t in dicts(data.get("targets"))]
+    targets = [t for data in current for t in targets_of(data)]
     met = sum(1 for t in targets if t.get("met"))
     line = f"Targets met in the current results: {met} of {len(targets)}."
     not_current = sorted(path.stem for path, _ in loaded if path.stem in stale)
@@ -165,7 +169,7 @@ def page_text(
     if not loaded:
         lines.append(f"No results committed yet under {results_dir}.\n")
     else:
-        lines += [targets_summary(loaded, stale), ""]
+        lines += [targets_summary(loaded, stale), "", *open_table(loaded, stale)]
     for path, data in loaded:
         link = Path(os.path.relpath(path, page_dir)).as_posix()
         lines += section(data, link, stale.get(path.stem, ()))
@@ -183,7 +187,7 @@ def stale_quotes(
             path.stem,
             path.relative_to(cfg.results_dir).as_posix(),
             title(data),
-            ratio_quotes(dicts(data.get("targets"))),
+            ratio_quotes(targets_of(data)),
             current=path.stem not in stale,
         )
         for path, data in loaded
@@ -209,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         quotes = stale_quotes(loaded, stale, cfg)
         for quote in quotes:
             print(quote, file=sys.stderr)
+        unlisted = problems(loaded, stale)
+        for problem in unlisted:
+            print(problem, file=sys.stderr)
         if current is not None and is_shallow():
             # A shallow clone cannot date a change (the result's commit is not in it):
             # compare the pages without those dates.
@@ -216,11 +223,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             page, current = undated(page), undated(current)
         if current != page:
             print(f"{cfg.markdown} is out of date: run `make bench-docs`", file=sys.stderr)
-        return 1 if quotes or current != page else 0
+        return 1 if quotes or unlisted or current != page else 0
     if current != page:
         cfg.markdown.parent.mkdir(parents=True, exist_ok=True)
         cfg.markdown.write_text(page, encoding="utf-8")
-    print(f"{cfg.markdown}: {page.count(chr(10) + '## ')} results from {cfg.results_dir}/")
+    print(f"{cfg.markdown}: {len(loaded)} results from {cfg.results_dir}/")
     return 0
 
 
