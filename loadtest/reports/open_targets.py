@@ -46,8 +46,6 @@ class OpenTarget:
 #: evidence and the targets it re-measured; 45: fleet integrity). Ordered as the page.
 OPEN: tuple[OpenTarget, ...] = (
     OpenTarget("shifting", "shifting workload elastic / better of static and colocated", 41),
-    OpenTarget("peer", "1 stream: output tok/s / llama.cpp's", 41),
-    OpenTarget("peer", "16 streams: output tok/s / llama.cpp's, TTFT p50 no worse", 41),
     OpenTarget("engine", "batch 32: pdserve / pdserve float32 tok/s", 43),
     OpenTarget("roofline", "bf16 prefill / bf16 GEMM roof", 43),
     OpenTarget("roofline", "bf16 decode b1 / bandwidth bound", 43),

@@ -14,9 +14,9 @@ since <commit>: <reason>", its targets read "not current" instead of met or not 
 the page's count of met targets leaves it out. A fresh run committed under docs/results/
 replaces the file; its entry is deleted in the same commit.
 
-The re-runs quoted below were made on main as of the commit that registered them, on a
-host with half-width AVX-512 units rather than the committed files' host: they say
-which way a number moved, not what that host would measure now.
+A re-run quoted in a reason is one made on main as of the commit that registers it;
+where its host differs from the committed file's, the reason says so: such a number
+tells which way a result moved, not what the file's host would measure now.
 """
 
 from __future__ import annotations
@@ -26,13 +26,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
-# Workers measure their prefill speed before they register (admission is no longer blind
-# at start).
-_CALIBRATION = "1b68e711d8ea7f5f50625acb67dfffb472846891"
-_CALIBRATION_REASON = (
-    "taken before workers measured their prefill speed before registering, which changes "
-    "admission at the start of a run (refusals, first bursts); not re-run"
-)
 
 
 @dataclass(frozen=True)
@@ -60,7 +53,8 @@ class StaleResult:
         return f"Stale{since}: {self.reason}."
 
 
-STALE: tuple[StaleResult, ...] = (StaleResult("peer", _CALIBRATION, _CALIBRATION_REASON),)
+#: Empty while every committed result is current or stale by its digests alone.
+STALE: tuple[StaleResult, ...] = ()
 
 
 def by_result(entries: Iterable[StaleResult] = STALE) -> dict[str, StaleResult]:
