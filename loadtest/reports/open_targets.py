@@ -118,13 +118,11 @@ def open_table(
     its measurement and its issue (nothing if none is missed)."""
     keyed = by_key(entries)
     rows = [
-        [f"{stem}", str(t.get("name")), fmt(t.get("measured"), ".3f"),
-         f"{t.get('comparison')} {fmt(t.get('threshold'), 'g')}",
-         _issue(keyed.get((stem, str(t.get("name")))))]
+        _row(stem, t, keyed)
         for stem, targets in _current(loaded, stale).items()
         for t in targets
         if not t.get("met")
-    ]  # fmt: skip
+    ]
     if not rows:
         return []
     return [
@@ -139,5 +137,10 @@ def open_table(
     ]
 
 
-def _issue(entry: OpenTarget | None) -> str:
-    return "**none**" if entry is None else f"#{entry.issue}"
+def _row(stem: str, target: Json, keyed: Mapping[tuple[str, str], OpenTarget]) -> list[str]:
+    """One missed target's row; its issue reads **none** where no entry holds it."""
+    name = str(target.get("name"))
+    entry = keyed.get((stem, name))
+    wanted = f"{target.get('comparison')} {fmt(target.get('threshold'), 'g')}"
+    issue = "**none**" if entry is None else f"#{entry.issue}"
+    return [stem, name, fmt(target.get("measured"), ".3f"), wanted, issue]
